@@ -1,0 +1,3 @@
+"""edge: local LLM inference on CPUs, GGUF models through numba kernels."""
+
+__version__ = "0.1.0"

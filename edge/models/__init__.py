@@ -1,0 +1,1 @@
+"""Model architectures, one module per GGUF general.architecture."""

@@ -1,0 +1,1 @@
+"""numba kernels only: dequantization, quantized matvec/matmul, norms, RoPE, attention."""

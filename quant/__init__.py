@@ -1,0 +1,1 @@
+"""GGML block formats: quantize and dequantize references, the `edge quantize` pipeline."""

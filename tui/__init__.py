@@ -1,0 +1,1 @@
+"""The textual chat app (edge/ never imports textual)."""
