@@ -1,0 +1,351 @@
+"""The decoder-only transformer shared by the architectures, and its weights.
+
+An architecture module (``llama.py``, ``qwen2.py``, ``gemma3.py``) reads its :class:`ModelArgs`
+from GGUF metadata and says which optional parts its blocks have (QKV bias, q/k norms,
+post-norms, activation, sliding-window layers); the forward pass here runs them. Attribute
+names equal GGUF tensor names (``attn_q``, ``ffn_down``, ``output_norm``). Weights stay in
+their GGML block formats inside the memory-mapped file; only 1-D tensors (norms, biases) are
+read as float32.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFValueType
+
+from edge.gguf_file import GGUFError, GGUFFile
+from kernels_cpu import ops
+from kernels_cpu.dequant import dequantize, dequantize_rows
+from kernels_cpu.matmul import matmul
+
+
+@dataclass
+class ModelArgs:
+    """Hyperparameters read from ``{arch}.*`` metadata (llama.cpp's llama_hparams).
+
+    head_dim is ``attention.key_length`` (n_embd / n_head when absent); ``rope_neox`` selects
+    GPT-NeoX RoPE pairing; ``swa_layers[i]`` is True for sliding-window layers, which use
+    ``sliding_window`` and their own RoPE base ``rope_freq_base_swa``.
+    """
+
+    arch: str
+    n_vocab: int
+    n_ctx_train: int
+    n_embd: int
+    n_layer: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    head_dim_v: int
+    rms_eps: float
+    rope_freq_base: float
+    rope_freq_scale: float
+    n_rot: int
+    rope_neox: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    post_norms: bool = False
+    activation: str = "silu"
+    embed_scale: float = 1.0
+    attention_scale: float = 0.0  # 0 = 1/sqrt(head_dim)
+    sliding_window: int = 0
+    swa_layers: tuple[bool, ...] = ()
+    rope_freq_base_swa: float = 10000.0
+    rope_freq_scale_swa: float = 1.0
+    final_logit_softcap: float = 0.0
+
+    @classmethod
+    def common_from_gguf(cls, gf: GGUFFile, arch: str, **overrides) -> "ModelArgs":
+        """Read the keys every architecture shares; ``overrides`` sets arch-specific fields.
+
+        Raises GGUFError naming a missing or mistyped key, or an unsupported RoPE scaling.
+        """
+        k = f"{arch}."
+        n_embd = gf.get_int(k + "embedding_length")
+        n_head = gf.get_int(k + "attention.head_count")
+        n_layer = gf.get_int(k + "block_count")
+        if n_embd <= 0 or n_head <= 0 or n_layer <= 0:
+            raise GGUFError(f"{gf.path}: {arch} has embedding_length {n_embd}, head_count {n_head}, "
+                            f"block_count {n_layer}; all must be positive")
+        n_head_kv = gf.get_int(k + "attention.head_count_kv", default=n_head)
+        if n_head_kv <= 0 or n_head % n_head_kv:
+            raise GGUFError(f"{gf.path}: {k}attention.head_count_kv = {n_head_kv} does not divide "
+                            f"head_count = {n_head}")
+        head_dim = gf.get_int(k + "attention.key_length", default=n_embd // n_head)
+        n_vocab = len(gf.get_array("tokenizer.ggml.tokens", (GGUFValueType.STRING,)))
+        embd = gf.tensors.get("token_embd.weight")
+        if embd is not None and embd.shape[-1] != n_vocab:
+            raise GGUFError(f"{gf.path}: tokenizer.ggml.tokens has {n_vocab} tokens but "
+                            f"token_embd.weight has {embd.shape[-1]} rows")
+        scale_type = gf.get_str(k + "rope.scaling.type", default="none")
+        factor = gf.get_float(k + "rope.scaling.factor", default=0.0)
+        if scale_type not in ("none", "linear"):
+            raise GGUFError(f"{gf.path}: {k}rope.scaling.type = {scale_type!r} is not supported "
+                            "(supported: none, linear)")
+        freq_scale = 1.0 / factor if scale_type == "linear" and factor > 0 else 1.0
+        args = dict(
+            arch=arch,
+            n_vocab=n_vocab,
+            n_ctx_train=gf.get_int(k + "context_length"),
+            n_embd=n_embd,
+            n_layer=n_layer,
+            n_ff=gf.get_int(k + "feed_forward_length"),
+            n_head=n_head,
+            n_head_kv=n_head_kv,
+            head_dim=head_dim,
+            head_dim_v=gf.get_int(k + "attention.value_length", default=head_dim),
+            rms_eps=gf.get_float(k + "attention.layer_norm_rms_epsilon"),
+            rope_freq_base=gf.get_float(k + "rope.freq_base", default=10000.0),
+            rope_freq_scale=freq_scale,
+            n_rot=gf.get_int(k + "rope.dimension_count", default=head_dim),
+            rope_neox=True,
+        )
+        args.update(overrides)
+        a = cls(**args)
+        if not a.swa_layers:
+            a.swa_layers = (False,) * a.n_layer
+        return a
+
+
+class Weight:
+    """A 2-D weight matrix kept in its GGML block format (zero-copy view of the file).
+
+    ``rows`` is uint8[n_out, row_bytes]; calling it computes ``x @ W.T``: x f32[T, n_in]
+    -> f32[T, n_out], through kernels_cpu.matmul (activations quantized as llama.cpp does).
+    """
+
+    __slots__ = ("name", "ggml_type", "rows", "n_in", "n_out")
+
+    def __init__(self, gf: GGUFFile, name: str, n_in: int, n_out: int | None = None):
+        t = gf.tensors[name]
+        if len(t.shape) != 2 or t.shape[0] != n_in or (n_out is not None and t.shape[1] != n_out):
+            want = (n_in, "n") if n_out is None else (n_in, n_out)
+            raise GGUFError(f"{gf.path}: tensor {name!r} has shape {t.shape}, expected {want}")
+        self.name = name
+        self.ggml_type = t.ggml_type
+        self.rows = gf.tensor_rows(name)
+        self.n_in, self.n_out = t.shape
+
+    def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        return matmul(self.rows, self.ggml_type, x, out)
+
+    def get_rows(self, ids: np.ndarray) -> np.ndarray:
+        """Dequantized rows ``ids`` (embedding lookup, ggml_get_rows): f32[len(ids), n_in]."""
+        out = np.empty((len(ids), self.n_in), dtype=np.float32)
+        return dequantize_rows(self.rows, self.ggml_type, np.asarray(ids, dtype=np.int64), out)
+
+
+class TensorLoader:
+    """Hands out a GGUF file's tensors by name and remembers which were taken.
+
+    A missing required tensor, a wrong shape, or (at :meth:`check_all_used`) a tensor no part
+    of the architecture took is a GGUFError naming the tensor, as llama.cpp refuses files with
+    missing or unused tensors.
+    """
+
+    def __init__(self, gf: GGUFFile):
+        self.gf = gf
+        self.used: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        return name in self.gf.tensors
+
+    def _take(self, name: str) -> None:
+        if name not in self.gf.tensors:
+            raise GGUFError(f"{self.gf.path}: required tensor {name!r} is missing")
+        self.used.add(name)
+
+    def weight(self, name: str, n_in: int, n_out: int | None = None) -> Weight:
+        """A 2-D weight of shape (ggml order) [n_in, n_out]."""
+        self._take(name)
+        return Weight(self.gf, name, n_in, n_out)
+
+    def vector(self, name: str, n: int, required: bool = True) -> np.ndarray | None:
+        """A 1-D tensor (norm weight or bias) as float32[n]; F32 tensors are zero-copy views."""
+        if not required and name not in self.gf.tensors:
+            return None
+        self._take(name)
+        t = self.gf.tensors[name]
+        if t.n_elements != n:
+            raise GGUFError(f"{self.gf.path}: tensor {name!r} has {t.n_elements} elements, expected {n}")
+        if t.ggml_type == GGMLQuantizationType.F32:
+            return self.gf.tensor_f32(name).reshape(n)
+        return dequantize(self.gf.tensor_bytes(name), t.ggml_type).reshape(n)
+
+    def check_all_used(self, arch: str) -> None:
+        extra = [n for n in self.gf.tensors if n not in self.used]
+        if extra:
+            shown = ", ".join(extra[:8]) + (" ..." if len(extra) > 8 else "")
+            raise GGUFError(f"{self.gf.path}: {len(extra)} tensors are not used by the "
+                            f"{arch} architecture: {shown}")
+
+
+class KVCache:
+    """A contiguous f16 KV cache for one sequence.
+
+    k[l], v[l]: uint16[n_ctx, n_head_kv, head_dim] (f16 bits); row j holds position j.
+    ``n_past`` counts the positions filled. Memory comes from np.zeros, so pages that are
+    never written cost no RAM.
+    """
+
+    def __init__(self, args: ModelArgs, n_ctx: int):
+        self.n_ctx = n_ctx
+        self.k = [np.zeros((n_ctx, args.n_head_kv, args.head_dim), np.uint16) for _ in range(args.n_layer)]
+        self.v = [np.zeros((n_ctx, args.n_head_kv, args.head_dim_v), np.uint16) for _ in range(args.n_layer)]
+        self.n_past = 0
+
+
+class Block:
+    """One transformer block: attention then gated FFN, each pre-normed, residual added.
+
+    Tensors (GGUF names): attn_norm, attn_q/k/v (+ .bias with qkv_bias), attn_q_norm and
+    attn_k_norm (qk_norm), attn_output, post_attention_norm (post_norms), ffn_norm, ffn_gate,
+    ffn_up, ffn_down, post_ffw_norm (post_norms).
+    """
+
+    def __init__(self, ld: TensorLoader, a: ModelArgs, il: int):
+        p = f"blk.{il}."
+        d, hd, hd_v = a.n_embd, a.head_dim, a.head_dim_v
+        self.attn_norm = ld.vector(p + "attn_norm.weight", d)                        # [n_embd]
+        self.attn_q = ld.weight(p + "attn_q.weight", d, a.n_head * hd)               # [n_embd, n_head*hd]
+        self.attn_k = ld.weight(p + "attn_k.weight", d, a.n_head_kv * hd)            # [n_embd, n_head_kv*hd]
+        self.attn_v = ld.weight(p + "attn_v.weight", d, a.n_head_kv * hd_v)          # [n_embd, n_head_kv*hd_v]
+        self.attn_output = ld.weight(p + "attn_output.weight", a.n_head * hd_v, d)   # [n_head*hd_v, n_embd]
+        self.ffn_norm = ld.vector(p + "ffn_norm.weight", d)                          # [n_embd]
+        self.ffn_gate = ld.weight(p + "ffn_gate.weight", d, a.n_ff)                  # [n_embd, n_ff]
+        self.ffn_up = ld.weight(p + "ffn_up.weight", d, a.n_ff)                      # [n_embd, n_ff]
+        self.ffn_down = ld.weight(p + "ffn_down.weight", a.n_ff, d)                  # [n_ff, n_embd]
+        bias = a.qkv_bias  # True: required, None: optional (llama), False: absent
+        self.attn_q_bias = self.attn_k_bias = self.attn_v_bias = None
+        if bias is not False:
+            req = bool(bias)
+            self.attn_q_bias = ld.vector(p + "attn_q.bias", a.n_head * hd, req)       # [n_head*hd]
+            self.attn_k_bias = ld.vector(p + "attn_k.bias", a.n_head_kv * hd, req)    # [n_head_kv*hd]
+            self.attn_v_bias = ld.vector(p + "attn_v.bias", a.n_head_kv * hd_v, req)  # [n_head_kv*hd_v]
+            if (self.attn_q_bias is None) != (self.attn_k_bias is None) or \
+                    (self.attn_q_bias is None) != (self.attn_v_bias is None):
+                raise GGUFError(f"{ld.gf.path}: {p}attn_q/k/v.bias must be all present or all absent")
+        self.attn_q_norm = self.attn_k_norm = None
+        if a.qk_norm:
+            self.attn_q_norm = ld.vector(p + "attn_q_norm.weight", hd)                # [hd]
+            self.attn_k_norm = ld.vector(p + "attn_k_norm.weight", hd)                # [hd]
+        self.post_attention_norm = self.post_ffw_norm = None
+        if a.post_norms:
+            self.post_attention_norm = ld.vector(p + "post_attention_norm.weight", d)  # [n_embd]
+            self.post_ffw_norm = ld.vector(p + "post_ffw_norm.weight", d)              # [n_embd]
+        self.is_swa = a.swa_layers[il]
+        self.window = a.sliding_window if self.is_swa else 0
+        self.args = a
+
+    def __call__(self, x: np.ndarray, positions: np.ndarray, rope_cs, k_cache, v_cache) -> None:
+        """Run the block on x f32[T, n_embd] in place; write this chunk's K/V at ``positions``."""
+        a = self.args
+        T = x.shape[0]
+        h = np.empty_like(x)
+        ops.rms_norm(x, self.attn_norm, a.rms_eps, h)
+        q = self.attn_q(h)                                                 # [T, n_head*hd]
+        k = self.attn_k(h)                                                 # [T, n_head_kv*hd]
+        v = self.attn_v(h)                                                 # [T, n_head_kv*hd_v]
+        if self.attn_q_bias is not None:
+            q += self.attn_q_bias
+            k += self.attn_k_bias
+            v += self.attn_v_bias
+        q = q.reshape(T, a.n_head, a.head_dim)
+        k = k.reshape(T, a.n_head_kv, a.head_dim)
+        if self.attn_q_norm is not None:
+            ops.rms_norm_heads(q, self.attn_q_norm, a.rms_eps)
+            ops.rms_norm_heads(k, self.attn_k_norm, a.rms_eps)
+        cos, sin = rope_cs
+        ops.rope(q, cos, sin, a.rope_neox)
+        ops.rope(k, cos, sin, a.rope_neox)
+        p0 = int(positions[0])
+        ops.store_f16(k.reshape(T, -1), k_cache[p0 : p0 + T].reshape(T, -1))
+        ops.store_f16(v.reshape(T, -1), v_cache[p0 : p0 + T].reshape(T, -1))
+        attn = np.empty((T, a.n_head, a.head_dim_v), dtype=np.float32)
+        scale = a.attention_scale or 1.0 / math.sqrt(a.head_dim)
+        ops.attention_f16(q, k_cache, v_cache, positions, self.window, np.float32(scale), attn)
+        o = self.attn_output(attn.reshape(T, -1))                          # [T, n_embd]
+        if self.post_attention_norm is not None:
+            ops.rms_norm(o, self.post_attention_norm, a.rms_eps, o)
+        x += o
+        ops.rms_norm(x, self.ffn_norm, a.rms_eps, h)
+        g = self.ffn_gate(h)                                               # [T, n_ff]
+        u = self.ffn_up(h)                                                 # [T, n_ff]
+        if a.activation == "gelu":
+            ops.gelu_mul(g, u, g)
+        else:
+            ops.silu_mul(g, u, g)
+        d = self.ffn_down(g)                                               # [T, n_embd]
+        if self.post_ffw_norm is not None:
+            ops.rms_norm(d, self.post_ffw_norm, a.rms_eps, d)
+        x += d
+
+
+class Transformer:
+    """A decoder-only transformer over GGUF weights.
+
+    Tensors: token_embd [n_vocab, n_embd], blk.N.*, output_norm [n_embd], output
+    [n_vocab, n_embd] (tied to token_embd when absent).
+    """
+
+    def __init__(self, gf: GGUFFile, args: ModelArgs):
+        self.args = args
+        self.gguf = gf
+        ld = TensorLoader(gf)
+        self.token_embd = ld.weight("token_embd.weight", args.n_embd, args.n_vocab)  # [n_embd, n_vocab]
+        self.blocks = [Block(ld, args, il) for il in range(args.n_layer)]
+        self.output_norm = ld.vector("output_norm.weight", args.n_embd)               # [n_embd]
+        if ld.has("output.weight"):
+            self.output = ld.weight("output.weight", args.n_embd, args.n_vocab)       # [n_embd, n_vocab]
+        else:
+            self.output = self.token_embd                                              # tied
+        self.rope_freqs = ld.vector("rope_freqs.weight", args.n_rot // 2, required=False)  # [n_rot/2]
+        ld.check_all_used(args.arch)
+
+    def new_cache(self, n_ctx: int) -> KVCache:
+        return KVCache(self.args, n_ctx)
+
+    def _rope_tables(self, positions: np.ndarray):
+        a = self.args
+        glob = ops.rope_cos_sin(positions, a.n_rot, a.rope_freq_base, a.rope_freq_scale, self.rope_freqs)
+        local = glob
+        if any(a.swa_layers):
+            local = ops.rope_cos_sin(positions, a.n_rot, a.rope_freq_base_swa, a.rope_freq_scale_swa)
+        return glob, local
+
+    def forward(self, tokens, cache: KVCache, logits_rows=None) -> np.ndarray:
+        """Process ``tokens`` (int[T]) at positions cache.n_past .. n_past+T-1.
+
+        Returns logits f32[len(rows), n_vocab] for the chunk rows ``logits_rows`` (default: the
+        last row only; ``slice(None)`` for all). Raises ValueError if the cache is too small.
+        """
+        tokens = np.asarray(tokens, dtype=np.int64)
+        T = len(tokens)
+        p0 = cache.n_past
+        if p0 + T > cache.n_ctx:
+            raise ValueError(f"context full: {p0} + {T} tokens exceed n_ctx = {cache.n_ctx}")
+        if T == 0:
+            raise ValueError("forward needs at least one token")
+        if tokens.min() < 0 or tokens.max() >= self.args.n_vocab:
+            raise ValueError(f"token id out of range [0, {self.args.n_vocab})")
+        positions = np.arange(p0, p0 + T, dtype=np.int32)
+        x = self.token_embd.get_rows(tokens)                               # [T, n_embd]
+        if self.args.embed_scale != 1.0:
+            x *= np.float32(self.args.embed_scale)
+        glob, local = self._rope_tables(positions)
+        for il, blk in enumerate(self.blocks):
+            blk(x, positions, local if blk.is_swa else glob, cache.k[il], cache.v[il])
+        cache.n_past = p0 + T
+        if logits_rows is None:
+            logits_rows = slice(T - 1, T)
+        h = np.ascontiguousarray(x[logits_rows])
+        ops.rms_norm(h, self.output_norm, self.args.rms_eps, h)
+        logits = self.output(h)                                            # [rows, n_vocab]
+        cap = self.args.final_logit_softcap
+        if cap:
+            logits = np.float32(cap) * np.tanh(logits / np.float32(cap))
+        return logits
+
