@@ -1,0 +1,182 @@
+"""The ``edge`` command line: run, perplexity, pull, list.
+
+Flag names follow llama.cpp's tools (llama-cli, llama-perplexity) where users know them.
+Errors a user can cause (bad model path, malformed GGUF, prompt too long) print one line to
+stderr and exit with status 1, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from edge import __version__
+
+
+def physical_cores() -> int:
+    """Number of physical cores this process may use (SMT siblings counted once)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = set()
+    for c in cpus:
+        try:
+            cores.add(Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read_text().strip())
+        except OSError:
+            cores.add(str(c))
+    return max(1, len(cores))
+
+
+def _add_model_args(p: argparse.ArgumentParser, ctx_default: int | None = 4096) -> None:
+    p.add_argument("-m", "--model", default=None,
+                   help="model name (see `edge list`) or path to a .gguf file; default: "
+                        "qwen2.5-coder-0.5b-instruct, pulled on first use")
+    p.add_argument("-t", "--threads", type=int, default=None,
+                   help="number of threads (default: number of physical cores)")
+    if ctx_default is not None:
+        p.add_argument("-c", "--ctx-size", type=int, default=ctx_default,
+                       help=f"context size in tokens (default: {ctx_default})")
+    p.add_argument("-b", "--batch-size", type=int, default=512,
+                   help="prompt tokens processed per forward pass (default: 512)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default: 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="top-k sampling, 0 = off (default: 40)")
+    p.add_argument("--top-p", type=float, default=0.95, help="top-p sampling, 1.0 = off (default: 0.95)")
+    p.add_argument("--min-p", type=float, default=0.05, help="min-p sampling, 0.0 = off (default: 0.05)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0,
+                   help="penalty for repeated tokens, 1.0 = off (default: 1.0)")
+    p.add_argument("--repeat-last-n", type=int, default=64,
+                   help="last n tokens considered for penalties, 0 = off, -1 = context (default: 64)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="presence penalty (default: 0.0)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="frequency penalty (default: 0.0)")
+    p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed, -1 = random (default: -1)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from edge.store import add_list_parser, add_pull_parser
+
+    parser = argparse.ArgumentParser(prog="edge", description="Local LLM inference on CPUs (GGUF models).")
+    parser.add_argument("--version", action="version", version=f"edge {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    run = sub.add_parser("run", help="generate text from a prompt, streamed to stdout",
+                         description="Generate a completion. Instruct models get the prompt through "
+                                     "their chat template; --raw sends it as is.")
+    run.add_argument("prompt", nargs="?", help="the prompt (read from stdin when absent)")
+    _add_model_args(run)
+    _add_sampling_args(run)
+    run.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=int, default=-1,
+                     help="tokens to generate, -1 = until end of generation or context (default: -1)")
+    run.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    run.add_argument("-sys", "--system", default=None, help="system message (chat models)")
+    run.set_defaults(func=cmd_run)
+
+    ppl = sub.add_parser("perplexity", help="perplexity of a model on a text file (llama-perplexity's method)")
+    _add_model_args(ppl, ctx_default=512)
+    ppl.add_argument("-f", "--file", required=True, help="text file to evaluate")
+    ppl.add_argument("--chunks", type=int, default=-1, help="evaluate at most this many chunks (default: all)")
+    ppl.set_defaults(func=cmd_perplexity)
+
+    add_pull_parser(sub)
+    add_list_parser(sub)
+    return parser
+
+
+def _set_threads(n: int | None) -> None:
+    import numba
+
+    n = n or physical_cores()
+    if n < 1:
+        raise ValueError(f"-t/--threads must be positive, got {n}")
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+
+
+def _load_engine(args):
+    from edge.engine import Engine
+    from edge.store import resolve_model
+
+    _set_threads(args.threads)
+    path = resolve_model(args.model)
+    return Engine(path, n_ctx=args.ctx_size, n_batch=args.batch_size)
+
+
+def cmd_run(args) -> int:
+    from edge.engine import GenerationStats
+    from edge.sampling import SamplingParams
+    from edge.tokenizer import StreamDecoder
+
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    params = SamplingParams(
+        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        seed=None if args.seed < 0 else args.seed)
+    t_start = time.perf_counter()
+    engine = _load_engine(args)
+    if args.raw or engine.template is None:
+        if not args.raw:
+            print(f"note: {engine.name} has no chat template; the prompt is sent as is", file=sys.stderr)
+        ids = engine.raw_prompt(prompt)
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                   [{"role": "user", "content": prompt}]
+        ids = engine.chat_prompt(messages)
+    stats = GenerationStats()
+    decoder = StreamDecoder()
+    out = sys.stdout
+    for tok in engine.generate(ids, params, args.max_tokens, stats):
+        text = decoder.feed(engine.tokenizer.token_to_piece(tok, special=False))
+        if text:
+            out.write(text)
+            out.flush()
+    out.write(decoder.flush())
+    out.write("\n")
+    out.flush()
+    total = time.perf_counter() - t_start
+    print(f"\nprompt: {stats.n_prompt} tokens, TTFT {stats.ttft * 1000:.0f} ms, "
+          f"{stats.prompt_tps:.1f} tokens/s | generated: {stats.n_generated} tokens, "
+          f"{stats.gen_tps:.1f} tokens/s | finish: {stats.finish_reason} | total {total:.1f} s",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_perplexity(args) -> int:
+    from edge.perplexity import perplexity
+
+    text = Path(args.file).read_text(encoding="utf-8")
+    args.batch_size = min(args.batch_size, args.ctx_size)
+    engine = _load_engine(args)
+    t0 = time.perf_counter()
+
+    def on_chunk(i, running):
+        print(f"[{i}]{running:.4f},", end="", file=sys.stderr, flush=True)
+
+    res = perplexity(engine, text, args.ctx_size, args.chunks, on_chunk)
+    print(file=sys.stderr)
+    print(f"Final estimate: PPL = {res.ppl:.4f} +/- {res.stderr:.5f}")
+    print(f"{res.n_chunks} chunks of {res.n_ctx} tokens, {res.n_scored} tokens scored, "
+          f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from edge.gguf_file import GGUFError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except (GGUFError, ValueError, OSError, RuntimeError) as e:
+        print(f"edge {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

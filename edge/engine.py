@@ -1,0 +1,200 @@
+"""The engine: one loaded model with its tokenizer and chat template, and generation.
+
+The CLI (and later the server and TUI) go through :class:`Engine`; none of them touches the
+kernels. Generation is a generator of token ids; :class:`GenerationStats` records what
+``edge run`` reports (prompt tokens, TTFT, prompt and generated tokens per second).
+"""
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from edge.chat_template import ChatTemplate, ChatTemplateError, require_template
+from edge.gguf_file import GGUFFile
+from edge.models import load_model
+from edge.sampling import Sampler, SamplingParams
+from edge.tokenizer import Tokenizer
+
+DEFAULT_N_CTX = 4096
+DEFAULT_N_BATCH = 512
+_SENTINEL = "\ue000edge-content-{}\ue001"  # private-use code points never produced by templates
+_SENTINEL_RE = re.compile("\ue000edge-content-(\\d+)\ue001")
+
+
+class ContextLengthExceeded(ValueError):
+    """A prompt does not fit the context window. Carries both numbers."""
+
+    def __init__(self, n_prompt: int, n_ctx: int):
+        super().__init__(f"the prompt has {n_prompt} tokens but the context size (n_ctx) is {n_ctx}; "
+                         "shorten the prompt or raise -c/--ctx-size")
+        self.n_prompt = n_prompt
+        self.n_ctx = n_ctx
+
+
+@dataclass
+class GenerationStats:
+    """Timings of one generation. Times in seconds, measured with time.perf_counter."""
+
+    n_prompt: int = 0
+    n_generated: int = 0
+    ttft: float = 0.0            # start of generate() to the first token sampled
+    prompt_seconds: float = 0.0  # prefill time
+    decode_seconds: float = 0.0  # from the first token to the last
+    finish_reason: str | None = None  # "stop" (end of generation) or "length"
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.n_prompt / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
+
+    @property
+    def gen_tps(self) -> float:
+        """Generated tokens per second after the first (the first token's time is TTFT)."""
+        n = self.n_generated - 1
+        return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
+
+
+@dataclass
+class Engine:
+    """A GGUF model ready to generate.
+
+    Args:
+        path: GGUF file.
+        n_ctx: context size in tokens (KV cache rows per sequence).
+        n_batch: prefill chunk size in tokens.
+
+    Raises GGUFError / UnsupportedArchitecture for a bad or unsupported file.
+    """
+
+    path: Path
+    n_ctx: int = DEFAULT_N_CTX
+    n_batch: int = DEFAULT_N_BATCH
+    gguf: GGUFFile = field(init=False)
+
+    def __post_init__(self):
+        if self.n_ctx < 1 or self.n_batch < 1:
+            raise ValueError(f"n_ctx ({self.n_ctx}) and n_batch ({self.n_batch}) must be positive")
+        self.gguf = GGUFFile(self.path)
+        self.model = load_model(self.gguf)
+        self.tokenizer = Tokenizer.from_gguf(self.gguf)
+        self.template: ChatTemplate | None = ChatTemplate.from_gguf(self.gguf)
+        self.name = self.gguf.get_str("general.name", default=Path(self.path).stem)
+
+    # ------------------------------------------------------------------ prompts
+    def _one_bos(self, ids: list[int]) -> list[int]:
+        """Exactly one leading BOS when the model wants one (BUGS.md T3)."""
+        tok = self.tokenizer
+        if not tok.add_bos:
+            return ids
+        while len(ids) >= 2 and ids[0] == ids[1] == tok.bos_id:
+            ids = ids[1:]
+        return ids if ids and ids[0] == tok.bos_id else [tok.bos_id] + ids
+
+    def raw_prompt(self, text: str) -> list[int]:
+        """Token ids of a raw completion prompt: special tokens in the text are parsed, and
+        it starts with one BOS when the model adds BOS."""
+        return self._one_bos(self.tokenizer.encode(text, add_special=False, parse_special=True))
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a chat rendered through the model's own template.
+
+        The template's markers are special tokens; the text of the messages is tokenized with
+        parse_special off (BUGS.md T2), so a user cannot forge a turn boundary. Raises
+        NoChatTemplateError (model without template) or ChatTemplateError (template error).
+        """
+        template = require_template(self.template, self.name)
+        rendered = template.render(messages, add_generation_prompt=add_generation_prompt)
+        spans = _content_spans(template, messages, add_generation_prompt, rendered)
+        ids = self.tokenizer.encode(rendered, add_special=False, parse_special=True, protect=spans)
+        return self._one_bos(ids)
+
+    # ------------------------------------------------------------------ generation
+    def new_cache(self):
+        return self.model.new_cache(self.n_ctx)
+
+    def prefill(self, ids: Sequence[int], cache) -> np.ndarray:
+        """Run ``ids`` through the model in chunks of n_batch; returns the last logits f32[n_vocab]."""
+        if cache.n_past + len(ids) > cache.n_ctx:
+            raise ContextLengthExceeded(cache.n_past + len(ids), cache.n_ctx)
+        logits = None
+        for i in range(0, len(ids), self.n_batch):
+            logits = self.model.forward(ids[i : i + self.n_batch], cache)
+        return logits[-1]
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
+                 max_tokens: int = -1, stats: GenerationStats | None = None) -> Iterator[int]:
+        """Yield generated token ids until an end-of-generation token (not yielded), max_tokens
+        (-1 = no limit) or the end of the context. ``stats`` (optional) is filled in as it goes.
+
+        Raises ContextLengthExceeded if the prompt does not leave room for one token.
+        """
+        stats = stats if stats is not None else GenerationStats()
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.n_ctx:
+            raise ContextLengthExceeded(len(prompt_ids), self.n_ctx)
+        sampler = Sampler(params or SamplingParams())
+        stats.n_prompt = len(prompt_ids)
+        t0 = time.perf_counter()
+        cache = self.new_cache()
+        logits = self.prefill(prompt_ids, cache)
+        stats.prompt_seconds = time.perf_counter() - t0
+        history = list(prompt_ids)
+        t_first = None
+        while True:
+            if max_tokens >= 0 and stats.n_generated >= max_tokens:
+                stats.finish_reason = "length"
+                return
+            tok = sampler.sample(logits, history)
+            now = time.perf_counter()
+            if t_first is None:
+                t_first = now
+                stats.ttft = now - t0
+            stats.decode_seconds = now - t_first
+            if self.tokenizer.is_eog(tok):
+                stats.finish_reason = "stop"
+                return
+            stats.n_generated += 1
+            history.append(tok)
+            yield tok
+            if cache.n_past >= cache.n_ctx or (max_tokens >= 0 and stats.n_generated >= max_tokens):
+                stats.finish_reason = "length"
+                return
+            logits = self.model.forward([tok], cache)[-1]
+
+
+def _content_spans(template: ChatTemplate, messages: list[dict], add_generation_prompt: bool,
+                   rendered: str) -> list[tuple[int, int]]:
+    """Character spans of the message contents inside ``rendered``.
+
+    Renders once more with each content replaced by a unique sentinel and puts the contents
+    back; if that does not rebuild ``rendered`` exactly (the template transforms contents),
+    falls back to finding each content's text in order.
+    """
+    contents = {i: m["content"] for i, m in enumerate(messages) if isinstance(m.get("content"), str)}
+    marked = [dict(m, content=_SENTINEL.format(i)) if i in contents else m for i, m in enumerate(messages)]
+    try:
+        parts = _SENTINEL_RE.split(template.render(marked, add_generation_prompt=add_generation_prompt))
+    except ChatTemplateError:
+        parts = []
+    spans, rebuilt, n = [], [], 0
+    for k, part in enumerate(parts):  # text, index, text, index, ..., text
+        if k % 2:
+            part = contents.get(int(part), "")
+            spans.append((n, n + len(part)))
+        rebuilt.append(part)
+        n += len(part)
+    if parts and "".join(rebuilt) == rendered:
+        return spans
+    spans, pos = [], 0
+    for text in contents.values():
+        j = rendered.find(text, pos) if text else -1
+        if j >= 0:
+            spans.append((j, j + len(text)))
+            pos = j + len(text)
+    return spans

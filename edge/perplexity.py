@@ -1,0 +1,92 @@
+"""Perplexity by llama-perplexity's method (llama.cpp tools/perplexity, perplexity()).
+
+The text is tokenized without BOS and cut into ``n_chunks = n_tokens // n_ctx`` chunks of
+n_ctx tokens. Each chunk is evaluated alone, from an empty KV cache, with its first token
+replaced by BOS when the model adds BOS. Only the second half of each chunk is scored: the
+logits at positions ``first = n_ctx/2 .. n_ctx - 2`` predict tokens ``first + 1 .. n_ctx - 1``
+(n_ctx/2 - 1 tokens per chunk, as llama-perplexity's process_logits call does).
+PPL = exp(mean negative log-likelihood); the reported uncertainty is llama-perplexity's
+standard error of that mean, propagated through exp.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class PerplexityResult:
+    """Result of :func:`perplexity`. ``nll`` holds the negative log-likelihood (nats) of
+    every scored token in order."""
+
+    ppl: float
+    stderr: float
+    n_ctx: int
+    n_chunks: int
+    n_text_tokens: int
+    nll: list[float] = field(repr=False, default_factory=list)
+
+    @property
+    def n_scored(self) -> int:
+        return len(self.nll)
+
+
+def _log_softmax_at(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """log p(target) per row, in float64. logits f32[N, V], targets int[N] -> f64[N]."""
+    x = logits.astype(np.float64)
+    m = x.max(axis=1, keepdims=True)
+    lse = np.log(np.exp(x - m).sum(axis=1)) + m[:, 0]
+    return x[np.arange(len(targets)), targets] - lse
+
+
+def perplexity(engine, text: str, n_ctx: int, max_chunks: int = -1,
+               on_chunk: Callable[[int, float], None] | None = None) -> PerplexityResult:
+    """Perplexity of ``engine``'s model on ``text`` with chunks of ``n_ctx`` tokens.
+
+    ``on_chunk(i, running_ppl)`` is called after each chunk (1-based i).
+    Raises ValueError if the text has fewer than 2 * n_ctx tokens (as llama-perplexity does)
+    or n_ctx is odd or below 4.
+    """
+    if n_ctx < 4 or n_ctx % 2:
+        raise ValueError(f"n_ctx must be an even number >= 4, got {n_ctx}")
+    tok = engine.tokenizer
+    tokens = tok.encode(text, add_special=False, parse_special=False)
+    n_chunks = len(tokens) // n_ctx
+    if n_chunks < 2:
+        raise ValueError(f"the text has {len(tokens)} tokens; perplexity with n_ctx = {n_ctx} "
+                         f"needs at least {2 * n_ctx}")
+    if max_chunks > 0:
+        n_chunks = min(n_chunks, max_chunks)
+    first = n_ctx // 2
+    nll: list[float] = []
+    model = engine.model
+    for c in range(n_chunks):
+        chunk = list(tokens[c * n_ctx : (c + 1) * n_ctx])
+        if tok.add_bos:
+            chunk[0] = tok.bos_id
+        cache = model.new_cache(n_ctx)
+        rows = []
+        for b in range(0, n_ctx, engine.n_batch):
+            end = min(b + engine.n_batch, n_ctx)
+            lo, hi = max(first, b), min(n_ctx - 1, end)  # chunk positions whose logits we need
+            want = slice(lo - b, hi - b) if lo < hi else slice(0, 0)
+            if lo < hi:
+                rows.append(model.forward(chunk[b:end], cache, want))
+            else:
+                model.forward(chunk[b:end], cache)
+        logits = np.concatenate(rows)
+        targets = np.asarray(chunk[first + 1 : n_ctx], dtype=np.int64)
+        nll.extend((-_log_softmax_at(logits, targets)).tolist())
+        if on_chunk is not None:
+            on_chunk(c + 1, math.exp(float(np.mean(nll))))
+    arr = np.asarray(nll)
+    mean = float(arr.mean())
+    # llama-perplexity: uncertainty of the mean NLL, sqrt((<x^2> - <x>^2) / (N - 1)), times PPL
+    var = float((arr**2).mean() - mean**2)
+    err_mean = math.sqrt(max(var, 0.0) / (len(arr) - 1)) if len(arr) > 1 else 0.0
+    ppl = math.exp(mean)
+    return PerplexityResult(ppl=ppl, stderr=ppl * err_mean, n_ctx=n_ctx, n_chunks=n_chunks,
+                            n_text_tokens=len(tokens), nll=nll)
