@@ -1,0 +1,112 @@
+"""Tiny random-weight GGUF files for the architectures edge implements, written with gguf's
+GGUFWriter. Used to test the model code against tests/reference_forward.py."""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFWriter
+from gguf.quants import quantize
+
+# K-quant block layouts: byte offsets of the f16 super-block scales (d, and dmin where present)
+# inside one block, from ggml-common.h (block_q2_K ... block_q6_K).
+_K_SCALE_OFFSETS = {
+    Q.Q2_K: (16 + 64, 16 + 64 + 2),   # scales[16], qs[64], d, dmin
+    Q.Q3_K: (32 + 64 + 12,),          # hmask[32], qs[64], scales[12], d
+    Q.Q4_K: (0, 2),                   # d, dmin, scales[12], qs[128]
+    Q.Q5_K: (0, 2),                   # d, dmin, scales[12], qh[32], qs[128]
+    Q.Q6_K: (128 + 64 + 16,),         # ql[128], qh[64], scales[16], d
+}
+_K_SCALE = {Q.Q2_K: 0.02, Q.Q3_K: 0.01, Q.Q4_K: 0.01, Q.Q5_K: 0.005, Q.Q6_K: 0.0005}
+
+
+def random_tensor(rng, shape, qtype, scale=0.3):
+    """Random weights of numpy shape ``shape`` stored as ``qtype`` (array to hand GGUFWriter)."""
+    if qtype in _K_SCALE_OFFSETS:
+        block, size = GGML_QUANT_SIZES[qtype]
+        n_blocks = shape[-1] // block
+        raw = rng.integers(0, 256, size=(*shape[:-1], n_blocks, size), dtype=np.uint8)
+        for off in _K_SCALE_OFFSETS[qtype]:
+            d = (rng.uniform(0.5, 1.5, size=raw.shape[:-1]) * _K_SCALE[qtype]).astype(np.float16)
+            raw[..., off : off + 2] = d.view(np.uint8).reshape(*d.shape, 2)
+        return raw.reshape(*shape[:-1], n_blocks * size)
+    x = (rng.standard_normal(shape) * scale).astype(np.float32)
+    if qtype == Q.F32:
+        return x
+    if qtype == Q.F16:
+        return x.astype(np.float16)
+    return quantize(x, qtype)
+
+
+def write_tiny_model(path, arch="llama", types=None, seed=0, n_embd=64, n_head=4, n_head_kv=2,
+                     head_dim=None, n_ff=128, n_layer=2, n_vocab=96, sliding_window=0,
+                     rope_scaling_factor=0.0, rope_freqs=False, tie_output=False, extra_tensors=(),
+                     n_tokens=None):
+    """Write a tiny ``arch`` model with random weights to ``path``.
+
+    ``types`` maps a tensor role ('attn_q', 'ffn_down', 'token_embd', 'output', ...) to a
+    GGMLQuantizationType (default F32 everywhere). Returns the path.
+    """
+    types = types or {}
+    rng = np.random.default_rng(seed)
+    hd = head_dim or n_embd // n_head
+    w = GGUFWriter(str(path), arch)
+    k = arch + "."
+    w.add_uint32(k + "context_length", 256)
+    w.add_uint32(k + "embedding_length", n_embd)
+    w.add_uint32(k + "block_count", n_layer)
+    w.add_uint32(k + "feed_forward_length", n_ff)
+    w.add_uint32(k + "attention.head_count", n_head)
+    w.add_uint32(k + "attention.head_count_kv", n_head_kv)
+    w.add_float32(k + "attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_float32(k + "rope.freq_base", 10000.0 if arch == "llama" else 1e6)
+    if head_dim:
+        w.add_uint32(k + "attention.key_length", hd)
+        w.add_uint32(k + "attention.value_length", hd)
+    if sliding_window:
+        w.add_uint32(k + "attention.sliding_window", sliding_window)
+    if rope_scaling_factor:
+        w.add_string(k + "rope.scaling.type", "linear")
+        w.add_float32(k + "rope.scaling.factor", rope_scaling_factor)
+    n_tok = n_vocab if n_tokens is None else n_tokens
+    w.add_tokenizer_model("llama")
+    w.add_token_list([f"<t{i}>" for i in range(n_tok)])
+    w.add_token_scores([0.0] * n_tok)
+    w.add_token_types([1] * n_tok)
+
+    def add(name, shape, role, scale=0.3):
+        w.add_tensor(name, random_tensor(rng, shape, types.get(role, Q.F32), scale), raw_dtype=types.get(role, Q.F32))
+
+    def norm(name, n):
+        w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32))
+
+    add("token_embd.weight", (n_vocab, n_embd), "token_embd", 1.0)
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        norm(p + "attn_norm.weight", n_embd)
+        add(p + "attn_q.weight", (n_head * hd, n_embd), "attn_q")
+        add(p + "attn_k.weight", (n_head_kv * hd, n_embd), "attn_k")
+        add(p + "attn_v.weight", (n_head_kv * hd, n_embd), "attn_v")
+        add(p + "attn_output.weight", (n_embd, n_head * hd), "attn_output")
+        if arch == "qwen2":
+            for t, n in (("q", n_head * hd), ("k", n_head_kv * hd), ("v", n_head_kv * hd)):
+                w.add_tensor(f"{p}attn_{t}.bias", (0.1 * rng.standard_normal(n)).astype(np.float32))
+        if arch == "gemma3":
+            norm(p + "attn_q_norm.weight", hd)
+            norm(p + "attn_k_norm.weight", hd)
+            norm(p + "post_attention_norm.weight", n_embd)
+            norm(p + "post_ffw_norm.weight", n_embd)
+        norm(p + "ffn_norm.weight", n_embd)
+        add(p + "ffn_gate.weight", (n_ff, n_embd), "ffn_gate")
+        add(p + "ffn_up.weight", (n_ff, n_embd), "ffn_up")
+        add(p + "ffn_down.weight", (n_embd, n_ff), "ffn_down")
+    norm("output_norm.weight", n_embd)
+    if not tie_output and arch != "gemma3":
+        add("output.weight", (n_vocab, n_embd), "output")
+    if rope_freqs:
+        w.add_tensor("rope_freqs.weight", rng.uniform(1.0, 8.0, hd // 2).astype(np.float32))
+    for name in extra_tensors:
+        w.add_tensor(name, np.zeros(32, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
