@@ -1,8 +1,6 @@
 """Dequantization kernels: bit-exact against gguf.quants.dequantize (random, edge-case, real blocks)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, quants
@@ -10,7 +8,6 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, quants
 from edge.gguf_file import GGUFFile
 from kernels_cpu.dequant import KERNELS, QuantFormatError, dequantize, dequantize_rows
 
-MODELS = Path.home() / ".cache" / "edge" / "models"
 ALL_TYPES = list(KERNELS)
 
 # byte offsets of the f16 scale fields inside one block of each type (ggml-common.h)
@@ -143,16 +140,9 @@ def test_dequantize_rows_errors():
 # real tensors
 
 
-def _open_model(file_name: str) -> GGUFFile:
-    path = MODELS / file_name
-    if not path.exists():
-        pytest.skip(f"model file {path} is absent")
-    return GGUFFile(path)
-
-
 @pytest.fixture(scope="module")
-def qwen_gguf():
-    gf = _open_model("qwen2.5-coder-0.5b-instruct.gguf")
+def qwen_gguf(qwen_path):
+    gf = GGUFFile(qwen_path)
     yield gf
     gf.close()
 
