@@ -1,0 +1,290 @@
+"""Token sampling with llama.cpp's default sampler chain.
+
+The chain mirrors ``common_sampler_init`` (llama.cpp common/sampling.cpp) with the default
+sampler order, each step mirroring its ``llama_sampler_*_apply`` in src/llama-sampling.cpp:
+
+1. logit_bias          ``logit += bias[token]`` (a bias of -inf bans the token)
+2. penalties           over the distinct tokens of the last ``repeat_last_n`` history tokens:
+                       ``logit /= repeat_penalty`` if ``logit > 0`` else ``logit *= repeat_penalty``,
+                       then ``logit -= count * frequency_penalty + presence_penalty``
+3. top_k               keep the k largest logits (0 = off)
+4. top_p               softmax over what is left; keep the smallest prefix, largest first, whose
+                       cumulative probability is >= top_p (1 = off; 0 keeps the best token)
+5. min_p               keep logits >= max_logit + log(min_p) (0 = off)
+6. temperature         ``logit /= temperature``
+7. dist                draw from the softmax of what is left
+
+``temperature <= 0`` is greedy: the exact argmax after steps 1-2 (ties go to the lowest id).
+Ties elsewhere are broken towards the lowest token id, so results do not depend on sort
+stability. Steps 1-2 run in the logits' dtype (float32, as llama.cpp); probabilities are
+float64. The random stream is a numpy ``Generator`` (PCG64) seeded from ``seed``, so draws are
+reproducible per seed but differ from llama.cpp's mt19937 stream.
+
+Cost on V = 262,144: one O(V) selection (``np.partition``) for top_k and O(k log k) sorting;
+with top_k off, top_p sorts only a growing prefix (256, 4096, ... tokens) as llama.cpp does.
+"""
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping, Sequence
+
+import numpy as np
+
+TOP_P_FIRST_PREFIX = 256  # tokens sorted first by top_p when top_k is off; grows x16
+
+
+class SamplingError(ValueError):
+    """The logits or history cannot be sampled from (NaN, no finite logit, bad token id)."""
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling parameters; names and defaults are llama.cpp's (``common_params_sampling``).
+
+    Fields:
+        temperature: >= 0; 0 = greedy (argmax).
+        top_k: >= 0; 0 = off.
+        top_p: in [0, 1]; 1 = off.
+        min_p: in [0, 1]; 0 = off.
+        repeat_penalty: > 0; 1 = off.
+        repeat_last_n: >= -1; how many of the last history tokens are penalized
+            (0 = off, -1 = the whole history).
+        presence_penalty, frequency_penalty: finite; 0 = off (negative values reward repeats).
+        seed: None (a random seed) or an int >= 0.
+        logit_bias: {token id (int >= 0): bias (finite float, or -inf to ban)}; stored read-only.
+
+    Raises:
+        ValueError: naming the field, when a value is of the wrong type or out of range.
+    """
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+
+    def __post_init__(self):
+        def check(name: str, ok: bool, rule: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+        for name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            value = getattr(self, name)
+            check(name, _is_real(value) and math.isfinite(value), "a finite number")
+        for name in ("top_k", "repeat_last_n"):
+            check(name, _is_int(getattr(self, name)), "an integer")
+        check("temperature", self.temperature >= 0, ">= 0")
+        check("top_k", self.top_k >= 0, ">= 0 (0 = off)")
+        check("top_p", 0 <= self.top_p <= 1, "in [0, 1]")
+        check("min_p", 0 <= self.min_p <= 1, "in [0, 1]")
+        check("repeat_penalty", self.repeat_penalty > 0, "> 0 (1 = off)")
+        check("repeat_last_n", self.repeat_last_n >= -1, ">= -1 (0 = off, -1 = whole history)")
+        check("seed", self.seed is None or (_is_int(self.seed) and self.seed >= 0),
+              "None or an integer >= 0")
+        check("logit_bias", isinstance(self.logit_bias, Mapping), "a mapping token id -> bias")
+        for token, bias in self.logit_bias.items():
+            if not (_is_int(token) and token >= 0):
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            if not (_is_real(bias) and (math.isfinite(bias) or bias == -math.inf)):
+                raise ValueError(f"logit_bias[{token}] must be a finite number or -inf, got {bias!r}")
+        frozen = MappingProxyType({int(t): float(b) for t, b in self.logit_bias.items()})
+        object.__setattr__(self, "logit_bias", frozen)
+
+
+def _top_indices(values: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the (at most) k largest values that are not -inf, largest first, ties to the
+    lower index. O(n) selection plus an O(k log k) sort.
+
+    Shapes: values float[n] (no NaN) -> int64[<= k]
+    """
+    n = values.shape[0]
+    if k <= 0:
+        return np.empty(0, np.int64)
+    if k < n:
+        kth = np.partition(values, n - k)[n - k]  # the k-th largest value
+        candidates = np.flatnonzero(values >= kth) if kth > -np.inf else np.flatnonzero(values > -np.inf)
+    else:
+        candidates = np.flatnonzero(values > -np.inf)
+    order = np.argsort(-values[candidates], kind="stable")[:k]
+    return candidates[order]
+
+
+def _softmax(values: np.ndarray) -> np.ndarray:
+    """float[n] logits (max finite) -> float64[n] probabilities."""
+    weights = np.exp(values.astype(np.float64) - float(values.max()))
+    return weights / weights.sum()
+
+
+def _top_p_prefix(probs: np.ndarray, p: float, is_sorted: bool) -> np.ndarray:
+    """Positions (largest first) of the smallest prefix of ``probs`` whose sum is >= p
+    (llama_sampler_top_p_apply with min_keep 0; all positions if rounding keeps it below p).
+
+    Unsorted input is sorted only as far as needed: the top 256, then 16x more, and so on.
+    """
+    n = probs.shape[0]
+    m = n if is_sorted else min(n, TOP_P_FIRST_PREFIX)
+    while True:
+        order = np.arange(m) if is_sorted else _top_indices(probs, m)
+        cut = int(np.searchsorted(np.cumsum(probs[order]), p))  # first i with cumsum[i] >= p
+        if cut < order.shape[0] or m == n:
+            return order[:cut + 1]
+        m = min(n, m * 16)
+
+
+class Sampler:
+    """Picks the next token from a model's logits with llama.cpp's default chain (module docstring).
+
+    One Sampler holds one random stream: create one per generation (request) and call
+    :meth:`sample` once per generated token.
+
+    Attributes:
+        params: the :class:`SamplingParams`.
+        seed: the seed of the random stream (``params.seed``, or a random 32-bit one).
+    """
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.seed = params.seed if params.seed is not None else secrets.randbits(32)
+        self._rng = np.random.default_rng(self.seed)
+        self._bias_ids = np.fromiter(params.logit_bias.keys(), np.int64, len(params.logit_bias))
+        self._bias_values = np.fromiter(params.logit_bias.values(), np.float64, len(params.logit_bias))
+
+    def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        """The next token id.
+
+        Args:
+            logits: float[V] logits of the next token (not modified).
+            history: the prompt and generated token ids so far, oldest first (for the penalties).
+
+        Raises:
+            SamplingError: logits not a non-empty 1-D float array, NaN or +inf after bias and
+                penalties, every logit -inf, or a token id of history/logit_bias not in [0, V).
+        """
+        token_ids, probs = self.distribution(logits, history)
+        if token_ids.shape[0] == 1:
+            return int(token_ids[0])
+        cumulative = np.cumsum(probs)
+        pick = np.searchsorted(cumulative, self._rng.random() * cumulative[-1], side="right")
+        return int(token_ids[min(int(pick), token_ids.shape[0] - 1)])
+
+    def sample_with_logprobs(self, logits: np.ndarray, history: Sequence[int],
+                             n_top: int) -> tuple[int, float, list[tuple[int, float]]]:
+        """The next token with log-probabilities for OpenAI-style ``logprobs``.
+
+        Log-probabilities are the natural-log softmax of the RAW logits (before logit_bias,
+        penalties, truncation and temperature), as llama-server's ``n_probs`` and vLLM's default
+        report them; a token the chain made likelier still shows the model's own probability.
+
+        Returns:
+            (token, logprob of token, [(token id, logprob)] of the n_top most likely tokens by
+            the raw logits, most likely first, ties to the lower id). A logprob is -inf for a
+            token whose raw logit is -inf.
+
+        Raises:
+            SamplingError: as :meth:`sample`. ValueError: n_top is not an integer >= 0.
+        """
+        if not (_is_int(n_top) and n_top >= 0):
+            raise ValueError(f"n_top must be an integer >= 0, got {n_top!r}")
+        token = self.sample(logits, history)
+        raw = np.asarray(logits)
+        peak = float(raw.max())
+        log_sum = peak + math.log(float(np.exp(raw.astype(np.float64) - peak).sum()))
+        top = _top_indices(raw, n_top)
+        return (token, float(raw[token]) - log_sum,
+                [(int(t), float(raw[t]) - log_sum) for t in top])
+
+    def distribution(self, logits: np.ndarray, history: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens left after the chain and the probabilities :meth:`sample` draws them with.
+
+        Returns:
+            (token_ids int64[n], probs float64[n]), n >= 1, probs summing to 1; token ids are
+            largest-first when top_k or top_p is on, in id order otherwise. Greedy gives
+            ([argmax], [1.0]).
+
+        Raises:
+            SamplingError: as :meth:`sample`.
+        """
+        params = self.params
+        x = self._biased_and_penalized(logits, history)
+        if params.temperature <= 0:
+            return np.array([np.argmax(x)], np.int64), np.ones(1)
+        if 0 < params.top_k < x.shape[0]:
+            token_ids, is_sorted = _top_indices(x, params.top_k), True
+        else:
+            token_ids, is_sorted = np.flatnonzero(x > -np.inf), False
+        values = x[token_ids]
+        if params.top_p < 1:
+            keep = _top_p_prefix(_softmax(values), params.top_p, is_sorted)
+            token_ids, values = token_ids[keep], values[keep]
+        if params.min_p > 0:
+            keep = values >= values.max() + np.log(np.asarray(params.min_p, values.dtype))
+            token_ids, values = token_ids[keep], values[keep]
+        with np.errstate(over="ignore"):  # a tiny temperature sends non-max logits to -inf
+            scaled = (values.astype(np.float64) - float(values.max())) / params.temperature
+        weights = np.exp(scaled)
+        return token_ids, weights / weights.sum()
+
+    def _biased_and_penalized(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        """Steps 1-2 on a copy (the input itself when neither applies); validates everything."""
+        x = np.asarray(logits)
+        if x.ndim != 1 or x.shape[0] == 0 or x.dtype.kind != "f":
+            raise SamplingError(f"logits must be a non-empty 1-D float array, got shape "
+                                f"{x.shape} dtype {x.dtype}")
+        n_vocab = x.shape[0]
+        window = self._penalty_window(history)
+        if self._bias_ids.shape[0] or window is not None:
+            x = x.copy()
+        if self._bias_ids.shape[0]:
+            if self._bias_ids.max() >= n_vocab:
+                raise SamplingError(f"logit_bias token {int(self._bias_ids.max())} is not in the "
+                                    f"vocabulary of {n_vocab} tokens")
+            x[self._bias_ids] += self._bias_values.astype(x.dtype)
+        if window is not None:
+            self._apply_penalties(x, window)
+        peak = x.max()
+        if np.isnan(peak) or peak == np.inf:
+            raise SamplingError("logits contain NaN or +inf")
+        if peak == -np.inf:
+            raise SamplingError("every token has logit -inf (all banned); nothing can be sampled")
+        return x
+
+    def _penalty_window(self, history: Sequence[int]) -> np.ndarray | None:
+        """int64[n] last repeat_last_n tokens of history, or None when penalties are off."""
+        p = self.params
+        if p.repeat_last_n == 0 or (p.repeat_penalty == 1 and p.frequency_penalty == 0
+                                    and p.presence_penalty == 0):
+            return None
+        window = history if p.repeat_last_n == -1 else history[-p.repeat_last_n:]
+        window = np.asarray(window, dtype=np.int64)
+        return window if window.shape[0] else None
+
+    def _apply_penalties(self, x: np.ndarray, window: np.ndarray) -> None:
+        """llama_sampler_penalties_apply on x in place; shapes: x float[V], window int64[n]."""
+        if window.min() < 0 or window.max() >= x.shape[0]:
+            bad = window[(window < 0) | (window >= x.shape[0])][0]
+            raise SamplingError(f"history token {int(bad)} is not in the vocabulary of "
+                                f"{x.shape[0]} tokens")
+        tokens, counts = np.unique(window, return_counts=True)
+        dtype = x.dtype.type
+        repeat = dtype(self.params.repeat_penalty)
+        values = x[tokens]
+        values = np.where(values <= 0, values * repeat, values / repeat)
+        values -= counts.astype(x.dtype) * dtype(self.params.frequency_penalty) + dtype(self.params.presence_penalty)
+        x[tokens] = values
