@@ -16,29 +16,21 @@ from edge.chat_template import (
     validate_messages,
 )
 from edge.gguf_file import GGUFError, GGUFFile
+from tests.conftest import GOLDEN, golden
 
-MODELS = Path.home() / ".cache" / "edge" / "models"
-GOLDEN = Path("/work/shared/golden")
 USER_HI = [{"role": "user", "content": "hi"}]
 
 
-def _open_model(file_name: str) -> GGUFFile:
-    path = MODELS / file_name
-    if not path.exists():
-        pytest.skip(f"model file {path} is absent")
-    return GGUFFile(path)
-
-
 @pytest.fixture(scope="module")
-def qwen_gguf():
-    gf = _open_model("qwen2.5-coder-0.5b-instruct.gguf")
+def qwen_gguf(qwen_path):
+    gf = GGUFFile(qwen_path)
     yield gf
     gf.close()
 
 
 @pytest.fixture(scope="module")
-def gemma_gguf():
-    gf = _open_model("gemma-3-270m.gguf")
+def gemma_gguf(gemma_path):
+    gf = GGUFFile(gemma_path)
     yield gf
     gf.close()
 
@@ -48,11 +40,10 @@ def qwen_template(qwen_gguf):
     return ChatTemplate.from_gguf(qwen_gguf)
 
 
-def _golden_cases(model: str) -> list[dict]:
-    path = GOLDEN / model / "chat.json"
-    if not path.exists():
-        return []
-    return json.loads(path.read_text())["cases"]
+def _qwen_cases() -> list[dict]:
+    """Golden chat cases (collected at import, so they cannot go through the golden() skip)."""
+    path = GOLDEN / "qwen2.5-coder-0.5b" / "chat.json"
+    return json.loads(path.read_text(encoding="utf-8"))["cases"] if path.exists() else []
 
 
 def _render(source: str, messages=USER_HI, **kwargs) -> str:
@@ -78,14 +69,14 @@ def _write_gguf(path: Path, tokens: list[str], bos_id: int | None, eos_id: int |
 
 # --- goldens from llama.cpp's side (llama-cpp-python Jinja2ChatFormatter) --------------------
 
-@pytest.mark.parametrize("case", _golden_cases("qwen2.5-coder-0.5b"), ids=lambda c: c["messages"][-1]["content"])
+@pytest.mark.parametrize("case", _qwen_cases(), ids=lambda c: c["messages"][-1]["content"])
 def test_qwen_golden_rendered_prompt(qwen_template, case):
     rendered = qwen_template.render(case["messages"], add_generation_prompt=case["add_generation_prompt"])
     assert rendered == case["rendered_prompt"]
 
 
 def test_qwen_golden_cases_present():
-    assert len(_golden_cases("qwen2.5-coder-0.5b")) == 3
+    assert len(golden("qwen2.5-coder-0.5b", "chat.json")["cases"]) == 3
 
 
 def test_qwen_special_token_text(qwen_template):
@@ -94,7 +85,7 @@ def test_qwen_special_token_text(qwen_template):
 
 
 def test_qwen_without_generation_prompt(qwen_template):
-    case = _golden_cases("qwen2.5-coder-0.5b")[0]
+    case = golden("qwen2.5-coder-0.5b", "chat.json")["cases"][0]
     rendered = qwen_template.render(case["messages"], add_generation_prompt=False)
     assert rendered + "<|im_start|>assistant\n" == case["rendered_prompt"]
     assert rendered.endswith("reverses a string.<|im_end|>\n")
@@ -124,7 +115,7 @@ def test_qwen_user_content_none_is_template_error(qwen_template):
 # --- C3: no template -----------------------------------------------------------------------
 
 def test_gemma_has_no_template(gemma_gguf):
-    assert json.loads((GOLDEN / "gemma3-270m" / "chat.json").read_text())["has_template"] is False
+    assert golden("gemma3-270m", "chat.json")["has_template"] is False
     assert ChatTemplate.from_gguf(gemma_gguf) is None
 
 
