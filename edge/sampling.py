@@ -110,7 +110,8 @@ class SamplingParams:
 
 def _top_indices(values: np.ndarray, k: int) -> np.ndarray:
     """Indices of the (at most) k largest values that are not -inf, largest first, ties to the
-    lower index. O(n) selection plus an O(k log k) sort.
+    lower index. O(n) selection plus an O(k log k) sort (of more than k values only when many
+    values tie with the k-th largest).
 
     Shapes: values float[n] (no NaN) -> int64[<= k]
     """
