@@ -1,0 +1,291 @@
+"""The tokenizer: text <-> token ids, agreeing with llama.cpp token for token.
+
+Mirrors llama.cpp ``llama_vocab::impl`` (src/llama-vocab.cpp): ``tokenize`` (special-token
+partition, then SPM or BPE per text fragment, BOS/EOS), ``token_to_piece`` and ``detokenize``.
+All text out of this module is bytes; turning bytes into str for display is the job of
+:class:`edge.tokenizer.stream.StreamDecoder`.
+"""
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+
+import numpy as np
+
+from edge.gguf_file import GGUFFile
+from edge.tokenizer.bpe import BPEModel
+from edge.tokenizer.pretokenize import UNICODE_TO_BYTE, PreTokenizer
+from edge.tokenizer.spm import SPMModel
+from edge.tokenizer.vocab import TokenAttr, TokenizerError, Vocab, read_vocab
+
+_ESCAPED_SPACE = "\u2581".encode()  # SentencePiece's visible space, U+2581
+# plain ints: attribute tests run per token
+_RENDERED_AS_TEXT = int(TokenAttr.UNKNOWN | TokenAttr.CONTROL | TokenAttr.USER_DEFINED)
+_SPECIAL = int(TokenAttr.UNKNOWN | TokenAttr.CONTROL)  # rendered only when asked; matched only when parsing
+_NORMAL, _BYTE = int(TokenAttr.NORMAL), int(TokenAttr.BYTE)
+
+
+class Tokenizer:
+    """A GGUF model's tokenizer (``tokenizer.ggml.model`` "llama" = SentencePiece, "gpt2" = byte-level BPE).
+
+    Build with :meth:`from_gguf`. Token ids are ints in ``[0, n_vocab)``.
+
+    Attributes:
+        model: "llama" or "gpt2".
+        n_vocab: number of tokens.
+        bos_id, eos_id, unk_id, pad_id: special token ids, or None.
+        add_bos, add_eos: whether ``encode(..., add_special=True)`` adds BOS / EOS.
+        add_space_prefix: SPM only: a space is put before text at the start / after a special token.
+        eog_ids: end-of-generation token ids (llama.cpp ``special_eog_ids``).
+        token_types: int32[n_vocab], GGUF ``tokenizer.ggml.token_type`` (gguf.TokenType values).
+    """
+
+    def __init__(self, vocab: Vocab):
+        self.model = vocab.model
+        self._texts = vocab.texts
+        self._attrs = vocab.attrs
+        self.n_vocab = len(vocab.texts)
+        self.token_types = vocab.token_types
+        self.bos_id, self.eos_id = vocab.ids["bos"], vocab.ids["eos"]
+        self.unk_id, self.pad_id = vocab.ids["unk"], vocab.ids["pad"]
+        self.add_bos, self.add_eos = vocab.add_bos, vocab.add_eos
+        self.add_space_prefix = vocab.add_space_prefix
+        self._clean_spaces = vocab.clean_spaces
+        self.eog_ids = vocab.eog_ids
+        self._pieces: list[bytes | None] = [None] * self.n_vocab
+
+        # special-token partition candidates, longest text first (llama.cpp cache_special_tokens)
+        candidates = np.flatnonzero(np.asarray(self._attrs) & _RENDERED_AS_TEXT).tolist()
+        encoded = {i: self._texts[i].encode("utf-8", "surrogateescape") for i in candidates}
+        candidates.sort(key=lambda i: (-len(encoded[i]), i))
+        self._specials_all = [(i, encoded[i]) for i in candidates]
+        self._specials_user = [(i, t) for i, t in self._specials_all if not self._attrs[i] & _SPECIAL]
+
+        token_to_id = vocab.token_to_id
+        if self.model == "llama":
+            self._spm = SPMModel(token_to_id, vocab.scores, self.unk_id)
+        else:
+            self._bpe = BPEModel(token_to_id, vocab.merges, PreTokenizer(vocab.pre.regexes),
+                                 vocab.pre.ignore_merges)
+
+    @classmethod
+    def from_gguf(cls, gf: GGUFFile) -> Tokenizer:
+        """Build the tokenizer from a GGUF file's ``tokenizer.ggml.*`` metadata.
+
+        Raises:
+            GGUFError: metadata missing or malformed, naming the key (see :func:`read_vocab`).
+        """
+        return cls(read_vocab(gf))
+
+    # ------------------------------------------------------------------ token facts
+    def token_text(self, token_id: int) -> str:
+        """The token's vocab text as stored in the GGUF (byte-level alphabet for BPE, ▁ for SPM)."""
+        return self._texts[self._check_id(token_id)]
+
+    def token_attr(self, token_id: int) -> TokenAttr:
+        """The token's llama.cpp attributes (after llama.cpp's text-based fix-ups)."""
+        return TokenAttr(self._attrs[self._check_id(token_id)])
+
+    def is_eog(self, token_id: int) -> bool:
+        """True if generating this token ends generation (llama.cpp ``llama_vocab_is_eog``)."""
+        return token_id in self.eog_ids
+
+    # ------------------------------------------------------------------ encode
+    def encode(self, text: str | bytes, add_special: bool, parse_special: bool) -> list[int]:
+        """Text -> token ids (llama.cpp ``llama_tokenize``).
+
+        Args:
+            text: str (encoded as UTF-8) or raw bytes (need not be valid UTF-8).
+            add_special: add BOS / EOS where the model asks for them (``add_bos``/``add_eos``);
+                a text that itself starts with BOS then gets two, as in llama.cpp.
+            parse_special: match control and unknown tokens (e.g. ``<|im_start|>``) written in
+                the text; when False they are tokenized as plain text. USER_DEFINED tokens are
+                matched either way. Text from a user must be encoded with False.
+
+        Raises:
+            TypeError: ``text`` is neither str nor bytes.
+        """
+        if isinstance(text, str):
+            raw = text.encode("utf-8", "surrogatepass")
+        elif isinstance(text, (bytes, bytearray, memoryview)):
+            raw = bytes(text)
+        else:
+            raise TypeError(f"encode() needs str or bytes, not {type(text).__name__}")
+        fragments = self._partition(raw, parse_special) if raw else []
+        out: list[int] = []
+        if add_special and self.add_bos:
+            out.append(self.bos_id)
+        if self.model == "llama":
+            self._encode_spm(fragments, out)
+        else:
+            for fragment in fragments:
+                if isinstance(fragment, int):
+                    out.append(fragment)
+                else:
+                    self._bpe.tokenize(fragment, out)
+        if add_special and self.add_eos:
+            out.append(self.eos_id)
+        return out
+
+    def _encode_spm(self, fragments: list[bytes | int], out: list[int]) -> None:
+        prev_special = True  # a space prefix goes at the start and after each special token
+        for fragment in fragments:
+            if isinstance(fragment, int):
+                out.append(fragment)
+                prev_special = True
+                continue
+            if self.add_space_prefix and prev_special:
+                fragment = b" " + fragment
+            self._spm.tokenize(fragment.replace(b" ", _ESCAPED_SPACE), out)
+            prev_special = False
+
+    def _partition(self, raw: bytes, parse_special: bool) -> list[bytes | int]:
+        """Split ``raw`` into text fragments and special token ids (``tokenizer_st_partition``).
+
+        Special tokens are tried longest first; each splits every remaining text fragment at all
+        its non-overlapping occurrences, left to right.
+        """
+        fragments: list[bytes | int] = [raw]
+        for tid, token in self._specials_all if parse_special else self._specials_user:
+            if token not in raw:
+                continue
+            split: list[bytes | int] = []
+            for fragment in fragments:
+                if isinstance(fragment, int) or token not in fragment:
+                    split.append(fragment)
+                    continue
+                for k, part in enumerate(fragment.split(token)):
+                    if k:
+                        split.append(tid)
+                    if part:
+                        split.append(part)
+            fragments = split
+        return fragments
+
+    # ------------------------------------------------------------------ decode
+    def token_to_piece(self, token_id: int, special: bool = False) -> bytes:
+        """One token's bytes (llama.cpp ``llama_token_to_piece`` with lstrip 0).
+
+        SPM: ▁ becomes a space, byte tokens ``<0xXX>`` their byte. BPE: the byte-level alphabet
+        maps back to bytes. Control and unknown tokens give their text only when ``special``,
+        else b""; user-defined tokens always give their text; unused tokens give b"".
+
+        Raises:
+            TokenizerError: ``token_id`` is outside ``[0, n_vocab)``.
+        """
+        tid = self._check_id(token_id)
+        if not special and self._attrs[tid] & _SPECIAL:
+            return b""
+        piece = self._pieces[tid]
+        if piece is None:
+            piece = self._pieces[tid] = self._piece(tid)
+        return piece
+
+    def _piece(self, tid: int) -> bytes:
+        attr, text = self._attrs[tid], self._texts[tid]
+        raw = text.encode("utf-8", "surrogateescape")
+        if attr & _RENDERED_AS_TEXT:
+            return raw
+        if attr & _NORMAL:
+            if self.model == "llama":
+                return raw.replace(_ESCAPED_SPACE, b" ")
+            return _byte_level_to_bytes(text)
+        if attr & _BYTE:
+            return bytes([_hex_prefix_value(text[3:5]) & 0xFF])
+        return b""  # UNUSED, UNDEFINED
+
+    def decode(self, ids: Iterable[int], remove_special: bool = False, unparse_special: bool = False) -> bytes:
+        """Token ids -> bytes (llama.cpp ``llama_detokenize``). Never returns str.
+
+        Args:
+            ids: token ids.
+            remove_special: drop a leading BOS (when ``add_bos``) and a trailing EOS (when ``add_eos``).
+            unparse_special: render control and unknown tokens as their text.
+
+        With ``add_space_prefix`` the first token's leading space is dropped (unless a BOS was
+        removed). Tokenizers with llama.cpp's ``clean_spaces`` (BPE "default", "gpt-2", llama 3)
+        then drop the space before ``? ! . ,``, around a lone ``'`` and before ``'s 'm 're 've``.
+        The bytes may end inside a UTF-8 character; see :class:`StreamDecoder`.
+
+        Raises:
+            TokenizerError: an id is outside ``[0, n_vocab)``.
+        """
+        ids = list(ids)
+        remove_space = self.add_space_prefix
+        if remove_special and self.add_bos and ids and ids[0] == self.bos_id:
+            ids = ids[1:]
+            remove_space = False
+        if remove_special and self.add_eos and ids and ids[-1] == self.eos_id:
+            ids = ids[:-1]
+        pieces = [self.token_to_piece(t, unparse_special) for t in ids]
+        if remove_space and pieces and pieces[0].startswith(b" "):
+            pieces[0] = pieces[0][1:]
+        text = b"".join(pieces)
+        return _clean_spaces(text) if self._clean_spaces else text
+
+    def _check_id(self, token_id: int) -> int:
+        tid = operator.index(token_id)
+        if not 0 <= tid < self.n_vocab:
+            raise TokenizerError(f"token id {tid} is outside the vocab of {self.n_vocab} tokens")
+        return tid
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.model!r}, n_vocab={self.n_vocab}, bos={self.bos_id}, eos={self.eos_id})"
+
+
+def _byte_level_to_bytes(text: str) -> bytes:
+    """A BPE token's byte-level text -> bytes (llama.cpp ``llama_decode_text``): a character
+    outside the byte-level alphabet becomes ``[UNK_BYTE_0x<its utf-8 hex><text>]`` as there."""
+    out = bytearray()
+    for ch in text:
+        b = UNICODE_TO_BYTE.get(ch)
+        if b is not None:
+            out.append(b)
+        else:
+            utf8 = ch.encode("utf-8", "surrogateescape")
+            out += b"[UNK_BYTE_0x" + utf8.hex().encode() + text.encode("utf-8", "surrogateescape") + b"]"
+    return bytes(out)
+
+
+def _hex_prefix_value(s: str) -> int:
+    """Value of the leading hex digits of ``s`` (0 if none), like ``strtol(s, NULL, 16)``."""
+    digits = ""
+    for ch in s:
+        if ch not in "0123456789abcdefABCDEF":
+            break
+        digits += ch
+    return int(digits, 16) if digits else 0
+
+
+def _clean_spaces(text: bytes) -> bytes:
+    """llama.cpp ``detokenize``'s three ``clean_spaces`` passes, byte for byte."""
+    space, quote = 0x20, 0x27
+    # 1: " ?" " !" " ." " ," lose the space
+    out = bytearray(text[:1])
+    for i in range(1, len(text)):
+        if text[i - 1] == space and text[i] in b"?!.,":
+            out.pop()
+        out.append(text[i])
+    # 2: " ' " -> "'" (the removed right space no longer counts as a space for the next byte)
+    t, out = bytearray(out), bytearray(out[:1])
+    i = 1
+    while i < len(t):
+        x = t[i]
+        if x == quote and i + 1 < len(t) and t[i - 1] == space and t[i + 1] == space:
+            out.pop()
+            i += 1
+            t[i] = 0
+        out.append(x)
+        i += 1
+    # 3: " 's" " 'm" " 're" " 've" lose the space (" 't" " 'd" " 'll" keep it)
+    t, out = bytes(out), bytearray(out[:1])
+    for i in range(1, len(t)):
+        x = t[i]
+        if t[i - 1] == space and x == quote and i + 1 < len(t):
+            x1 = t[i + 1]
+            if x1 in b"sm":
+                out.pop()
+            elif x1 not in b"td" and i + 2 < len(t) and (x1, t[i + 2]) in ((0x72, 0x65), (0x76, 0x65)):
+                out.pop()
+        out.append(x)
+    return bytes(out)

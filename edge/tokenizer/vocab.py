@@ -1,0 +1,229 @@
+"""Tokenizer vocabulary from GGUF metadata, as llama.cpp's ``llama_vocab::impl::load`` builds it.
+
+Reads ``tokenizer.ggml.*``: the token list, scores, token types, merges, special token ids,
+``add_bos_token``/``add_eos_token``/``add_space_prefix``, and the pre-tokenizer name. Then
+applies llama.cpp's text-based fix-ups: end-of-turn, FIM and end-of-generation tokens found by
+their text are made CONTROL, control tokens named "unused" are marked UNUSED, and the
+end-of-generation set is eos + eot + eom + FIM pad/repo/sep + every token whose text is in
+:data:`EOG_TEXTS`. Any metadata fault raises :class:`GGUFError` naming the key (BUGS.md G2).
+
+Deliberate differences from llama.cpp: a special token id outside the vocab is an error (llama.cpp
+warns and keeps its default); where llama.cpp's choice among several candidate tokens depends
+on hash-map order (auto-detected eot/FIM ids) we take the lowest id; the name-based attribute
+hacks for phi-3, jina, modern-bert, gpt-oss and gemma 4 are not reproduced.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGUFValueType, Keys, TokenType
+
+from edge.gguf_file import GGUFError, GGUFFile
+from edge.tokenizer.pretokenize import PRE_TOKENIZERS, PreTokenizerSpec
+
+K = Keys.Tokenizer
+
+
+class TokenizerError(ValueError):
+    """Bad input to the tokenizer, such as a token id outside the vocab."""
+
+
+class TokenAttr(enum.IntFlag):
+    """Token attributes, bit for bit llama.cpp's ``llama_token_attr``."""
+
+    UNDEFINED = 0
+    UNKNOWN = 1 << 0
+    UNUSED = 1 << 1
+    NORMAL = 1 << 2
+    CONTROL = 1 << 3
+    USER_DEFINED = 1 << 4
+    BYTE = 1 << 5
+
+
+# GGUF token type (gguf.TokenType; 0 = undefined) -> attribute; other values -> UNDEFINED
+_TYPE_TO_ATTR = np.zeros(7, dtype=np.int64)
+for _t, _a in ((TokenType.NORMAL, TokenAttr.NORMAL), (TokenType.UNKNOWN, TokenAttr.UNKNOWN),
+               (TokenType.CONTROL, TokenAttr.CONTROL), (TokenType.USER_DEFINED, TokenAttr.USER_DEFINED),
+               (TokenType.UNUSED, TokenAttr.UNUSED), (TokenType.BYTE, TokenAttr.BYTE)):
+    _TYPE_TO_ATTR[_t] = _a
+
+# texts llama.cpp recognises (llama-vocab.cpp, "auto-detect special tokens by text")
+EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
+             "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>")
+EOM_TEXTS = ("<|eom_id|>",)
+FIM_PRE_TEXTS = ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+                 "<|code_prefix|>", "<|prefix|>")
+FIM_SUF_TEXTS = ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+                 "<|code_suffix|>", "<|suffix|>")
+FIM_MID_TEXTS = ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
+                 "<|code_middle|>", "<|middle|>")
+FIM_PAD_TEXTS = ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]")
+FIM_REP_TEXTS = ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")
+FIM_SEP_TEXTS = ("<|file_sep|>",)
+EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+             "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+             "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+             "<｜end▁of▁sentence｜>", "[e~[")
+
+# special id fields, the metadata keys that set them (later keys win), and the default per model
+_ID_KEYS = {
+    "bos": (K.BOS_ID,), "eos": (K.EOS_ID,), "eot": (K.EOT_ID,), "eom": (K.EOM_ID,), "unk": (K.UNK_ID,),
+    "pad": (K.PAD_ID,), "fim_pre": (K.FIM_PRE_ID, K.PREFIX_ID), "fim_suf": (K.FIM_SUF_ID, K.SUFFIX_ID),
+    "fim_mid": (K.FIM_MID_ID, K.MIDDLE_ID), "fim_pad": (K.FIM_PAD_ID,), "fim_rep": (K.FIM_REP_ID,),
+    "fim_sep": (K.FIM_SEP_ID,),
+}
+_DEFAULT_IDS = {"llama": {"bos": 1, "eos": 2, "unk": 0}, "gpt2": {"bos": 11, "eos": 11}}
+MODELS = {"llama": "SentencePiece (SPM)", "gpt2": "byte-level BPE"}
+
+
+@dataclass
+class Vocab:
+    """Everything the tokenizer needs, read and checked from GGUF metadata.
+
+    Attributes:
+        model: ``tokenizer.ggml.model``, "llama" (SPM) or "gpt2" (byte-level BPE).
+        texts: token texts as stored (str, utf-8 with surrogateescape); empty ones renamed
+            ``[EMPTY_<id>]`` as llama.cpp does.
+        token_to_id: text -> id.
+        token_types: int32[n_vocab] GGUF token types (NORMAL where the key is absent).
+        attrs: per-token :class:`TokenAttr` bits as ints, after llama.cpp's fix-ups.
+        scores: per-token float score (0.0 where ``tokenizer.ggml.scores`` is absent).
+        merges: BPE merges ("left right"), empty for SPM.
+        pre: the BPE pre-tokenizer spec (None for SPM).
+        ids: special token ids by field name (bos, eos, eot, eom, unk, pad, fim_*), None if unset.
+        eog_ids: end-of-generation token ids.
+        add_bos, add_eos, add_space_prefix, clean_spaces: llama.cpp tokenizer flags.
+    """
+
+    model: str
+    texts: list[str]
+    token_to_id: dict[str, int]
+    token_types: np.ndarray
+    attrs: list[int]
+    scores: list[float]
+    merges: list[str]
+    pre: PreTokenizerSpec | None
+    ids: dict[str, int | None]
+    eog_ids: frozenset[int]
+    add_bos: bool
+    add_eos: bool
+    add_space_prefix: bool
+    clean_spaces: bool
+
+
+def _fail(gf: GGUFFile, message: str) -> GGUFError:
+    return GGUFError(f"{gf.path}: {message}")
+
+
+def read_vocab(gf: GGUFFile) -> Vocab:
+    """Read and validate the tokenizer metadata of ``gf``.
+
+    Raises:
+        GGUFError: naming the key, when ``tokenizer.ggml.model`` is missing or not "llama"/"gpt2",
+            ``tokenizer.ggml.tokens`` is missing, empty, not strings or has duplicates, scores or
+            token types have the wrong type or length, merges are missing for "gpt2", the
+            pre-tokenizer is unknown, a special token id is outside the vocab, or BOS/EOS is to
+            be added but has no id.
+    """
+    model = gf.get_str(K.MODEL)
+    if model not in MODELS:
+        supported = ", ".join(f"{m!r} ({d})" for m, d in MODELS.items())
+        raise _fail(gf, f"{K.MODEL} {model!r} is not supported (supported: {supported})")
+    texts, token_to_id = _read_tokens(gf)
+    n = len(texts)
+    scores = gf.get_array(K.SCORES, (GGUFValueType.FLOAT32, GGUFValueType.INT32), required=False)
+    types = gf.get_array(K.TOKEN_TYPE, (GGUFValueType.INT32,), required=False)
+    for key, arr in ((K.SCORES, scores), (K.TOKEN_TYPE, types)):
+        if arr is not None and len(arr) != n:
+            raise _fail(gf, f"{key} has {len(arr)} entries but {K.LIST} has {n}")
+    # copies, so the tokenizer does not pin the file's memory map
+    types = np.full(n, TokenType.NORMAL, dtype=np.int32) if types is None else np.array(types, dtype=np.int32)
+    scores_list = [0.0] * n if scores is None else scores.astype(np.float64).tolist()  # exact
+    known = (types >= 0) & (types < len(_TYPE_TO_ATTR))
+    attrs = np.where(known, _TYPE_TO_ATTR[np.where(known, types, 0)], 0)
+
+    merges, pre = ([], None) if model == "llama" else _read_bpe(gf)
+    ids = _special_ids(gf, model, n)
+    # llama.cpp's defaults by tokenizer type, then the metadata flags
+    add_space_prefix = gf.get_bool(K.ADD_PREFIX, model == "llama")
+    add_bos = gf.get_bool(K.ADD_BOS, pre.add_bos if pre else True)
+    add_eos = gf.get_bool(K.ADD_EOS, False)
+    for flag, key, field, id_key in ((add_bos, K.ADD_BOS, "bos", K.BOS_ID), (add_eos, K.ADD_EOS, "eos", K.EOS_ID)):
+        if flag and ids[field] is None:
+            raise _fail(gf, f"{key} is true, but {id_key} is not set")
+
+    eog_ids = _fix_attrs_by_text(token_to_id, texts, attrs, ids)
+    return Vocab(model, texts, token_to_id, types, attrs.tolist(), scores_list, merges, pre, ids, eog_ids,
+                 add_bos, add_eos, add_space_prefix, clean_spaces=bool(pre and pre.clean_spaces))
+
+
+def _read_tokens(gf: GGUFFile) -> tuple[list[str], dict[str, int]]:
+    tokens = gf.get_array(K.LIST, (GGUFValueType.STRING,))
+    if not tokens:
+        raise _fail(gf, f"{K.LIST} is empty")
+    texts = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)] if "" in tokens else tokens
+    token_to_id = dict(zip(texts, range(len(texts))))
+    if len(token_to_id) != len(texts):
+        first: dict[str, int] = {}
+        for i, t in enumerate(texts):
+            if t in first:
+                raise _fail(gf, f"{K.LIST} has the token {t!r} twice, at ids {first[t]} and {i}")
+            first[t] = i
+    return texts, token_to_id
+
+
+def _read_bpe(gf: GGUFFile) -> tuple[list[str], PreTokenizerSpec]:
+    merges = gf.get_array(K.MERGES, (GGUFValueType.STRING,))
+    # llama.cpp: "missing pre-tokenizer type, using: 'default'"
+    name = gf.get_str(K.PRE, "default")
+    if name not in PRE_TOKENIZERS:
+        raise _fail(gf, f"{K.PRE} {name!r} is not a supported pre-tokenizer "
+                        f"(supported: {', '.join(sorted(PRE_TOKENIZERS))})")
+    return merges, PRE_TOKENIZERS[name]
+
+
+def _special_ids(gf: GGUFFile, model: str, n: int) -> dict[str, int | None]:
+    ids: dict[str, int | None] = {}
+    for field, keys in _ID_KEYS.items():
+        tid = _DEFAULT_IDS[model].get(field)
+        if tid is not None and tid >= n:
+            tid = None  # default outside a small vocab: unset, as llama.cpp does
+        for key in keys:
+            value = gf.get_int(key, required=False)
+            if value is None:
+                continue
+            if not 0 <= value < n:
+                raise _fail(gf, f"{key} = {value} is outside the vocab of {n} tokens")
+            tid = value
+        ids[field] = tid
+    return ids
+
+
+def _fix_attrs_by_text(token_to_id: dict[str, int], texts: list[str], attrs: np.ndarray,
+                       ids: dict[str, int | None]) -> frozenset[int]:
+    """llama.cpp's text-based fix-ups; fills unset eot/eom/FIM ids in ``ids``, returns the EOG set."""
+    control = int(TokenAttr.CONTROL)
+
+    def found(candidates: tuple[str, ...]) -> list[int]:
+        return sorted(token_to_id[t] for t in candidates if t in token_to_id)
+
+    for field, candidates in (("eot", EOT_TEXTS), ("eom", EOM_TEXTS), ("fim_pre", FIM_PRE_TEXTS),
+                              ("fim_suf", FIM_SUF_TEXTS), ("fim_mid", FIM_MID_TEXTS),
+                              ("fim_pad", FIM_PAD_TEXTS), ("fim_rep", FIM_REP_TEXTS),
+                              ("fim_sep", FIM_SEP_TEXTS)):
+        hits = found(candidates)
+        if ids[field] is None and hits:
+            ids[field] = hits[0]
+            attrs[hits[0]] |= control
+
+    controls = np.flatnonzero(attrs & control)
+    unused = np.array(["unused" in texts[i] for i in controls.tolist()], dtype=bool)
+    attrs[controls[unused]] |= int(TokenAttr.UNUSED)
+
+    eog = {ids[f] for f in ("fim_pad", "fim_rep", "fim_sep", "eos", "eot", "eom") if ids[f] is not None}
+    for tid in found(EOG_TEXTS):
+        eog.add(tid)
+        attrs[tid] |= control
+    return frozenset(eog)
