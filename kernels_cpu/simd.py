@@ -79,3 +79,96 @@ def f16_bits_to_f32(h):
 def load_f16(buf, i):
     """float32 value of the little-endian binary16 stored at ``buf[i:i+2]`` (uint8 array)."""
     return f16_bits_to_f32(np.uint32(buf[i]) | (np.uint32(buf[i + 1]) << np.uint32(8)))
+
+
+# ---------------------------------------------------------------------------------------------
+# LLVM vector IR helpers (for code generated inside numba intrinsics).
+#
+# Kernels built from these use plain LLVM vector operations only (loads, shuffles, integer and
+# float arithmetic, llvm.fmuladd); LLVM selects the instructions for the host CPU (e.g.
+# vpmaddwd / vcvtph2ps / vfmadd on x86-64 with AVX-512 or AVX2, sdot-free NEON code on arm64).
+
+I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+F32 = ir.FloatType()
+BYTE_PTR = I8.as_pointer()
+
+
+def vec(element: ir.Type, n: int) -> ir.VectorType:
+    """<n x element>."""
+    return ir.VectorType(element, n)
+
+
+def const_vec(element: ir.Type, values) -> ir.Constant:
+    """A constant vector of ``element`` holding ``values``."""
+    return ir.Constant(vec(element, len(values)), list(values))
+
+
+def splat(b: ir.IRBuilder, value, n: int):
+    """Broadcast scalar ``value`` to <n x type(value)>."""
+    vt = vec(value.type, n)
+    one = b.insert_element(ir.Constant(vt, ir.Undefined), value, ir.Constant(I32, 0))
+    return b.shuffle_vector(one, ir.Constant(vt, ir.Undefined), const_vec(I32, [0] * n))
+
+
+def shuffle(b: ir.IRBuilder, v, lanes, other=None):
+    """New vector of lanes ``lanes`` taken from ``v`` (indices >= len(v) pick from ``other``)."""
+    return b.shuffle_vector(v, v if other is None else other, const_vec(I32, lanes))
+
+
+def concat(b: ir.IRBuilder, lo, hi):
+    """<n x T> lo, <n x T> hi -> <2n x T> (lo in lanes 0..n-1)."""
+    n = lo.type.count
+    return shuffle(b, lo, range(2 * n), hi)
+
+
+def byte_at(b: ir.IRBuilder, base, offset):
+    """i8* base + offset (``offset`` an i64 value or a Python int), in bytes."""
+    if isinstance(offset, int):
+        offset = ir.Constant(I64, offset)
+    return b.gep(base, [offset])
+
+
+def load(b: ir.IRBuilder, base, offset, ty: ir.Type):
+    """Unaligned load of a ``ty`` at i8* base + offset bytes."""
+    return b.load(b.bitcast(byte_at(b, base, offset), ty.as_pointer()), align=1)
+
+
+def load_f16(b: ir.IRBuilder, base, offset):
+    """float32 value of the binary16 at i8* base + offset (LLVM fpext half -> float: exact)."""
+    return b.fpext(load(b, base, offset, ir.HalfType()), F32)
+
+
+def bits_to_lanes(b: ir.IRBuilder, word, n: int = 32):
+    """iN ``word`` -> <n x i8> with lane i = bit i of word (0 or 1)."""
+    return b.zext(b.bitcast(word, vec(ir.IntType(1), n)), vec(I8, n))
+
+
+def lanes_i8(b: ir.IRBuilder, value: int, n: int):
+    """Constant <n x i8> with every lane ``value``."""
+    return const_vec(I8, [value] * n)
+
+
+def madd_pairs(b: ir.IRBuilder, a, x):
+    """<2n x i16> a, x -> <n x i32>: lane i = a[2i]*x[2i] + a[2i+1]*x[2i+1] (exact; x86 pmaddwd)."""
+    n2 = a.type.count
+    wide = vec(I32, n2)
+    prod = b.mul(b.sext(a, wide), b.sext(x, wide))
+    return b.add(shuffle(b, prod, range(0, n2, 2)), shuffle(b, prod, range(1, n2, 2)))
+
+
+def hsum_f32(b: ir.IRBuilder, v):
+    """Sum of the lanes of a float vector (pairwise tree: halves added lane by lane)."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        v = b.fadd(shuffle(b, v, range(n)), shuffle(b, v, range(n, 2 * n)))
+    return b.extract_element(v, ir.Constant(I32, 0))
+
+
+def fmuladd(b: ir.IRBuilder, x, y, acc):
+    """x * y + acc on float vectors through llvm.fmuladd (fused where the target has FMA)."""
+    name = f"llvm.fmuladd.v{x.type.count}f32"
+    fn = b.module.globals.get(name)
+    if fn is None:
+        fn = ir.Function(b.module, ir.FunctionType(x.type, [x.type] * 3), name)
+    return b.call(fn, [x, y, acc])

@@ -1,0 +1,639 @@
+"""Quantized matrix multiplication: out[t, r] = sum_k W[r, k] * x[t, k], as llama.cpp's CPU backend.
+
+x is first converted to the weight type's ``vec_dot_type`` (ggml-cpu.c ``type_traits_cpu``):
+
+    Q4_0, Q5_0, Q8_0 -> Q8_0      Q4_1, Q5_1 -> Q8_1      Q2_K .. Q6_K -> Q8_K
+    F16 -> x rounded to f16       BF16 -> x rounded to bf16       F32 -> x as is
+
+then each pair of blocks is dotted as ``ggml_vec_dot_<type>_<vec_dot_type>`` does: integer
+products summed exactly within a block (int32), block scales applied in float32, float partial
+sums accumulated across blocks. Results therefore equal ggml's up to float summation order.
+
+The quantized kernels are LLVM vector IR generated here and called through a numba intrinsic
+(``qdot_tile``): for a tile of NR weight rows x NT activation rows, each weight block is
+unpacked once into 32-lane int16 "segments" (weights times their integer sub-block scale),
+multiplied against the activation segments pairwise into int32 lanes (x86 ``pmaddwd``), and
+folded into float32 lane accumulators with the block's float scale; one horizontal sum per
+output at the end. Decode (T = 1) runs 1x1 tiles over all rows in parallel; prefill runs
+NR x NT tiles over chunks of TC activation rows (so the chunk stays in cache).
+
+Shapes everywhere: w uint8[R, row_bytes] (GGUFFile.tensor_rows), x float32[T, K], out
+float32[T, R]; per-type kernels take the quantized activations (see quantize_act).
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from kernels_cpu import quantize_act as qa
+from kernels_cpu.dequant import QuantFormatError, as_ggml_type
+from kernels_cpu.f16 import f16_to_f32, f32_to_f16
+from kernels_cpu.simd import (BYTE_PTR, F32, I8, I16, I32, I64, bits_to_lanes, concat, const_vec, f32_from_bits,
+                              fmuladd, hsum_f32, lanes_i8, load, load_f16, madd_pairs, shuffle, splat, vec)
+
+T_ = GGMLQuantizationType
+LANES = 16  # float32 / int32 lanes per accumulator (32 int16 products pairwise summed)
+SEG = 32  # values per segment
+NR, NT = 4, 4  # prefill tile: weight rows x activation rows
+TC = 64  # activation rows per prefill chunk
+
+ACT_Q8_0, ACT_Q8_1, ACT_Q8_K = "q8_0", "q8_1", "q8_k"
+
+V32I8, V32I16, V16I16, V16I32, V16F32 = vec(I8, 32), vec(I16, 32), vec(I16, 16), vec(I32, 16), vec(F32, 16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight block decoders (IR). header() reads the scales of the block at i8* p; segments()
+# yields (value offset in block, <32 x i16> weight times integer sub-scale) in block order.
+
+
+class BlockFormat:
+    """IR decoder of one GGML weight type; subclasses give the layout (ggml-common.h)."""
+
+    ggml_type: GGMLQuantizationType
+    act: str  # vec_dot_type of the activations
+    block_elems: int
+    block_bytes: int
+
+    def header(self, b: ir.IRBuilder, p) -> dict:
+        raise NotImplementedError
+
+    def segments(self, b: ir.IRBuilder, p, h: dict):
+        raise NotImplementedError
+
+
+def _nibbles(b, v):
+    """<n x i8> packed nibbles -> <2n x i8>: low nibbles in lanes 0..n-1, high nibbles after."""
+    n = v.type.count
+    return concat(b, b.and_(v, lanes_i8(b, 0x0F, n)), b.lshr(v, lanes_i8(b, 4, n)))
+
+
+def _to_i16(b, v, offset: int = 0):
+    """<32 x i8> unsigned values -> <32 x i16>, minus ``offset``."""
+    v = b.zext(v, V32I16)
+    return b.sub(v, ir.Constant(V32I16, [offset] * 32)) if offset else v
+
+
+class Q4_0(BlockFormat):
+    """block_q4_0: ``f16 d | u8 qs[16]``; q = nibble - 8 (low nibbles first); ggml_vec_dot_q4_0_q8_0."""
+
+    ggml_type, act, block_elems, block_bytes = T_.Q4_0, ACT_Q8_0, 32, 18
+
+    def header(self, b, p):
+        return {"d": load_f16(b, p, 0)}
+
+    def segments(self, b, p, h):
+        yield 0, _to_i16(b, _nibbles(b, load(b, p, 2, vec(I8, 16))), 8)
+
+
+class Q4_1(BlockFormat):
+    """block_q4_1: ``f16 d | f16 m | u8 qs[16]``; x = d*q + m; ggml_vec_dot_q4_1_q8_1."""
+
+    ggml_type, act, block_elems, block_bytes = T_.Q4_1, ACT_Q8_1, 32, 20
+
+    def header(self, b, p):
+        return {"d": load_f16(b, p, 0), "m": load_f16(b, p, 2)}
+
+    def segments(self, b, p, h):
+        yield 0, _to_i16(b, _nibbles(b, load(b, p, 4, vec(I8, 16))))
+
+
+class Q5_0(BlockFormat):
+    """block_q5_0: ``f16 d | u32 qh | u8 qs[16]``; bit 4 of value j = bit j of qh; q - 16."""
+
+    ggml_type, act, block_elems, block_bytes = T_.Q5_0, ACT_Q8_0, 32, 22
+    qh_at, qs_at, offset = 2, 6, 16
+
+    def header(self, b, p):
+        return {"d": load_f16(b, p, 0)}
+
+    def segments(self, b, p, h):
+        high = b.shl(bits_to_lanes(b, load(b, p, self.qh_at, I32)), lanes_i8(b, 4, 32))
+        q = b.or_(_nibbles(b, load(b, p, self.qs_at, vec(I8, 16))), high)
+        yield 0, _to_i16(b, q, self.offset)
+
+
+class Q5_1(Q5_0):
+    """block_q5_1: ``f16 d | f16 m | u32 qh | u8 qs[16]``; x = d*q + m; ggml_vec_dot_q5_1_q8_1."""
+
+    ggml_type, act, block_elems, block_bytes = T_.Q5_1, ACT_Q8_1, 32, 24
+    qh_at, qs_at, offset = 4, 8, 0
+
+    def header(self, b, p):
+        return {"d": load_f16(b, p, 0), "m": load_f16(b, p, 2)}
+
+
+class Q8_0(BlockFormat):
+    """block_q8_0: ``f16 d | i8 qs[32]``; ggml_vec_dot_q8_0_q8_0."""
+
+    ggml_type, act, block_elems, block_bytes = T_.Q8_0, ACT_Q8_0, 32, 34
+
+    def header(self, b, p):
+        return {"d": load_f16(b, p, 0)}
+
+    def segments(self, b, p, h):
+        yield 0, b.sext(load(b, p, 2, V32I8), V32I16)
+
+
+def _group_scales(b, scales16, g: int):
+    """<16 x i16> per-16-value scales -> <32 x i16> for the segment of groups 2g', 2g'+1 (g = 2g')."""
+    return shuffle(b, scales16, [g] * 16 + [g + 1] * 16)
+
+
+def _crumbs(b, v, shift: int):
+    """(v >> shift) & 3 on <32 x i8>."""
+    return b.and_(b.lshr(v, lanes_i8(b, shift, 32)), lanes_i8(b, 3, 32))
+
+
+class Q2_K(BlockFormat):
+    """block_q2_K: ``u8 scales[16] | u8 qs[64] | f16 d | f16 dmin``; ggml_vec_dot_q2_K_q8_K.
+
+    scales[i] = min << 4 | scale of values 16i..16i+15; value 128h + 32g + i is
+    (qs[32h + i] >> 2g) & 3; x = d*scale*q - dmin*min.
+    """
+
+    ggml_type, act, block_elems, block_bytes = T_.Q2_K, ACT_Q8_K, 256, 84
+
+    def header(self, b, p):
+        sc = load(b, p, 0, vec(I8, 16))
+        return {"d": load_f16(b, p, 80), "dmin": load_f16(b, p, 82),
+                "scales": b.zext(b.and_(sc, lanes_i8(b, 0x0F, 16)), V16I16),
+                "mins": b.zext(b.lshr(sc, lanes_i8(b, 4, 16)), V16I16)}
+
+    def segments(self, b, p, h):
+        for half in range(2):
+            v = load(b, p, 16 + 32 * half, V32I8)
+            for g in range(4):
+                yield 128 * half + 32 * g, b.mul(_to_i16(b, _crumbs(b, v, 2 * g)),
+                                                 _group_scales(b, h["scales"], 8 * half + 2 * g))
+
+
+class Q3_K(BlockFormat):
+    """block_q3_K: ``u8 hmask[32] | u8 qs[64] | u8 scales[12] | f16 d``; ggml_vec_dot_q3_K_q8_K.
+
+    Sixteen 6-bit scales s_i (minus 32): low 4 bits in the nibbles of bytes 0..7 (s_0..s_7 low
+    nibbles, s_8..s_15 high nibbles), bits 4-5 at bit 2*(i//4) of byte 8 + i%4. Value
+    128h + 32g + i: low 2 bits (qs[32h + i] >> 2g) & 3, minus 4 unless bit 4h+g of hmask[i].
+    """
+
+    ggml_type, act, block_elems, block_bytes = T_.Q3_K, ACT_Q8_K, 256, 110
+
+    def header(self, b, p):
+        low = _nibbles(b, load(b, p, 96, vec(I8, 8)))  # <16 x i8>: bytes 0..7 low, then high nibbles
+        high = shuffle(b, load(b, p, 104, vec(I8, 4)), [0, 1, 2, 3] * 4)
+        high = b.and_(b.lshr(high, const_vec(I8, [0] * 4 + [2] * 4 + [4] * 4 + [6] * 4)), lanes_i8(b, 3, 16))
+        s = b.or_(low, b.shl(high, lanes_i8(b, 4, 16)))
+        scales = b.sub(b.zext(s, V16I16), ir.Constant(V16I16, [32] * 16))
+        return {"d": load_f16(b, p, 108), "scales": scales, "hmask": load(b, p, 0, V32I8)}
+
+    def segments(self, b, p, h):
+        for half in range(2):
+            v = load(b, p, 32 + 32 * half, V32I8)
+            for g in range(4):
+                hbit = b.and_(b.lshr(h["hmask"], lanes_i8(b, 4 * half + g, 32)), lanes_i8(b, 1, 32))
+                q = b.or_(_crumbs(b, v, 2 * g), b.shl(hbit, lanes_i8(b, 2, 32)))  # low + 4*hbit, 0..7
+                yield 128 * half + 32 * g, b.mul(_to_i16(b, q, 4), _group_scales(b, h["scales"], 8 * half + 2 * g))
+
+
+class Q4_K(BlockFormat):
+    """block_q4_K: ``f16 d | f16 dmin | u8 scales[12] | u8 qs[128]``; ggml_vec_dot_q4_K_q8_K.
+
+    Eight sub-blocks of 32 with 6-bit (scale, min) packed as in dequant.scale_min_k4; sub-block
+    j is the low (j even) or high (j odd) nibbles of qs[32*(j//2):]; x = d*scale*q - dmin*min.
+    """
+
+    ggml_type, act, block_elems, block_bytes = T_.Q4_K, ACT_Q8_K, 256, 144
+    qs_at = 16
+
+    def header(self, b, p):
+        s = [b.zext(load(b, p, 4 + i, I8), I16) for i in range(12)]
+        c63, c15, c4, c6 = (ir.Constant(I16, v) for v in (63, 15, 4, 6))
+        scales = [b.and_(s[j], c63) for j in range(4)]
+        mins = [b.and_(s[j + 4], c63) for j in range(4)]
+        for j in range(4, 8):
+            scales.append(b.or_(b.and_(s[j + 4], c15), b.shl(b.lshr(s[j - 4], c6), c4)))
+            mins.append(b.or_(b.lshr(s[j + 4], c4), b.shl(b.lshr(s[j], c6), c4)))
+        mins8 = ir.Constant(vec(I16, 8), ir.Undefined)
+        for j, m in enumerate(mins):
+            mins8 = b.insert_element(mins8, m, ir.Constant(I32, j))
+        return {"d": load_f16(b, p, 0), "dmin": load_f16(b, p, 2), "scales": scales,
+                "mins": shuffle(b, mins8, [j // 2 for j in range(16)])}  # min j pairs with bsums 2j, 2j+1
+
+    def segments(self, b, p, h):
+        for pair in range(4):
+            v = load(b, p, self.qs_at + 32 * pair, V32I8)
+            for j, q in ((2 * pair, b.and_(v, lanes_i8(b, 0x0F, 32))), (2 * pair + 1, b.lshr(v, lanes_i8(b, 4, 32)))):
+                if "qh" in h:  # Q5_K: bit 4 of value 32j + i is bit j of qh[i]
+                    q = b.or_(q, b.shl(b.and_(b.lshr(h["qh"], lanes_i8(b, j, 32)), lanes_i8(b, 1, 32)),
+                                       lanes_i8(b, 4, 32)))
+                yield 32 * j, b.mul(_to_i16(b, q), splat(b, h["scales"][j], 32))
+
+
+class Q5_K(Q4_K):
+    """block_q5_K: ``f16 d | f16 dmin | u8 scales[12] | u8 qh[32] | u8 qs[128]``; as Q4_K plus
+    bit 4 of value 32j + i = bit j of qh[i]; ggml_vec_dot_q5_K_q8_K."""
+
+    ggml_type, act, block_elems, block_bytes = T_.Q5_K, ACT_Q8_K, 256, 176
+    qs_at = 48
+
+    def header(self, b, p):
+        return {**super().header(b, p), "qh": load(b, p, 16, V32I8)}
+
+
+class Q6_K(BlockFormat):
+    """block_q6_K: ``u8 ql[128] | u8 qh[64] | i8 scales[16] | f16 d``; ggml_vec_dot_q6_K_q8_K.
+
+    Value 128h + 32g + i: low 4 bits from ql[64h + 32(g%2) + i] (low nibble if g < 2),
+    bits 4-5 = (qh[32h + i] >> 2g) & 3; q - 32, times scales[(128h + 32g + i) // 16].
+    """
+
+    ggml_type, act, block_elems, block_bytes = T_.Q6_K, ACT_Q8_K, 256, 210
+
+    def header(self, b, p):
+        return {"d": load_f16(b, p, 208), "scales": b.sext(load(b, p, 192, vec(I8, 16)), V16I16)}
+
+    def segments(self, b, p, h):
+        for half in range(2):
+            qh = load(b, p, 128 + 32 * half, V32I8)
+            ql = [load(b, p, 64 * half + 32 * k, V32I8) for k in range(2)]
+            for g in range(4):
+                low = ql[g % 2]
+                low = b.and_(low, lanes_i8(b, 0x0F, 32)) if g < 2 else b.lshr(low, lanes_i8(b, 4, 32))
+                q = b.or_(low, b.shl(_crumbs(b, qh, 2 * g), lanes_i8(b, 4, 32)))
+                yield 128 * half + 32 * g, b.mul(_to_i16(b, q, 32), _group_scales(b, h["scales"], 8 * half + 2 * g))
+
+
+FORMATS = {f.ggml_type: f for f in (Q4_0(), Q4_1(), Q5_0(), Q5_1(), Q8_0(), Q2_K(), Q3_K(), Q4_K(), Q5_K(), Q6_K())}
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile kernel: NR weight rows x NT activation rows, all blocks of a row.
+
+
+def _combine(b, fmt: BlockFormat, h: dict, iacc, acc, xd, xa_row, blk):
+    """acc += this block's contribution, given its int32 lane sums ``iacc`` (see module doc)."""
+    scale = b.fmul(h["d"], xd)
+    acc = fmuladd(b, b.sitofp(iacc, V16F32), splat(b, scale, LANES), acc)
+    if fmt.act == ACT_Q8_1:  # + m * s: the min times d_x * sum(q_x)
+        xs = load(b, xa_row, b.mul(blk, ir.Constant(I64, 4)), F32)
+        acc = b.fadd(acc, b.insert_element(ir.Constant(V16F32, [0.0] * LANES), b.fmul(h["m"], xs), ir.Constant(I32, 0)))
+    elif "mins" in h:  # - dmin * d_x * sum_j min_j * bsum_j
+        bsums = load(b, xa_row, b.mul(blk, ir.Constant(I64, 32)), V16I16)
+        summs = shuffle(b, madd_pairs(b, h["mins"], bsums), list(range(8)) + [8] * 8, ir.Constant(vec(I32, 8), [0] * 8))
+        neg_dmin = b.fneg(b.fmul(h["dmin"], xd))
+        acc = fmuladd(b, b.sitofp(summs, V16F32), splat(b, neg_dmin, LANES), acc)
+    return acc
+
+
+def build_tile(module: ir.Module, fmt: BlockFormat, nr: int, nt: int, name: str) -> ir.Function:
+    """Define ``void name(w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride, nb)``.
+
+    Pointers are i8* to the tile's first row (out: float*); strides in bytes (out: in floats).
+    For r < nr, t < nt: out[t*out_stride + r] = dot(weight row r, activation row t) over nb blocks.
+    """
+    args = [BYTE_PTR, I64] * 4 + [F32.as_pointer(), I64, I64]
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), args), name)
+    fn.linkage = "internal"
+    w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride, nb = fn.args
+    entry, loop, done = fn.append_basic_block("entry"), fn.append_basic_block("loop"), fn.append_basic_block("done")
+    b = ir.IRBuilder(entry)
+    row = lambda base, stride, i: b.gep(base, [b.mul(ir.Constant(I64, i), stride)])  # noqa: E731
+    w_rows = [row(w, w_stride, r) for r in range(nr)]
+    xq_rows = [row(xq, xq_stride, t) for t in range(nt)]
+    xd_rows = [row(xd, xd_stride, t) for t in range(nt)]
+    xa_rows = [row(xa, xa_stride, t) for t in range(nt)]
+    b.branch(loop)
+
+    b.position_at_end(loop)
+    blk = b.phi(I64)
+    blk.add_incoming(ir.Constant(I64, 0), entry)
+    zero = ir.Constant(V16F32, [0.0] * LANES)
+    accs = [[b.phi(V16F32) for _ in range(nt)] for _ in range(nr)]
+    for a in (a for row_accs in accs for a in row_accs):
+        a.add_incoming(zero, entry)
+    blocks = [b.gep(w_rows[r], [b.mul(blk, ir.Constant(I64, fmt.block_bytes))]) for r in range(nr)]
+    headers = [fmt.header(b, p) for p in blocks]
+    x_at = b.mul(blk, ir.Constant(I64, fmt.block_elems))
+    iacc = [[None] * nt for _ in range(nr)]
+    for segs in zip(*(fmt.segments(b, p, h) for p, h in zip(blocks, headers))):
+        offset = segs[0][0]
+        for t in range(nt):
+            xv = b.sext(load(b, xq_rows[t], b.add(x_at, ir.Constant(I64, offset)), V32I8), V32I16)
+            for r in range(nr):
+                prod = madd_pairs(b, segs[r][1], xv)
+                iacc[r][t] = prod if iacc[r][t] is None else b.add(iacc[r][t], prod)
+    new = [[None] * nt for _ in range(nr)]
+    for t in range(nt):
+        xd_t = load(b, xd_rows[t], b.mul(blk, ir.Constant(I64, 4)), F32)
+        for r in range(nr):
+            new[r][t] = _combine(b, fmt, headers[r], iacc[r][t], accs[r][t], xd_t, xa_rows[t], blk)
+            accs[r][t].add_incoming(new[r][t], loop)
+    nxt = b.add(blk, ir.Constant(I64, 1))
+    blk.add_incoming(nxt, loop)
+    b.cbranch(b.icmp_signed("<", nxt, nb), loop, done)
+
+    b.position_at_end(done)
+    for r in range(nr):
+        for t in range(nt):
+            at = b.add(b.mul(ir.Constant(I64, t), out_stride), ir.Constant(I64, r))
+            b.store(hsum_f32(b, new[r][t]), b.gep(out, [at]))
+    b.ret_void()
+    return fn
+
+
+@intrinsic
+def qdot_tile(typingctx, fmt, nr, nt, w, r0, xq, xd, xa, t0, out):
+    """out[t0 + t, r0 + r] = dot(w[r0 + r], x[t0 + t]) for r < nr, t < nt (nr, nt, fmt literal).
+
+    ``fmt`` is the GGML type id of w; xq int8[T, K], xd float32[T, K/block], xa the Q8_1 sums
+    float32[T, K/32] or the Q8_K bsums int16[T, K/16] (ignored for Q8_0), out float32[T, R].
+    """
+    if not all(isinstance(a, types.IntegerLiteral) for a in (fmt, nr, nt)):
+        return None
+    f = FORMATS[GGMLQuantizationType(fmt.literal_value)]
+    n_r, n_t = nr.literal_value, nt.literal_value
+    sig = types.void(fmt, nr, nt, w, r0, xq, xd, xa, t0, out)
+
+    def codegen(context, builder, signature, args):
+        name = f"edge_qdot_{f.ggml_type.name.lower()}_{n_r}x{n_t}"
+        fn = builder.module.globals.get(name) or build_tile(builder.module, f, n_r, n_t, name)
+        arrays = [context.make_array(ty)(context, builder, v) for ty, v in
+                  zip(signature.args[3:], args[3:]) if isinstance(ty, types.Array)]
+        aw, axq, axd, axa, aout = arrays
+        r0v, t0v = args[4], args[8]
+        stride = lambda a: cgutils.unpack_tuple(builder, a.strides)[0]  # noqa: E731
+
+        def base(a, i):
+            p = builder.bitcast(a.data, BYTE_PTR)
+            return builder.gep(p, [builder.mul(i, stride(a))])
+
+        out_stride = builder.sdiv(stride(aout), ir.Constant(I64, 4))
+        out_at = builder.gep(aout.data, [builder.add(builder.mul(t0v, out_stride), r0v)])
+        nb = builder.sdiv(cgutils.unpack_tuple(builder, aw.shape)[1], ir.Constant(I64, f.block_bytes))
+        builder.call(fn, [base(aw, r0v), stride(aw), base(axq, t0v), stride(axq), base(axd, t0v), stride(axd),
+                          base(axa, t0v), stride(axa), out_at, out_stride, nb])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True, inline="always")
+def _tiled(fmt, w, xq, xd, xa, out):
+    """Run qdot_tile over all rows: 1x1 tiles for T == 1, else NR x NT tiles over TC-row chunks."""
+    R, T = w.shape[0], xq.shape[0]
+    if T == 1:
+        for r in prange(R):
+            qdot_tile(fmt, 1, 1, w, r, xq, xd, xa, 0, out)
+    else:
+        n_rt = (R + NR - 1) // NR
+        n_tc = (T + TC - 1) // TC
+        for job in prange(n_rt * n_tc):
+            r0 = (job % n_rt) * NR
+            t_lo = (job // n_rt) * TC
+            t_hi = min(T, t_lo + TC)
+            if r0 + NR <= R:
+                t = t_lo
+                while t + NT <= t_hi:
+                    qdot_tile(fmt, NR, NT, w, r0, xq, xd, xa, t, out)
+                    t += NT
+                while t < t_hi:
+                    qdot_tile(fmt, NR, 1, w, r0, xq, xd, xa, t, out)
+                    t += 1
+            else:
+                for r in range(r0, R):
+                    t = t_lo
+                    while t + NT <= t_hi:
+                        qdot_tile(fmt, 1, NT, w, r, xq, xd, xa, t, out)
+                        t += NT
+                    while t < t_hi:
+                        qdot_tile(fmt, 1, 1, w, r, xq, xd, xa, t, out)
+                        t += 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-type kernels. Shapes: w uint8[R, row_bytes], xqs int8[T, K], xd float32[T, K/block],
+# xs float32[T, K/32], xbsums int16[T, K/16], out float32[T, R]; all C-contiguous.
+
+_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0 = int(T_.Q4_0), int(T_.Q4_1), int(T_.Q5_0), int(T_.Q5_1), int(T_.Q8_0)
+_Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K = int(T_.Q2_K), int(T_.Q3_K), int(T_.Q4_K), int(T_.Q5_K), int(T_.Q6_K)
+
+
+@njit(parallel=True, cache=True)
+def matmul_q4_0_q8_0(w, xqs, xd, out):
+    """Q4_0 weights x Q8_0 activations (ggml_vec_dot_q4_0_q8_0)."""
+    _tiled(_Q4_0, w, xqs, xd, xd, out)
+
+
+@njit(parallel=True, cache=True)
+def matmul_q5_0_q8_0(w, xqs, xd, out):
+    """Q5_0 weights x Q8_0 activations (ggml_vec_dot_q5_0_q8_0)."""
+    _tiled(_Q5_0, w, xqs, xd, xd, out)
+
+
+@njit(parallel=True, cache=True)
+def matmul_q8_0_q8_0(w, xqs, xd, out):
+    """Q8_0 weights x Q8_0 activations (ggml_vec_dot_q8_0_q8_0)."""
+    _tiled(_Q8_0, w, xqs, xd, xd, out)
+
+
+@njit(parallel=True, cache=True)
+def matmul_q4_1_q8_1(w, xqs, xd, xs, out):
+    """Q4_1 weights x Q8_1 activations (ggml_vec_dot_q4_1_q8_1)."""
+    _tiled(_Q4_1, w, xqs, xd, xs, out)
+
+
+@njit(parallel=True, cache=True)
+def matmul_q5_1_q8_1(w, xqs, xd, xs, out):
+    """Q5_1 weights x Q8_1 activations (ggml_vec_dot_q5_1_q8_1)."""
+    _tiled(_Q5_1, w, xqs, xd, xs, out)
+
+
+@njit(parallel=True, cache=True)
+def matmul_q2_k_q8_k(w, xqs, xd, xbsums, out):
+    """Q2_K weights x Q8_K activations (ggml_vec_dot_q2_K_q8_K)."""
+    _tiled(_Q2_K, w, xqs, xd, xbsums, out)
+
+
+@njit(parallel=True, cache=True)
+def matmul_q3_k_q8_k(w, xqs, xd, xbsums, out):
+    """Q3_K weights x Q8_K activations (ggml_vec_dot_q3_K_q8_K)."""
+    _tiled(_Q3_K, w, xqs, xd, xbsums, out)
+
+
+@njit(parallel=True, cache=True)
+def matmul_q4_k_q8_k(w, xqs, xd, xbsums, out):
+    """Q4_K weights x Q8_K activations (ggml_vec_dot_q4_K_q8_K)."""
+    _tiled(_Q4_K, w, xqs, xd, xbsums, out)
+
+
+@njit(parallel=True, cache=True)
+def matmul_q5_k_q8_k(w, xqs, xd, xbsums, out):
+    """Q5_K weights x Q8_K activations (ggml_vec_dot_q5_K_q8_K)."""
+    _tiled(_Q5_K, w, xqs, xd, xbsums, out)
+
+
+@njit(parallel=True, cache=True)
+def matmul_q6_k_q8_k(w, xqs, xd, xbsums, out):
+    """Q6_K weights x Q8_K activations (ggml_vec_dot_q6_K_q8_K)."""
+    _tiled(_Q6_K, w, xqs, xd, xbsums, out)
+
+
+# float weights: ggml_vec_dot_f32 / _f16 / _bf16 (float32 accumulation, any summation order)
+
+
+@njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
+def matmul_f32_f32(w, x, out):
+    """F32 weights w float32[R, K] x float32 x[T, K] -> out[T, R]."""
+    for r in prange(w.shape[0]):
+        for t in range(x.shape[0]):
+            acc = np.float32(0.0)
+            for k in range(x.shape[1]):
+                acc += w[r, k] * x[t, k]
+            out[t, r] = acc
+
+
+@njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
+def matmul_f16_f16(w, x, out):
+    """F16 weights w uint16[R, K] (binary16 bits) x x[T, K] already rounded to f16 (as float32)."""
+    for r in prange(w.shape[0]):
+        for t in range(x.shape[0]):
+            acc = np.float32(0.0)
+            for k in range(x.shape[1]):
+                acc += f16_to_f32(w[r, k]) * x[t, k]
+            out[t, r] = acc
+
+
+@njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
+def matmul_bf16_bf16(w, x, out):
+    """BF16 weights w uint16[R, K] (bf16 bits) x x[T, K] already rounded to bf16 (as float32)."""
+    for r in prange(w.shape[0]):
+        for t in range(x.shape[0]):
+            acc = np.float32(0.0)
+            for k in range(x.shape[1]):
+                acc += f32_from_bits(np.uint32(w[r, k]) << np.uint32(16)) * x[t, k]
+            out[t, r] = acc
+
+
+@njit(cache=True)
+def round_to_f16(x, out):
+    """out = float32(f16(x)), round to nearest even (ggml_cpu_fp32_to_fp16). Shapes: f32[T, K]."""
+    for t in range(x.shape[0]):
+        for k in range(x.shape[1]):
+            out[t, k] = f16_to_f32(f32_to_f16(x[t, k]))
+
+
+@njit(cache=True)
+def round_to_bf16(x, out):
+    """out = float32(bf16(x)) as ggml_compute_fp32_to_bf16: nearest even, NaN made quiet. f32[T, K]."""
+    bits_in = x.view(np.uint32)
+    bits_out = out.view(np.uint32)
+    for t in range(x.shape[0]):
+        for k in range(x.shape[1]):
+            u = bits_in[t, k]
+            if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+                h = (u >> np.uint32(16)) | np.uint32(64)
+            else:
+                h = (u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
+            bits_out[t, k] = (h & np.uint32(0xFFFF)) << np.uint32(16)
+
+
+QUANT_KERNELS = {
+    T_.Q4_0: matmul_q4_0_q8_0, T_.Q5_0: matmul_q5_0_q8_0, T_.Q8_0: matmul_q8_0_q8_0,
+    T_.Q4_1: matmul_q4_1_q8_1, T_.Q5_1: matmul_q5_1_q8_1,
+    T_.Q2_K: matmul_q2_k_q8_k, T_.Q3_K: matmul_q3_k_q8_k, T_.Q4_K: matmul_q4_k_q8_k,
+    T_.Q5_K: matmul_q5_k_q8_k, T_.Q6_K: matmul_q6_k_q8_k,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Python entry point
+
+
+class MatmulWorkspace:
+    """Preallocated activation buffers for matmul, so a decode loop allocates nothing.
+
+    Holds room for up to ``max_tokens`` rows of up to ``max_k`` values in every activation format
+    (int8 quants, scales, Q8_1 sums, Q8_K bsums, f16/bf16-rounded x). One workspace serves one
+    thread of calls: matmul overwrites it on every call.
+    """
+
+    def __init__(self, max_tokens: int, max_k: int):
+        if max_tokens < 1 or max_k < 1:
+            raise ValueError(f"workspace needs max_tokens >= 1 and max_k >= 1, got {max_tokens}, {max_k}")
+        self.max_tokens, self.max_k = max_tokens, max_k
+        n = max_tokens * max_k
+        self._qs = np.empty(n, np.int8)
+        self._d = np.empty(n // 32 + 1, np.float32)
+        self._s = np.empty(n // 32 + 1, np.float32)
+        self._bsums = np.empty(n // 16 + 1, np.int16)
+        self._x = np.empty(n, np.float32)
+
+    def take(self, name: str, shape: tuple[int, int]) -> np.ndarray:
+        """A C-contiguous view of buffer ``name`` ('qs', 'd', 's', 'bsums', 'x') with ``shape``."""
+        T, K = shape
+        if T > self.max_tokens or K > self.max_k:
+            raise ValueError(f"workspace holds {self.max_tokens} x {self.max_k} values, asked for {T} x {K}")
+        buf = getattr(self, "_" + name)
+        return buf[: T * K].reshape(T, K)
+
+
+def _check_matmul(w, t: GGMLQuantizationType, x, out):
+    if not isinstance(w, np.ndarray) or w.dtype != np.uint8 or w.ndim != 2 or not w.flags.c_contiguous:
+        raise QuantFormatError(f"w must be C-contiguous uint8[R, row_bytes] rows, got "
+                               f"{getattr(w, 'dtype', type(w))} {getattr(w, 'shape', '')}")
+    block_size, type_size = GGML_QUANT_SIZES[t]
+    if w.shape[1] % type_size or w.shape[0] == 0 or w.shape[1] == 0:
+        raise QuantFormatError(f"w rows of {w.shape[1]} bytes are not whole {t.name} blocks ({type_size} bytes)")
+    k = w.shape[1] // type_size * block_size
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2 or not x.flags.c_contiguous:
+        raise QuantFormatError(f"x must be C-contiguous float32[T, K], got {getattr(x, 'dtype', type(x))} "
+                               f"{getattr(x, 'shape', '')}")
+    if x.shape[0] < 1 or x.shape[1] != k:
+        raise QuantFormatError(f"x has shape {x.shape}, expected [T >= 1, {k}] for {t.name} rows of {k} values")
+    shape = (x.shape[0], w.shape[0])
+    if out is None:
+        return np.empty(shape, np.float32)
+    if (not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != shape
+            or not out.flags.c_contiguous or not out.flags.writeable):
+        raise QuantFormatError(f"out must be a writeable C-contiguous float32{list(shape)}, got "
+                               f"{getattr(out, 'dtype', type(out))} {getattr(out, 'shape', '')}")
+    return out
+
+
+def matmul(w: np.ndarray, ggml_type, x: np.ndarray, out: np.ndarray | None = None,
+           workspace: MatmulWorkspace | None = None) -> np.ndarray:
+    """out[t, r] = sum_k W[r, k] * x[t, k] with W stored as GGML ``ggml_type`` rows, as llama.cpp.
+
+    Shapes: w uint8[R, row_bytes] (zero-copy GGUF rows, also for F32/F16/BF16), x float32[T, K]
+    with T >= 1, out float32[T, R] (allocated when None). ``workspace`` supplies the quantized
+    activation buffers (else they are allocated). Raises QuantFormatError for an unsupported
+    type or mismatched shapes/dtypes (K-quant rows need K % 256 == 0), ValueError when the
+    workspace is too small.
+    """
+    t = as_ggml_type(ggml_type)
+    out = _check_matmul(w, t, x, out)
+    T, K = x.shape
+    take = workspace.take if workspace is not None else (lambda name, shape: None)
+    if t == T_.F32:
+        matmul_f32_f32(w.view(np.float32), x, out)
+    elif t in (T_.F16, T_.BF16):
+        xr = take("x", (T, K))
+        xr = np.empty_like(x) if xr is None else xr
+        (round_to_f16 if t == T_.F16 else round_to_bf16)(x, xr)
+        (matmul_f16_f16 if t == T_.F16 else matmul_bf16_bf16)(w.view(np.uint16), xr, out)
+    else:
+        act = FORMATS[t].act
+        if act == ACT_Q8_K:
+            qs, d, bsums = qa.quantize_q8_k(x, take("qs", (T, K)), take("d", (T, K // 256)), take("bsums", (T, K // 16)))
+            QUANT_KERNELS[t](w, qs, d, bsums, out)
+        elif act == ACT_Q8_1:
+            qs, d, s = qa.quantize_q8_1(x, take("qs", (T, K)), take("d", (T, K // 32)), take("s", (T, K // 32)))
+            QUANT_KERNELS[t](w, qs, d, s, out)
+        else:
+            qs, d = qa.quantize_q8_0(x, take("qs", (T, K)), take("d", (T, K // 32)))
+            QUANT_KERNELS[t](w, qs, d, out)
+    return out
