@@ -8,7 +8,7 @@ All text out of this module is bytes; turning bytes into str for display is the 
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -91,7 +91,8 @@ class Tokenizer:
         return token_id in self.eog_ids
 
     # ------------------------------------------------------------------ encode
-    def encode(self, text: str | bytes, add_special: bool, parse_special: bool) -> list[int]:
+    def encode(self, text: str | bytes, add_special: bool, parse_special: bool,
+               protect: Sequence[tuple[int, int]] = ()) -> list[int]:
         """Text -> token ids (llama.cpp ``llama_tokenize``).
 
         Args:
@@ -101,9 +102,16 @@ class Tokenizer:
             parse_special: match control and unknown tokens (e.g. ``<|im_start|>``) written in
                 the text; when False they are tokenized as plain text. USER_DEFINED tokens are
                 matched either way. Text from a user must be encoded with False.
+            protect: ``(start, end)`` spans of ``text`` (character offsets for str, byte
+                offsets for bytes) in which control and unknown tokens are never matched, as if
+                ``parse_special`` were False there; a match overlapping a span is not taken.
+                The spans do not split the text otherwise, so a chat prompt with its message
+                contents protected tokenizes exactly as llama.cpp tokenizes the whole prompt
+                whenever the contents hold no special token.
 
         Raises:
             TypeError: ``text`` is neither str nor bytes.
+            TokenizerError: a ``protect`` span is not within ``text``.
         """
         if isinstance(text, str):
             raw = text.encode("utf-8", "surrogatepass")
@@ -111,7 +119,8 @@ class Tokenizer:
             raw = bytes(text)
         else:
             raise TypeError(f"encode() needs str or bytes, not {type(text).__name__}")
-        fragments = self._partition(raw, parse_special) if raw else []
+        protected = _byte_spans(text, protect)
+        fragments = self._partition(raw, parse_special, protected) if raw else []
         out: list[int] = []
         if add_special and self.add_bos:
             out.append(self.bos_id)
@@ -139,28 +148,38 @@ class Tokenizer:
             self._spm.tokenize(fragment.replace(b" ", _ESCAPED_SPACE), out)
             prev_special = False
 
-    def _partition(self, raw: bytes, parse_special: bool) -> list[bytes | int]:
+    def _partition(self, raw: bytes, parse_special: bool, protected: list[tuple[int, int]]) -> list[bytes | int]:
         """Split ``raw`` into text fragments and special token ids (``tokenizer_st_partition``).
 
         Special tokens are tried longest first; each splits every remaining text fragment at all
-        its non-overlapping occurrences, left to right.
+        its non-overlapping occurrences, left to right (skipping, for control and unknown
+        tokens, occurrences that overlap a ``protected`` byte span).
         """
-        fragments: list[bytes | int] = [raw]
+        pieces: list[tuple[int, int] | int] = [(0, len(raw))]
         for tid, token in self._specials_all if parse_special else self._specials_user:
             if token not in raw:
                 continue
-            split: list[bytes | int] = []
-            for fragment in fragments:
-                if isinstance(fragment, int) or token not in fragment:
-                    split.append(fragment)
+            guard = protected if self._attrs[tid] & _SPECIAL else ()
+            split: list[tuple[int, int] | int] = []
+            for piece in pieces:
+                if isinstance(piece, int):
+                    split.append(piece)
                     continue
-                for k, part in enumerate(fragment.split(token)):
-                    if k:
-                        split.append(tid)
-                    if part:
-                        split.append(part)
-            fragments = split
-        return fragments
+                pos, end = piece
+                search = pos
+                while (j := raw.find(token, search, end)) >= 0:
+                    k = j + len(token)
+                    if any(s < k and j < e for s, e in guard):
+                        search = j + 1
+                        continue
+                    if j > pos:
+                        split.append((pos, j))
+                    split.append(tid)
+                    pos = search = k
+                if pos < end:
+                    split.append((pos, end))
+            pieces = split
+        return [p if isinstance(p, int) else raw[p[0] : p[1]] for p in pieces]
 
     # ------------------------------------------------------------------ decode
     def token_to_piece(self, token_id: int, special: bool = False) -> bytes:
@@ -231,6 +250,18 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.model!r}, n_vocab={self.n_vocab}, bos={self.bos_id}, eos={self.eos_id})"
+
+
+def _byte_spans(text: str | bytes, spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(start, end)`` spans of ``text`` -> spans of its UTF-8 bytes."""
+    out = []
+    for start, end in spans:
+        if not 0 <= start <= end <= len(text):
+            raise TokenizerError(f"protect span ({start}, {end}) is not within the text of length {len(text)}")
+        if isinstance(text, str):
+            start, end = (len(text[:i].encode("utf-8", "surrogatepass")) for i in (start, end))
+        out.append((start, end))
+    return out
 
 
 def _byte_level_to_bytes(text: str) -> bytes:
