@@ -33,7 +33,7 @@ from kernels_cpu import quantize_act as qa
 from kernels_cpu.dequant import QuantFormatError, as_ggml_type
 from kernels_cpu.f16 import f16_to_f32, f32_to_f16
 from kernels_cpu.simd import (BYTE_PTR, F32, I8, I16, I32, I64, bits_to_lanes, concat, const_vec, f32_from_bits,
-                              fmuladd, hsum_f32, lanes_i8, load, load_f16, madd_pairs, shuffle, splat, vec)
+                              fmuladd, hsum_f32, lanes_i8, load, load_half, madd_pairs, shuffle, splat, vec)
 
 T_ = GGMLQuantizationType
 LANES = 16  # float32 / int32 lanes per accumulator (32 int16 products pairwise summed)
@@ -84,7 +84,7 @@ class Q4_0(BlockFormat):
     ggml_type, act, block_elems, block_bytes = T_.Q4_0, ACT_Q8_0, 32, 18
 
     def header(self, b, p):
-        return {"d": load_f16(b, p, 0)}
+        return {"d": load_half(b, p, 0)}
 
     def segments(self, b, p, h):
         yield 0, _to_i16(b, _nibbles(b, load(b, p, 2, vec(I8, 16))), 8)
@@ -96,7 +96,7 @@ class Q4_1(BlockFormat):
     ggml_type, act, block_elems, block_bytes = T_.Q4_1, ACT_Q8_1, 32, 20
 
     def header(self, b, p):
-        return {"d": load_f16(b, p, 0), "m": load_f16(b, p, 2)}
+        return {"d": load_half(b, p, 0), "m": load_half(b, p, 2)}
 
     def segments(self, b, p, h):
         yield 0, _to_i16(b, _nibbles(b, load(b, p, 4, vec(I8, 16))))
@@ -109,7 +109,7 @@ class Q5_0(BlockFormat):
     qh_at, qs_at, offset = 2, 6, 16
 
     def header(self, b, p):
-        return {"d": load_f16(b, p, 0)}
+        return {"d": load_half(b, p, 0)}
 
     def segments(self, b, p, h):
         high = b.shl(bits_to_lanes(b, load(b, p, self.qh_at, I32)), lanes_i8(b, 4, 32))
@@ -124,7 +124,7 @@ class Q5_1(Q5_0):
     qh_at, qs_at, offset = 4, 8, 0
 
     def header(self, b, p):
-        return {"d": load_f16(b, p, 0), "m": load_f16(b, p, 2)}
+        return {"d": load_half(b, p, 0), "m": load_half(b, p, 2)}
 
 
 class Q8_0(BlockFormat):
@@ -133,7 +133,7 @@ class Q8_0(BlockFormat):
     ggml_type, act, block_elems, block_bytes = T_.Q8_0, ACT_Q8_0, 32, 34
 
     def header(self, b, p):
-        return {"d": load_f16(b, p, 0)}
+        return {"d": load_half(b, p, 0)}
 
     def segments(self, b, p, h):
         yield 0, b.sext(load(b, p, 2, V32I8), V32I16)
@@ -160,7 +160,7 @@ class Q2_K(BlockFormat):
 
     def header(self, b, p):
         sc = load(b, p, 0, vec(I8, 16))
-        return {"d": load_f16(b, p, 80), "dmin": load_f16(b, p, 82),
+        return {"d": load_half(b, p, 80), "dmin": load_half(b, p, 82),
                 "scales": b.zext(b.and_(sc, lanes_i8(b, 0x0F, 16)), V16I16),
                 "mins": b.zext(b.lshr(sc, lanes_i8(b, 4, 16)), V16I16)}
 
@@ -188,7 +188,7 @@ class Q3_K(BlockFormat):
         high = b.and_(b.lshr(high, const_vec(I8, [0] * 4 + [2] * 4 + [4] * 4 + [6] * 4)), lanes_i8(b, 3, 16))
         s = b.or_(low, b.shl(high, lanes_i8(b, 4, 16)))
         scales = b.sub(b.zext(s, V16I16), ir.Constant(V16I16, [32] * 16))
-        return {"d": load_f16(b, p, 108), "scales": scales, "hmask": load(b, p, 0, V32I8)}
+        return {"d": load_half(b, p, 108), "scales": scales, "hmask": load(b, p, 0, V32I8)}
 
     def segments(self, b, p, h):
         for half in range(2):
@@ -220,7 +220,7 @@ class Q4_K(BlockFormat):
         mins8 = ir.Constant(vec(I16, 8), ir.Undefined)
         for j, m in enumerate(mins):
             mins8 = b.insert_element(mins8, m, ir.Constant(I32, j))
-        return {"d": load_f16(b, p, 0), "dmin": load_f16(b, p, 2), "scales": scales,
+        return {"d": load_half(b, p, 0), "dmin": load_half(b, p, 2), "scales": scales,
                 "mins": shuffle(b, mins8, [j // 2 for j in range(16)])}  # min j pairs with bsums 2j, 2j+1
 
     def segments(self, b, p, h):
@@ -254,7 +254,7 @@ class Q6_K(BlockFormat):
     ggml_type, act, block_elems, block_bytes = T_.Q6_K, ACT_Q8_K, 256, 210
 
     def header(self, b, p):
-        return {"d": load_f16(b, p, 208), "scales": b.sext(load(b, p, 192, vec(I8, 16)), V16I16)}
+        return {"d": load_half(b, p, 208), "scales": b.sext(load(b, p, 192, vec(I8, 16)), V16I16)}
 
     def segments(self, b, p, h):
         for half in range(2):
@@ -289,58 +289,107 @@ def _combine(b, fmt: BlockFormat, h: dict, iacc, acc, xd, xa_row, blk):
     return acc
 
 
-def build_tile(module: ir.Module, fmt: BlockFormat, nr: int, nt: int, name: str) -> ir.Function:
-    """Define ``void name(w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride, nb)``.
-
-    Pointers are i8* to the tile's first row (out: float*); strides in bytes (out: in floats).
-    For r < nr, t < nt: out[t*out_stride + r] = dot(weight row r, activation row t) over nb blocks.
-    """
-    args = [BYTE_PTR, I64] * 4 + [F32.as_pointer(), I64, I64]
-    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), args), name)
-    fn.linkage = "internal"
-    w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride, nb = fn.args
-    entry, loop, done = fn.append_basic_block("entry"), fn.append_basic_block("loop"), fn.append_basic_block("done")
-    b = ir.IRBuilder(entry)
-    row = lambda base, stride, i: b.gep(base, [b.mul(ir.Constant(I64, i), stride)])  # noqa: E731
-    w_rows = [row(w, w_stride, r) for r in range(nr)]
-    xq_rows = [row(xq, xq_stride, t) for t in range(nt)]
-    xd_rows = [row(xd, xd_stride, t) for t in range(nt)]
-    xa_rows = [row(xa, xa_stride, t) for t in range(nt)]
-    b.branch(loop)
-
-    b.position_at_end(loop)
-    blk = b.phi(I64)
-    blk.add_incoming(ir.Constant(I64, 0), entry)
-    zero = ir.Constant(V16F32, [0.0] * LANES)
-    accs = [[b.phi(V16F32) for _ in range(nt)] for _ in range(nr)]
-    for a in (a for row_accs in accs for a in row_accs):
-        a.add_incoming(zero, entry)
-    blocks = [b.gep(w_rows[r], [b.mul(blk, ir.Constant(I64, fmt.block_bytes))]) for r in range(nr)]
+def _emit_block(b, fmt: BlockFormat, rows: dict, blk, accs):
+    """IR for one block index ``blk`` of every (r, t) pair of a tile; returns the new accumulators."""
+    nr, nt = len(accs), len(accs[0])
+    blocks = [b.gep(w_row, [b.mul(blk, ir.Constant(I64, fmt.block_bytes))]) for w_row in rows["w"]]
     headers = [fmt.header(b, p) for p in blocks]
     x_at = b.mul(blk, ir.Constant(I64, fmt.block_elems))
     iacc = [[None] * nt for _ in range(nr)]
     for segs in zip(*(fmt.segments(b, p, h) for p, h in zip(blocks, headers))):
         offset = segs[0][0]
         for t in range(nt):
-            xv = b.sext(load(b, xq_rows[t], b.add(x_at, ir.Constant(I64, offset)), V32I8), V32I16)
+            xv = b.sext(load(b, rows["xq"][t], b.add(x_at, ir.Constant(I64, offset)), V32I8), V32I16)
             for r in range(nr):
                 prod = madd_pairs(b, segs[r][1], xv)
                 iacc[r][t] = prod if iacc[r][t] is None else b.add(iacc[r][t], prod)
     new = [[None] * nt for _ in range(nr)]
     for t in range(nt):
-        xd_t = load(b, xd_rows[t], b.mul(blk, ir.Constant(I64, 4)), F32)
+        xd_t = load(b, rows["xd"][t], b.mul(blk, ir.Constant(I64, 4)), F32)
         for r in range(nr):
-            new[r][t] = _combine(b, fmt, headers[r], iacc[r][t], accs[r][t], xd_t, xa_rows[t], blk)
-            accs[r][t].add_incoming(new[r][t], loop)
-    nxt = b.add(blk, ir.Constant(I64, 1))
-    blk.add_incoming(nxt, loop)
-    b.cbranch(b.icmp_signed("<", nxt, nb), loop, done)
+            new[r][t] = _combine(b, fmt, headers[r], iacc[r][t], accs[r][t], xd_t, rows["xa"][t], blk)
+    return new
 
-    b.position_at_end(done)
+
+def _unroll(fmt: BlockFormat, nr: int, nt: int) -> int:
+    """Blocks per main-loop iteration, each with its own accumulators: enough independent
+    float chains to hide the FMA latency when a tile has few (r, t) pairs and small blocks."""
+    return 4 if nr * nt == 1 and fmt.block_elems == 32 else 1
+
+
+def build_tile(module: ir.Module, fmt: BlockFormat, nr: int, nt: int, name: str) -> ir.Function:
+    """Define ``void name(w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride, nb)``.
+
+    Pointers are i8* to the tile's first row (out: float*); strides in bytes (out: in floats).
+    For r < nr, t < nt: out[t*out_stride + r] = dot(weight row r, activation row t) over nb >= 1
+    blocks. A main loop takes U blocks per iteration (U accumulator sets), a tail loop the rest.
+    """
+    args = [BYTE_PTR, I64] * 4 + [F32.as_pointer(), I64, I64]
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), args), name)
+    fn.linkage = "internal"
+    w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride, nb = fn.args
+    entry, main, tail_check, tail, done = (fn.append_basic_block(n) for n in ("entry", "main", "tail_check", "tail", "done"))
+    b = ir.IRBuilder(entry)
+    row = lambda base, stride, i: b.gep(base, [b.mul(ir.Constant(I64, i), stride)])  # noqa: E731
+    rows = {"w": [row(w, w_stride, r) for r in range(nr)], "xq": [row(xq, xq_stride, t) for t in range(nt)],
+            "xd": [row(xd, xd_stride, t) for t in range(nt)], "xa": [row(xa, xa_stride, t) for t in range(nt)]}
+    u = _unroll(fmt, nr, nt)
+    n_main = b.sub(nb, b.srem(nb, ir.Constant(I64, u)))
+    b.cbranch(b.icmp_signed(">", n_main, ir.Constant(I64, 0)), main, tail_check)
+    zero = ir.Constant(V16F32, [0.0] * LANES)
+
+    # main loop: blocks blk .. blk + u - 1, one accumulator set each
+    b.position_at_end(main)
+    blk = b.phi(I64)
+    blk.add_incoming(ir.Constant(I64, 0), entry)
+    sets = [[[b.phi(V16F32) for _ in range(nt)] for _ in range(nr)] for _ in range(u)]
+    new_sets = [_emit_block(b, fmt, rows, b.add(blk, ir.Constant(I64, k)), sets[k]) for k in range(u)]
+    for acc_set, new_set in zip(sets, new_sets):
+        for r in range(nr):
+            for t in range(nt):
+                acc_set[r][t].add_incoming(zero, entry)
+                acc_set[r][t].add_incoming(new_set[r][t], main)
+    summed = [[new_sets[0][r][t] for t in range(nt)] for r in range(nr)]
+    for k in range(1, u):
+        summed = [[b.fadd(summed[r][t], new_sets[k][r][t]) for t in range(nt)] for r in range(nr)]
+    blk_next = b.add(blk, ir.Constant(I64, u))
+    blk.add_incoming(blk_next, main)
+    main_exit = b.block
+    b.cbranch(b.icmp_signed("<", blk_next, n_main), main, tail_check)
+
+    # tail: the remaining nb % u blocks, one at a time
+    b.position_at_end(tail_check)
+    start = b.phi(I64)
+    start.add_incoming(ir.Constant(I64, 0), entry)
+    start.add_incoming(n_main, main_exit)
+    carried = [[b.phi(V16F32) for _ in range(nt)] for _ in range(nr)]
     for r in range(nr):
         for t in range(nt):
+            carried[r][t].add_incoming(zero, entry)
+            carried[r][t].add_incoming(summed[r][t], main_exit)
+    b.cbranch(b.icmp_signed("<", start, nb), tail, done)
+
+    b.position_at_end(tail)
+    blk = b.phi(I64)
+    blk.add_incoming(start, tail_check)
+    accs = [[b.phi(V16F32) for _ in range(nt)] for _ in range(nr)]
+    new = _emit_block(b, fmt, rows, blk, accs)
+    for r in range(nr):
+        for t in range(nt):
+            accs[r][t].add_incoming(carried[r][t], tail_check)
+            accs[r][t].add_incoming(new[r][t], tail)
+    blk_next = b.add(blk, ir.Constant(I64, 1))
+    blk.add_incoming(blk_next, tail)
+    b.cbranch(b.icmp_signed("<", blk_next, nb), tail, done)
+
+    b.position_at_end(done)
+    final = [[b.phi(V16F32) for _ in range(nt)] for _ in range(nr)]
+    for r in range(nr):
+        for t in range(nt):
+            final[r][t].add_incoming(carried[r][t], tail_check)
+            final[r][t].add_incoming(new[r][t], tail)
             at = b.add(b.mul(ir.Constant(I64, t), out_stride), ir.Constant(I64, r))
-            b.store(hsum_f32(b, new[r][t]), b.gep(out, [at]))
+            b.store(hsum_f32(b, final[r][t]), b.gep(out, [at]))
     b.ret_void()
     return fn
 

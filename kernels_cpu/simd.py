@@ -133,7 +133,7 @@ def load(b: ir.IRBuilder, base, offset, ty: ir.Type):
     return b.load(b.bitcast(byte_at(b, base, offset), ty.as_pointer()), align=1)
 
 
-def load_f16(b: ir.IRBuilder, base, offset):
+def load_half(b: ir.IRBuilder, base, offset):
     """float32 value of the binary16 at i8* base + offset (LLVM fpext half -> float: exact)."""
     return b.fpext(load(b, base, offset, ir.HalfType()), F32)
 
