@@ -210,21 +210,23 @@ class Q4_K(BlockFormat):
     qs_at = 16
 
     def header(self, b, p):
-        s = [b.zext(load(b, p, 4 + i, I8), I16) for i in range(12)]
-        c63, c15, c4, c6 = (ir.Constant(I16, v) for v in (63, 15, 4, 6))
-        scales = [b.and_(s[j], c63) for j in range(4)]
-        mins = [b.and_(s[j + 4], c63) for j in range(4)]
-        for j in range(4, 8):
-            scales.append(b.or_(b.and_(s[j + 4], c15), b.shl(b.lshr(s[j - 4], c6), c4)))
-            mins.append(b.or_(b.lshr(s[j + 4], c4), b.shl(b.lshr(s[j], c6), c4)))
-        mins8 = ir.Constant(vec(I16, 8), ir.Undefined)
-        for j, m in enumerate(mins):
-            mins8 = b.insert_element(mins8, m, ir.Constant(I32, j))
+        # SWAR on the 12 scale bytes as three little-endian words: words holding scales 0-3, 4-7
+        # and mins 0-3, 4-7, one per byte (scalar scales keep LLVM's int16 pmaddwd pattern intact)
+        u0, u1, u2 = (load(b, p, 4 + 4 * i, I32) for i in range(3))
+        c = lambda v: ir.Constant(I32, v)  # noqa: E731
+        low6, low4, top2 = c(0x3F3F3F3F), c(0x0F0F0F0F), c(0x03030303)
+        sc_lo = b.and_(u0, low6)
+        sc_hi = b.or_(b.and_(u2, low4), b.shl(b.and_(b.lshr(u0, c(6)), top2), c(4)))
+        mn_lo = b.and_(u1, low6)
+        mn_hi = b.or_(b.and_(b.lshr(u2, c(4)), low4), b.shl(b.and_(b.lshr(u1, c(6)), top2), c(4)))
+        scales = [b.trunc(b.lshr(word, c(8 * k)), I16) for word in (sc_lo, sc_hi) for k in range(4)]
+        scales = [b.and_(v, ir.Constant(I16, 0xFF)) for v in scales]
+        mins = b.zext(concat(b, b.bitcast(mn_lo, vec(I8, 4)), b.bitcast(mn_hi, vec(I8, 4))), vec(I16, 8))
         return {"d": load_half(b, p, 0), "dmin": load_half(b, p, 2), "scales": scales,
-                "mins": shuffle(b, mins8, [j // 2 for j in range(16)])}  # min j pairs with bsums 2j, 2j+1
+                "mins": shuffle(b, mins, [j // 2 for j in range(16)])}  # min j pairs with bsums 2j, 2j+1
 
     def segments(self, b, p, h):
-        for pair in range(4):
+        for pair in range(4):  # sub-blocks 2*pair (low nibbles) and 2*pair + 1 (high nibbles)
             v = load(b, p, self.qs_at + 32 * pair, V32I8)
             for j, q in ((2 * pair, b.and_(v, lanes_i8(b, 0x0F, 32))), (2 * pair + 1, b.lshr(v, lanes_i8(b, 4, 32)))):
                 if "qh" in h:  # Q5_K: bit 4 of value 32j + i is bit j of qh[i]

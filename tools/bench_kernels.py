@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""Benchmark edge's quantized matmul kernels (not a test: numbers depend on the machine and load).
+
+* decode (T = 1): effective weight bandwidth, GB/s = weight bytes / time. Each timed pass cycles
+  through enough copies of the weight matrix (>= --working-set MB) that they come from DRAM,
+  as in real decode, not from the caches.
+* prefill (T = 64, 512): GFLOP/s = 2 * R * K * T / time.
+* compile: first call of each type in a fresh process with an empty numba cache, then again
+  with the warm cache (--compile).
+
+Run with NUMBA_NUM_THREADS set (e.g. 2); the script prints the thread count it used.
+Usage: python tools/bench_kernels.py [--types Q5_0,Q8_0,Q4_K,Q6_K] [--compile] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+DECODE_SHAPES = [(896, 896), (4864, 896), (896, 4864), (151936, 896)]  # (R, K): qwen2.5-0.5B
+PREFILL_SHAPES = [(4864, 896, 64), (896, 4864, 64), (4864, 896, 512), (896, 4864, 512)]  # (R, K, T)
+ALL_TYPES = "F32,F16,BF16,Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K"
+
+
+def random_rows(t, R: int, K: int, rng) -> np.ndarray:
+    """uint8[R, row_bytes] of random blocks whose f16 scales are small finite numbers."""
+    from gguf import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[t]
+    raw = rng.integers(0, 256, (R, K // block, size), dtype=np.uint8)
+    if block == 1:  # float types: random small values
+        return (rng.normal(0, 0.02, (R, K)).astype(np.float32).view(np.uint8) if size == 4 else
+                rng.normal(0, 0.02, (R, K)).astype(np.float16).view(np.uint8))
+    raw[..., :2] = raw[..., :2] & np.uint8(0x3F)  # keep a leading f16 field finite (exponent < 31)
+    raw[..., -2:] = raw[..., -2:] & np.uint8(0x3F)
+    return raw.reshape(R, -1)
+
+
+def best_time(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bench_decode(t, R: int, K: int, working_set: float, repeats: int, ws) -> str:
+    from kernels_cpu.matmul import matmul
+
+    rng = np.random.default_rng(0)
+    first = random_rows(t, R, K, rng)
+    copies = [first] + [first.copy() for _ in range(max(0, int(working_set * 1e6 // first.nbytes)))]
+    x = rng.normal(0, 1, (1, K)).astype(np.float32)
+    out = np.empty((1, R), np.float32)
+    matmul(first, t, x, out, ws)
+
+    def run():
+        for w in copies:
+            matmul(w, t, x, out, ws)
+
+    per_call = best_time(run, repeats) / len(copies)
+    return f"{t.name:5s} decode  {R:6d} x {K:4d}: {first.nbytes / per_call / 1e9:6.1f} GB/s  ({per_call * 1e3:7.3f} ms)"
+
+
+def bench_prefill(t, R: int, K: int, T: int, repeats: int, ws) -> str:
+    from kernels_cpu.matmul import matmul
+
+    rng = np.random.default_rng(1)
+    w = random_rows(t, R, K, rng)
+    x = rng.normal(0, 1, (T, K)).astype(np.float32)
+    out = np.empty((T, R), np.float32)
+    matmul(w, t, x, out, ws)
+    dt = best_time(lambda: matmul(w, t, x, out, ws), repeats)
+    return f"{t.name:5s} prefill {R:6d} x {K:4d}, T={T:3d}: {2 * R * K * T / dt / 1e9:6.1f} GFLOP/s ({dt * 1e3:7.2f} ms)"
+
+
+_COMPILE_SNIPPET = """
+import sys, time, numpy as np
+from gguf import GGMLQuantizationType as T, GGML_QUANT_SIZES
+from kernels_cpu.matmul import matmul
+for name in sys.argv[1].split(","):
+    t = T[name]
+    block, size = GGML_QUANT_SIZES[t]
+    w = np.zeros((8, 256 // block * size), np.uint8)
+    t0 = time.perf_counter()
+    matmul(w, t, np.ones((1, 256), np.float32))
+    t1 = time.perf_counter()
+    matmul(w, t, np.ones((9, 256), np.float32))
+    print(f"{name} {t1 - t0:.2f} {time.perf_counter() - t0:.2f}", flush=True)
+"""
+
+
+def bench_compile(types: str) -> list[str]:
+    """First-call times (decode, then decode + prefill) per type: cold cache, then warm cache."""
+    lines = []
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, NUMBA_CACHE_DIR=cache)
+        for label in ("empty cache", "warm cache"):
+            t0 = time.perf_counter()
+            res = subprocess.run([sys.executable, "-c", _COMPILE_SNIPPET, types], env=env,
+                                 capture_output=True, text=True, check=True)
+            total = time.perf_counter() - t0
+            lines.append(f"compile, {label} (process total {total:.1f} s incl. imports):")
+            for row in res.stdout.split("\n"):
+                if row:
+                    name, dec, both = row.split()
+                    lines.append(f"  {name:5s} first T=1 call {float(dec):5.2f} s, then T=9 call: "
+                                 f"{float(both) - float(dec):5.2f} s")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--types", default="Q5_0,Q8_0,Q4_K,Q6_K", help=f"comma list, or 'all' ({ALL_TYPES})")
+    parser.add_argument("--compile", action="store_true", help="also measure compile times")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, smaller working set")
+    parser.add_argument("--working-set", type=float, default=512, help="MB of weight copies per decode pass")
+    args = parser.parse_args()
+
+    import numba
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from kernels_cpu.matmul import MatmulWorkspace
+
+    names = ALL_TYPES if args.types == "all" else args.types
+    types = [GGMLQuantizationType[n.strip().upper()] for n in names.split(",")]
+    repeats = 3 if args.quick else 7
+    working_set = 64 if args.quick else args.working_set
+    print(f"numba threads: {numba.get_num_threads()}", flush=True)
+    ws = MatmulWorkspace(512, 4864)
+    for t in types:
+        block = GGML_QUANT_SIZES[t][0]
+        for R, K in DECODE_SHAPES:
+            if K % block == 0:
+                print(bench_decode(t, R, K, working_set, repeats, ws), flush=True)
+        for R, K, T in PREFILL_SHAPES:
+            if K % block == 0:
+                print(bench_prefill(t, R, K, T, max(2, repeats // 2), ws), flush=True)
+    print(f"threading layer: {numba.threading_layer()}")
+    if args.compile:
+        print("\n".join(bench_compile(names)))
+
+
+if __name__ == "__main__":
+    main()
