@@ -37,7 +37,6 @@ from kernels_cpu.simd import (BYTE_PTR, F32, I8, I16, I32, I64, bits_to_lanes, c
 
 T_ = GGMLQuantizationType
 LANES = 16  # float32 / int32 lanes per accumulator (32 int16 products pairwise summed)
-SEG = 32  # values per segment
 NR, NT = 4, 4  # prefill tile: weight rows x activation rows
 TC = 64  # activation rows per prefill chunk
 

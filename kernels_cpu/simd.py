@@ -7,6 +7,10 @@ kernels move between a float32 and its uint32 bit pattern without touching memor
 operations only (no reliance on F16C or on the denormals-are-zero state of the FPU). It gives
 the same bits as numpy's ``float16 -> float32`` cast (numpy ``npy_halfbits_to_floatbits``),
 including the sign of zero and the payload of NaNs (a signalling NaN stays signalling).
+
+The second half holds helpers that emit LLVM vector IR (used by matmul's generated kernels).
+Note: numba's on-disk cache keys a kernel on its own source file only; after editing this
+module, clear the cached kernels of the modules that use it (``__pycache__/*.nbi, *.nbc``).
 """
 from __future__ import annotations
 
