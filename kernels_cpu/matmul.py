@@ -300,7 +300,10 @@ def _emit_block(b, fmt: BlockFormat, rows: dict, blk, accs):
     for segs in zip(*(fmt.segments(b, p, h) for p, h in zip(blocks, headers))):
         offset = segs[0][0]
         for t in range(nt):
-            xv = b.sext(load(b, rows["xq"][t], b.add(x_at, ir.Constant(I64, offset)), V32I8), V32I16)
+            if rows["x16"]:
+                xv = load(b, rows["xq"][t], b.mul(b.add(x_at, ir.Constant(I64, offset)), ir.Constant(I64, 2)), V32I16)
+            else:
+                xv = b.sext(load(b, rows["xq"][t], b.add(x_at, ir.Constant(I64, offset)), V32I8), V32I16)
             for r in range(nr):
                 prod = madd_pairs(b, segs[r][1], xv)
                 iacc[r][t] = prod if iacc[r][t] is None else b.add(iacc[r][t], prod)
@@ -318,12 +321,13 @@ def _unroll(fmt: BlockFormat, nr: int, nt: int) -> int:
     return 4 if nr * nt == 1 and fmt.block_elems == 32 else 1
 
 
-def build_tile(module: ir.Module, fmt: BlockFormat, nr: int, nt: int, name: str) -> ir.Function:
+def build_tile(module: ir.Module, fmt: BlockFormat, nr: int, nt: int, name: str, x16: bool = False) -> ir.Function:
     """Define ``void name(w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride, nb)``.
 
     Pointers are i8* to the tile's first row (out: float*); strides in bytes (out: in floats).
     For r < nr, t < nt: out[t*out_stride + r] = dot(weight row r, activation row t) over nb >= 1
-    blocks. A main loop takes U blocks per iteration (U accumulator sets), a tail loop the rest.
+    blocks; activation quants are int8, or int16 when ``x16``. A main loop takes U blocks per
+    iteration (U accumulator sets), a tail loop the rest.
     """
     args = [BYTE_PTR, I64] * 4 + [F32.as_pointer(), I64, I64]
     fn = ir.Function(module, ir.FunctionType(ir.VoidType(), args), name)
@@ -333,7 +337,8 @@ def build_tile(module: ir.Module, fmt: BlockFormat, nr: int, nt: int, name: str)
     b = ir.IRBuilder(entry)
     row = lambda base, stride, i: b.gep(base, [b.mul(ir.Constant(I64, i), stride)])  # noqa: E731
     rows = {"w": [row(w, w_stride, r) for r in range(nr)], "xq": [row(xq, xq_stride, t) for t in range(nt)],
-            "xd": [row(xd, xd_stride, t) for t in range(nt)], "xa": [row(xa, xa_stride, t) for t in range(nt)]}
+            "xd": [row(xd, xd_stride, t) for t in range(nt)], "xa": [row(xa, xa_stride, t) for t in range(nt)],
+            "x16": x16}
     u = _unroll(fmt, nr, nt)
     n_main = b.sub(nb, b.srem(nb, ir.Constant(I64, u)))
     b.cbranch(b.icmp_signed(">", n_main, ir.Constant(I64, 0)), main, tail_check)
@@ -399,18 +404,22 @@ def build_tile(module: ir.Module, fmt: BlockFormat, nr: int, nt: int, name: str)
 def qdot_tile(typingctx, fmt, nr, nt, w, r0, xq, xd, xa, t0, out):
     """out[t0 + t, r0 + r] = dot(w[r0 + r], x[t0 + t]) for r < nr, t < nt (nr, nt, fmt literal).
 
-    ``fmt`` is the GGML type id of w; xq int8[T, K], xd float32[T, K/block], xa the Q8_1 sums
-    float32[T, K/32] or the Q8_K bsums int16[T, K/16] (ignored for Q8_0), out float32[T, R].
+    ``fmt`` is the GGML type id of w; xq int8[T, K] or int16[T, K], xd float32[T, K/block], xa
+    the Q8_1 sums float32[T, K/32] or the Q8_K bsums int16[T, K/16] (ignored for Q8_0), out
+    float32[T, R].
     """
     if not all(isinstance(a, types.IntegerLiteral) for a in (fmt, nr, nt)):
+        return None
+    if not isinstance(xq, types.Array) or xq.dtype not in (types.int8, types.int16):
         return None
     f = FORMATS[GGMLQuantizationType(fmt.literal_value)]
     n_r, n_t = nr.literal_value, nt.literal_value
     sig = types.void(fmt, nr, nt, w, r0, xq, xd, xa, t0, out)
 
     def codegen(context, builder, signature, args):
-        name = f"edge_qdot_{f.ggml_type.name.lower()}_{n_r}x{n_t}"
-        fn = builder.module.globals.get(name) or build_tile(builder.module, f, n_r, n_t, name)
+        x16 = signature.args[5].dtype == types.int16
+        name = f"edge_qdot_{f.ggml_type.name.lower()}_{n_r}x{n_t}{'_x16' if x16 else ''}"
+        fn = builder.module.globals.get(name) or build_tile(builder.module, f, n_r, n_t, name, x16)
         arrays = [context.make_array(ty)(context, builder, v) for ty, v in
                   zip(signature.args[3:], args[3:]) if isinstance(ty, types.Array)]
         aw, axq, axd, axa, aout = arrays
@@ -465,7 +474,8 @@ def _tiled(fmt, w, xq, xd, xa, out):
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-type kernels. Shapes: w uint8[R, row_bytes], xqs int8[T, K], xd float32[T, K/block],
+# Per-type kernels. Shapes: w uint8[R, row_bytes], xqs int8[T, K] or int16[T, K] (the same
+# quants widened, read with one load per segment), xd float32[T, K/block],
 # xs float32[T, K/32], xbsums int16[T, K/16], out float32[T, R]; all C-contiguous.
 
 _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0 = int(T_.Q4_0), int(T_.Q4_1), int(T_.Q5_0), int(T_.Q5_1), int(T_.Q8_0)
@@ -617,17 +627,18 @@ class MatmulWorkspace:
         self.max_tokens, self.max_k = max_tokens, max_k
         n = max_tokens * max_k
         self._qs = np.empty(n, np.int8)
+        self._qs16 = np.empty(max_k, np.int16)  # decode (T = 1) quants, widened
         self._d = np.empty(n // 32 + 1, np.float32)
         self._s = np.empty(n // 32 + 1, np.float32)
         self._bsums = np.empty(n // 16 + 1, np.int16)
         self._x = np.empty(n, np.float32)
 
     def take(self, name: str, shape: tuple[int, int]) -> np.ndarray:
-        """A C-contiguous view of buffer ``name`` ('qs', 'd', 's', 'bsums', 'x') with ``shape``."""
+        """A C-contiguous view of buffer ``name`` ('qs', 'qs16', 'd', 's', 'bsums', 'x') with ``shape``."""
         T, K = shape
-        if T > self.max_tokens or K > self.max_k:
-            raise ValueError(f"workspace holds {self.max_tokens} x {self.max_k} values, asked for {T} x {K}")
         buf = getattr(self, "_" + name)
+        if T > self.max_tokens or K > self.max_k or T * K > buf.size:
+            raise ValueError(f"workspace holds {self.max_tokens} x {self.max_k} values, asked for {T} x {K}")
         return buf[: T * K].reshape(T, K)
 
 
@@ -667,23 +678,27 @@ def matmul(w: np.ndarray, ggml_type, x: np.ndarray, out: np.ndarray | None = Non
     t = as_ggml_type(ggml_type)
     out = _check_matmul(w, t, x, out)
     T, K = x.shape
-    take = workspace.take if workspace is not None else (lambda name, shape: None)
+
+    def buf(name: str, shape: tuple[int, int], dtype) -> np.ndarray:
+        return workspace.take(name, shape) if workspace is not None else np.empty(shape, dtype)
+
     if t == T_.F32:
         matmul_f32_f32(w.view(np.float32), x, out)
     elif t in (T_.F16, T_.BF16):
-        xr = take("x", (T, K))
-        xr = np.empty_like(x) if xr is None else xr
+        xr = buf("x", (T, K), np.float32)
         (round_to_f16 if t == T_.F16 else round_to_bf16)(x, xr)
         (matmul_f16_f16 if t == T_.F16 else matmul_bf16_bf16)(w.view(np.uint16), xr, out)
     else:
+        # decode reads the quants widened to int16 (one load per segment instead of load + extend)
+        qs = buf("qs16", (1, K), np.int16) if T == 1 else buf("qs", (T, K), np.int8)
         act = FORMATS[t].act
         if act == ACT_Q8_K:
-            qs, d, bsums = qa.quantize_q8_k(x, take("qs", (T, K)), take("d", (T, K // 256)), take("bsums", (T, K // 16)))
+            _, d, bsums = qa.quantize_q8_k(x, qs, buf("d", (T, K // 256), np.float32), buf("bsums", (T, K // 16), np.int16))
             QUANT_KERNELS[t](w, qs, d, bsums, out)
         elif act == ACT_Q8_1:
-            qs, d, s = qa.quantize_q8_1(x, take("qs", (T, K)), take("d", (T, K // 32)), take("s", (T, K // 32)))
+            _, d, s = qa.quantize_q8_1(x, qs, buf("d", (T, K // 32), np.float32), buf("s", (T, K // 32), np.float32))
             QUANT_KERNELS[t](w, qs, d, s, out)
         else:
-            qs, d = qa.quantize_q8_0(x, take("qs", (T, K)), take("d", (T, K // 32)))
+            _, d = qa.quantize_q8_0(x, qs, buf("d", (T, K // 32), np.float32))
             QUANT_KERNELS[t](w, qs, d, out)
     return out

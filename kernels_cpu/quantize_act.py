@@ -20,7 +20,8 @@ is float32 as in ggml. Inputs must be finite: NaN or Inf give unspecified (memor
 
 Shapes (T rows of K values): x float32[T, K] -> qs int8[T, K] plus, per format,
 Q8_0: d float32[T, K/32]; Q8_1: d, s float32[T, K/32]; Q8_K: d float32[T, K/256],
-bsums int16[T, K/16]. Output buffers may be passed in, so a decode loop allocates nothing.
+bsums int16[T, K/16]. Output buffers may be passed in, so a decode loop allocates nothing; a
+qs buffer may also be int16 (the same values, widened: the form matmul's kernels read fastest).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from kernels_cpu.simd import bits_from_f32, f32_from_bits
 
 QK8_0 = 32  # values per Q8_0 / Q8_1 block
 QK_K = 256  # values per Q8_K super-block
+QS_DTYPES = (np.int8, np.int16)  # qs buffers: int8 (ggml's layout) or int16 (widened for matmul)
 _F127 = np.float32(127.0)
 _FM127 = np.float32(-127.0)
 _ONE = np.float32(1.0)
@@ -128,12 +130,14 @@ def _check_x(x, block: int, fmt: str) -> tuple[int, int]:
     return x.shape
 
 
-def _buffer(buf, shape: tuple[int, int], dtype, name: str, fmt: str) -> np.ndarray:
+def _buffer(buf, shape: tuple[int, int], dtypes, name: str, fmt: str) -> np.ndarray:
+    """``buf`` checked (dtype one of ``dtypes``, shape, layout), or a new array of dtypes[0]."""
+    dtypes = tuple(np.dtype(t) for t in np.atleast_1d(dtypes))
     if buf is None:
-        return np.empty(shape, dtype)
-    if (not isinstance(buf, np.ndarray) or buf.dtype != dtype or buf.shape != shape
+        return np.empty(shape, dtypes[0])
+    if (not isinstance(buf, np.ndarray) or buf.dtype not in dtypes or buf.shape != shape
             or not buf.flags.c_contiguous or not buf.flags.writeable):
-        raise QuantFormatError(f"{fmt}: {name} must be a writeable C-contiguous {np.dtype(dtype).name}"
+        raise QuantFormatError(f"{fmt}: {name} must be a writeable C-contiguous {'/'.join(t.name for t in dtypes)}"
                                f"{list(shape)} array, got {getattr(buf, 'dtype', type(buf))} "
                                f"{getattr(buf, 'shape', '')}")
     return buf
@@ -145,7 +149,7 @@ def quantize_q8_0(x: np.ndarray, qs: np.ndarray | None = None, d: np.ndarray | N
     ``qs``/``d`` are filled in place when given. Raises QuantFormatError on a bad shape/dtype.
     """
     T, K = _check_x(x, QK8_0, "Q8_0")
-    qs = _buffer(qs, (T, K), np.int8, "qs", "Q8_0")
+    qs = _buffer(qs, (T, K), QS_DTYPES, "qs", "Q8_0")
     d = _buffer(d, (T, K // QK8_0), np.float32, "d", "Q8_0")
     quantize_q8_0_kernel(x, qs, d)
     return qs, d
@@ -158,7 +162,7 @@ def quantize_q8_1(x: np.ndarray, qs: np.ndarray | None = None, d: np.ndarray | N
     ``s`` = f16(d * sum(qs of the block)). Buffers are filled in place when given.
     """
     T, K = _check_x(x, QK8_0, "Q8_1")
-    qs = _buffer(qs, (T, K), np.int8, "qs", "Q8_1")
+    qs = _buffer(qs, (T, K), QS_DTYPES, "qs", "Q8_1")
     d = _buffer(d, (T, K // QK8_0), np.float32, "d", "Q8_1")
     s = _buffer(s, (T, K // QK8_0), np.float32, "s", "Q8_1")
     quantize_q8_1_kernel(x, qs, d, s)
@@ -172,7 +176,7 @@ def quantize_q8_k(x: np.ndarray, qs: np.ndarray | None = None, d: np.ndarray | N
     Buffers are filled in place when given. Raises QuantFormatError on a bad shape/dtype.
     """
     T, K = _check_x(x, QK_K, "Q8_K")
-    qs = _buffer(qs, (T, K), np.int8, "qs", "Q8_K")
+    qs = _buffer(qs, (T, K), QS_DTYPES, "qs", "Q8_K")
     d = _buffer(d, (T, K // QK_K), np.float32, "d", "Q8_K")
     bsums = _buffer(bsums, (T, K // 16), np.int16, "bsums", "Q8_K")
     quantize_q8_k_kernel(x, qs, d, bsums)

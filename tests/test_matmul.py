@@ -7,7 +7,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from edge.gguf_file import GGUFFile
 from kernels_cpu.dequant import QuantFormatError, dequantize
-from kernels_cpu.matmul import NR, NT, TC, MatmulWorkspace, matmul
+from kernels_cpu.matmul import NR, NT, TC, QUANT_KERNELS, MatmulWorkspace, matmul
 from kernels_cpu.quantize_act import quantize_q8_0, quantize_q8_1, quantize_q8_k
 
 Q8_0_TYPES = (T.Q4_0, T.Q5_0, T.Q8_0)
@@ -116,6 +116,24 @@ def test_one_block_of_32(t):
     x = rng.normal(0, 1, (NT + 1, K)).astype(np.float32)
     ref = ggml_reference(w, t, x)
     np.testing.assert_allclose(matmul(w, t, x), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("t", [T.Q5_0, T.Q5_1, T.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("n_tokens", [1, 5])
+def test_kernels_take_int8_or_int16_quants(t, n_tokens):
+    """The per-type kernels give identical results from int8 quants and from their int16 widening."""
+    rng = np.random.default_rng(4)
+    w = random_weights(t, 11, 512, rng)
+    x = rng.normal(0, 1, (n_tokens, 512)).astype(np.float32)
+    quantize = {T.Q5_0: quantize_q8_0, T.Q5_1: quantize_q8_1, T.Q4_K: quantize_q8_k}[t]
+    qs, *scales = quantize(x)
+    outs = []
+    for quants in (qs, qs.astype(np.int16)):
+        out = np.empty((n_tokens, 11), np.float32)
+        QUANT_KERNELS[t](w, quants, *scales, out)
+        outs.append(out)
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(outs[0], matmul(w, t, x))
 
 
 def test_known_q8_0_product():

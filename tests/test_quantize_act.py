@@ -98,6 +98,16 @@ def test_buffers_are_reused():
     assert_equal_bits(s, quantize_q8_1_ref(x)[2], "s")
 
 
+def test_int16_quants_buffer():
+    """qs may be int16 (the widened form matmul reads): same values as int8."""
+    x = activations(2, 512, seed=11)
+    qs16 = np.empty((2, 512), np.int16)
+    assert quantize_q8_k(x, qs=qs16)[0] is qs16
+    np.testing.assert_array_equal(qs16, quantize_q8_k_ref(x)[0])
+    assert quantize_q8_0(x, qs=qs16)[0] is qs16
+    np.testing.assert_array_equal(qs16, quantize_q8_0_ref(x)[0])
+
+
 def test_errors():
     with pytest.raises(QuantFormatError, match="multiple of the block size 256"):
         quantize_q8_k(np.zeros((1, 896), np.float32))
@@ -105,3 +115,5 @@ def test_errors():
         quantize_q8_0(np.zeros((1, 32), np.float64))
     with pytest.raises(QuantFormatError, match=r"d must be a writeable C-contiguous float32\[1, 1\]"):
         quantize_q8_0(np.zeros((1, 32), np.float32), d=np.zeros((1, 2), np.float32))
+    with pytest.raises(QuantFormatError, match=r"qs must be a writeable C-contiguous int8/int16\[1, 32\]"):
+        quantize_q8_0(np.zeros((1, 32), np.float32), qs=np.zeros((1, 32), np.int32))
