@@ -57,16 +57,15 @@ def test_matches_numpy_reference(tiny):
     ref = reference_logits(path, TOKENS)
     got = _all_logits(model, TOKENS, [len(TOKENS)]).astype(np.float64)
     assert got.shape == ref.shape == (len(TOKENS), model.args.n_vocab)
-    err = np.abs(got - ref).max() / np.abs(ref).max()
+    err = np.abs(got - ref).max(axis=1) / np.abs(ref).max()
+    cos = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
     if "quant" in name:
-        # edge quantizes activations to 8-bit blocks as llama.cpp does; the reference does not
-        cos = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
-        assert cos.min() > 0.999, cos
-        assert err < 0.05, err
-        assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.85
+        # Both round activations to 8-bit blocks as llama.cpp does; float summation order can
+        # flip one of those roundings, a jump of 1/127 of a block's range, now and then.
+        assert err.max() < 0.1 and cos.min() > 0.999, (err, cos)
     else:
-        assert err < 2e-3, err  # f16 KV cache is the only rounding left
-        assert np.array_equal(got.argmax(1), ref.argmax(1))
+        assert err.max() < 2e-3, err
+    assert np.array_equal(got.argmax(1), ref.argmax(1))
 
 
 def test_kv_cache_and_chunked_prefill_agree(tiny):

@@ -15,7 +15,8 @@ _K_SCALE_OFFSETS = {
     Q.Q5_K: (0, 2),                   # d, dmin, scales[12], qh[32], qs[128]
     Q.Q6_K: (128 + 64 + 16,),         # ql[128], qh[64], scales[16], d
 }
-_K_SCALE = {Q.Q2_K: 0.02, Q.Q3_K: 0.01, Q.Q4_K: 0.01, Q.Q5_K: 0.005, Q.Q6_K: 0.0005}
+# super-block scales that give weights of order 0.3, like real models (max |w| ~ d * 63 * 15 for Q4_K)
+_K_SCALE = {Q.Q2_K: 0.02, Q.Q3_K: 0.008, Q.Q4_K: 0.001, Q.Q5_K: 0.0005, Q.Q6_K: 0.0002}
 
 
 def random_tensor(rng, shape, qtype, scale=0.3):
