@@ -9,7 +9,9 @@
   with the warm cache (--compile).
 
 Run with NUMBA_NUM_THREADS set (e.g. 2); the script prints the thread count it used.
-Usage: python tools/bench_kernels.py [--types Q5_0,Q8_0,Q4_K,Q6_K] [--compile] [--quick]
+* model (--model FILE): one decode step's matmuls over all 2-D weights of a GGUF model.
+
+Usage: python tools/bench_kernels.py [--types Q5_0,Q8_0,Q4_K,Q6_K] [--compile] [--quick] [--model F]
 """
 from __future__ import annotations
 
@@ -80,6 +82,35 @@ def bench_prefill(t, R: int, K: int, T: int, repeats: int, ws) -> str:
     return f"{t.name:5s} prefill {R:6d} x {K:4d}, T={T:3d}: {2 * R * K * T / dt / 1e9:6.1f} GFLOP/s ({dt * 1e3:7.2f} ms)"
 
 
+def bench_model(path: str, repeats: int, ws) -> list[str]:
+    """One decode step's matmuls over every 2-D weight of a GGUF model (token_embd excluded:
+    it is a row lookup; output/tied embedding included): total time and weight bandwidth."""
+    from edge.gguf_file import GGUFFile
+    from kernels_cpu.matmul import matmul
+
+    gf = GGUFFile(path)
+    names = [n for n, t in gf.tensors.items() if len(t.shape) == 2 and n != "token_embd.weight"]
+    if "output.weight" not in gf.tensors:
+        names.append("token_embd.weight")  # tied output
+    mats = [(gf.tensor_rows(n), gf.tensors[n].ggml_type, gf.tensors[n].shape[0]) for n in names]
+    xs = {k: np.random.default_rng(k).normal(0, 1, (1, k)).astype(np.float32) for _, _, k in mats}
+    outs = [np.empty((1, w.shape[0]), np.float32) for w, _, _ in mats]
+
+    def step():
+        for (w, t, k), out in zip(mats, outs):
+            matmul(w, t, xs[k], out, ws)
+
+    step()
+    dt = best_time(step, repeats)
+    total = sum(w.nbytes for w, _, _ in mats)
+    by_type: dict[str, int] = {}
+    for w, t, _ in mats:
+        by_type[t.name] = by_type.get(t.name, 0) + w.nbytes
+    mix = ", ".join(f"{name} {n / 1e6:.0f} MB" for name, n in sorted(by_type.items()))
+    return [f"model {os.path.basename(path)}: {len(mats)} matmuls per token ({mix})",
+            f"  decode step {dt * 1e3:.2f} ms, {total / dt / 1e9:.1f} GB/s of weights"]
+
+
 _COMPILE_SNIPPET = """
 import sys, time, numpy as np
 from gguf import GGMLQuantizationType as T, GGML_QUANT_SIZES
@@ -121,6 +152,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also measure compile times")
     parser.add_argument("--quick", action="store_true", help="fewer repeats, smaller working set")
     parser.add_argument("--working-set", type=float, default=512, help="MB of weight copies per decode pass")
+    parser.add_argument("--model", action="append", default=[], help="GGUF file: time one decode step's matmuls")
     args = parser.parse_args()
 
     import numba
@@ -133,7 +165,9 @@ def main() -> None:
     repeats = 3 if args.quick else 7
     working_set = 64 if args.quick else args.working_set
     print(f"numba threads: {numba.get_num_threads()}", flush=True)
-    ws = MatmulWorkspace(512, 4864)
+    ws = MatmulWorkspace(512, 8960)
+    for path in args.model:
+        print("\n".join(bench_model(path, repeats, ws)), flush=True)
     for t in types:
         block = GGML_QUANT_SIZES[t][0]
         for R, K in DECODE_SHAPES:
