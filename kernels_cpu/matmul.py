@@ -617,8 +617,8 @@ class MatmulWorkspace:
     """Preallocated activation buffers for matmul, so a decode loop allocates nothing.
 
     Holds room for up to ``max_tokens`` rows of up to ``max_k`` values in every activation format
-    (int8 quants, scales, Q8_1 sums, Q8_K bsums, f16/bf16-rounded x). One workspace serves one
-    thread of calls: matmul overwrites it on every call.
+    (int8 quants, their int16 widening for decode, scales, Q8_1 sums, Q8_K bsums, f16/bf16-rounded
+    x). One workspace serves one thread of calls: matmul overwrites it on every call.
     """
 
     def __init__(self, max_tokens: int, max_k: int):
@@ -626,20 +626,25 @@ class MatmulWorkspace:
             raise ValueError(f"workspace needs max_tokens >= 1 and max_k >= 1, got {max_tokens}, {max_k}")
         self.max_tokens, self.max_k = max_tokens, max_k
         n = max_tokens * max_k
-        self._qs = np.empty(n, np.int8)
-        self._qs16 = np.empty(max_k, np.int16)  # decode (T = 1) quants, widened
-        self._d = np.empty(n // 32 + 1, np.float32)
-        self._s = np.empty(n // 32 + 1, np.float32)
-        self._bsums = np.empty(n // 16 + 1, np.int16)
-        self._x = np.empty(n, np.float32)
+        self._buffers = {"qs": np.empty(n, np.int8), "qs16": np.empty(max_k, np.int16),
+                         "d": np.empty(n // 32 + 1, np.float32), "s": np.empty(n // 32 + 1, np.float32),
+                         "bsums": np.empty(n // 16 + 1, np.int16), "x": np.empty(n, np.float32)}
+        self._views: dict[tuple[str, int, int], np.ndarray] = {}
 
-    def take(self, name: str, shape: tuple[int, int]) -> np.ndarray:
-        """A C-contiguous view of buffer ``name`` ('qs', 'qs16', 'd', 's', 'bsums', 'x') with ``shape``."""
-        T, K = shape
-        buf = getattr(self, "_" + name)
-        if T > self.max_tokens or K > self.max_k or T * K > buf.size:
-            raise ValueError(f"workspace holds {self.max_tokens} x {self.max_k} values, asked for {T} x {K}")
-        return buf[: T * K].reshape(T, K)
+    def take(self, name: str, shape: tuple[int, int], dtype=None) -> np.ndarray:
+        """A C-contiguous view of buffer ``name`` ('qs', 'qs16', 'd', 's', 'bsums', 'x') with ``shape``.
+
+        ``dtype`` is accepted for symmetry with allocation and ignored (each buffer has its own).
+        """
+        key = (name, shape[0], shape[1])
+        view = self._views.get(key)
+        if view is None:
+            T, K = shape
+            buf = self._buffers[name]
+            if T > self.max_tokens or K > self.max_k or T * K > buf.size:
+                raise ValueError(f"workspace holds {self.max_tokens} x {self.max_k} values, asked for {T} x {K}")
+            view = self._views[key] = buf[: T * K].reshape(T, K)
+        return view
 
 
 def _check_matmul(w, t: GGMLQuantizationType, x, out):
@@ -665,6 +670,13 @@ def _check_matmul(w, t: GGMLQuantizationType, x, out):
     return out
 
 
+_TYPES: dict = {}  # the ggml_type argument as given (enum, int or name) -> GGMLQuantizationType
+
+
+def _allocate(name: str, shape: tuple[int, int], dtype) -> np.ndarray:
+    return np.empty(shape, dtype)
+
+
 def matmul(w: np.ndarray, ggml_type, x: np.ndarray, out: np.ndarray | None = None,
            workspace: MatmulWorkspace | None = None) -> np.ndarray:
     """out[t, r] = sum_k W[r, k] * x[t, k] with W stored as GGML ``ggml_type`` rows, as llama.cpp.
@@ -673,15 +685,14 @@ def matmul(w: np.ndarray, ggml_type, x: np.ndarray, out: np.ndarray | None = Non
     with T >= 1, out float32[T, R] (allocated when None). ``workspace`` supplies the quantized
     activation buffers (else they are allocated). Raises QuantFormatError for an unsupported
     type or mismatched shapes/dtypes (K-quant rows need K % 256 == 0), ValueError when the
-    workspace is too small.
+    workspace is too small. Python-side cost is a few microseconds per call.
     """
-    t = as_ggml_type(ggml_type)
+    t = _TYPES.get(ggml_type)
+    if t is None:
+        t = _TYPES[ggml_type] = as_ggml_type(ggml_type)
     out = _check_matmul(w, t, x, out)
     T, K = x.shape
-
-    def buf(name: str, shape: tuple[int, int], dtype) -> np.ndarray:
-        return workspace.take(name, shape) if workspace is not None else np.empty(shape, dtype)
-
+    buf = workspace.take if workspace is not None else _allocate
     if t == T_.F32:
         matmul_f32_f32(w.view(np.float32), x, out)
     elif t in (T_.F16, T_.BF16):
@@ -689,16 +700,20 @@ def matmul(w: np.ndarray, ggml_type, x: np.ndarray, out: np.ndarray | None = Non
         (round_to_f16 if t == T_.F16 else round_to_bf16)(x, xr)
         (matmul_f16_f16 if t == T_.F16 else matmul_bf16_bf16)(w.view(np.uint16), xr, out)
     else:
-        # decode reads the quants widened to int16 (one load per segment instead of load + extend)
+        # the quantize kernels are called directly: x and every buffer are valid by construction.
+        # Decode reads the quants widened to int16 (one load per segment instead of load + extend).
         qs = buf("qs16", (1, K), np.int16) if T == 1 else buf("qs", (T, K), np.int8)
         act = FORMATS[t].act
         if act == ACT_Q8_K:
-            _, d, bsums = qa.quantize_q8_k(x, qs, buf("d", (T, K // 256), np.float32), buf("bsums", (T, K // 16), np.int16))
+            d, bsums = buf("d", (T, K // 256), np.float32), buf("bsums", (T, K // 16), np.int16)
+            qa.quantize_q8_k_kernel(x, qs, d, bsums)
             QUANT_KERNELS[t](w, qs, d, bsums, out)
         elif act == ACT_Q8_1:
-            _, d, s = qa.quantize_q8_1(x, qs, buf("d", (T, K // 32), np.float32), buf("s", (T, K // 32), np.float32))
+            d, s = buf("d", (T, K // 32), np.float32), buf("s", (T, K // 32), np.float32)
+            qa.quantize_q8_1_kernel(x, qs, d, s)
             QUANT_KERNELS[t](w, qs, d, s, out)
         else:
-            _, d = qa.quantize_q8_0(x, qs, buf("d", (T, K // 32), np.float32))
+            d = buf("d", (T, K // 32), np.float32)
+            qa.quantize_q8_0_kernel(x, qs, d)
             QUANT_KERNELS[t](w, qs, d, out)
     return out

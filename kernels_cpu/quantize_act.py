@@ -34,7 +34,8 @@ from kernels_cpu.simd import bits_from_f32, f32_from_bits
 
 QK8_0 = 32  # values per Q8_0 / Q8_1 block
 QK_K = 256  # values per Q8_K super-block
-QS_DTYPES = (np.int8, np.int16)  # qs buffers: int8 (ggml's layout) or int16 (widened for matmul)
+_F32, _I16 = (np.dtype(np.float32),), (np.dtype(np.int16),)
+QS_DTYPES = (np.dtype(np.int8), np.dtype(np.int16))  # qs buffers: int8 (ggml's layout) or int16 (widened for matmul)
 _F127 = np.float32(127.0)
 _FM127 = np.float32(-127.0)
 _ONE = np.float32(1.0)
@@ -121,6 +122,7 @@ def quantize_q8_k_kernel(x, qs, d, bsums):
 # ---------------------------------------------------------------------------------------------
 # Python entry points: validation, optional output buffers
 
+
 def _check_x(x, block: int, fmt: str) -> tuple[int, int]:
     if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2 or not x.flags.c_contiguous:
         raise QuantFormatError(f"{fmt}: x must be a C-contiguous float32[T, K] array, got "
@@ -130,14 +132,13 @@ def _check_x(x, block: int, fmt: str) -> tuple[int, int]:
     return x.shape
 
 
-def _buffer(buf, shape: tuple[int, int], dtypes, name: str, fmt: str) -> np.ndarray:
+def _buffer(buf, shape: tuple[int, int], dtypes: tuple, name: str, fmt: str) -> np.ndarray:
     """``buf`` checked (dtype one of ``dtypes``, shape, layout), or a new array of dtypes[0]."""
-    dtypes = tuple(np.dtype(t) for t in np.atleast_1d(dtypes))
     if buf is None:
         return np.empty(shape, dtypes[0])
     if (not isinstance(buf, np.ndarray) or buf.dtype not in dtypes or buf.shape != shape
             or not buf.flags.c_contiguous or not buf.flags.writeable):
-        raise QuantFormatError(f"{fmt}: {name} must be a writeable C-contiguous {'/'.join(t.name for t in dtypes)}"
+        raise QuantFormatError(f"{fmt}: {name} must be a writeable C-contiguous {'/'.join(np.dtype(t).name for t in dtypes)}"
                                f"{list(shape)} array, got {getattr(buf, 'dtype', type(buf))} "
                                f"{getattr(buf, 'shape', '')}")
     return buf
@@ -150,7 +151,7 @@ def quantize_q8_0(x: np.ndarray, qs: np.ndarray | None = None, d: np.ndarray | N
     """
     T, K = _check_x(x, QK8_0, "Q8_0")
     qs = _buffer(qs, (T, K), QS_DTYPES, "qs", "Q8_0")
-    d = _buffer(d, (T, K // QK8_0), np.float32, "d", "Q8_0")
+    d = _buffer(d, (T, K // QK8_0), _F32, "d", "Q8_0")
     quantize_q8_0_kernel(x, qs, d)
     return qs, d
 
@@ -163,8 +164,8 @@ def quantize_q8_1(x: np.ndarray, qs: np.ndarray | None = None, d: np.ndarray | N
     """
     T, K = _check_x(x, QK8_0, "Q8_1")
     qs = _buffer(qs, (T, K), QS_DTYPES, "qs", "Q8_1")
-    d = _buffer(d, (T, K // QK8_0), np.float32, "d", "Q8_1")
-    s = _buffer(s, (T, K // QK8_0), np.float32, "s", "Q8_1")
+    d = _buffer(d, (T, K // QK8_0), _F32, "d", "Q8_1")
+    s = _buffer(s, (T, K // QK8_0), _F32, "s", "Q8_1")
     quantize_q8_1_kernel(x, qs, d, s)
     return qs, d, s
 
@@ -177,7 +178,7 @@ def quantize_q8_k(x: np.ndarray, qs: np.ndarray | None = None, d: np.ndarray | N
     """
     T, K = _check_x(x, QK_K, "Q8_K")
     qs = _buffer(qs, (T, K), QS_DTYPES, "qs", "Q8_K")
-    d = _buffer(d, (T, K // QK_K), np.float32, "d", "Q8_K")
-    bsums = _buffer(bsums, (T, K // 16), np.int16, "bsums", "Q8_K")
+    d = _buffer(d, (T, K // QK_K), _F32, "d", "Q8_K")
+    bsums = _buffer(bsums, (T, K // 16), _I16, "bsums", "Q8_K")
     quantize_q8_k_kernel(x, qs, d, bsums)
     return qs, d, bsums
