@@ -442,7 +442,8 @@ def qdot_tile(typingctx, fmt, nr, nt, w, r0, xq, xd, xa, t0, out):
 
 @njit(cache=True, inline="always")
 def _tiled(fmt, w, xq, xd, xa, out):
-    """Run qdot_tile over all rows: 1x1 tiles for T == 1, else NR x NT tiles over TC-row chunks."""
+    """Run qdot_tile over all rows: 1x1 tiles for T == 1, else NR x NT tiles over chunks of at
+    most TC activation rows (chunks of equal size, a multiple of NT, so threads share evenly)."""
     R, T = w.shape[0], xq.shape[0]
     if T == 1:
         for r in prange(R):
@@ -450,10 +451,11 @@ def _tiled(fmt, w, xq, xd, xa, out):
     else:
         n_rt = (R + NR - 1) // NR
         n_tc = (T + TC - 1) // TC
+        chunk = ((T + n_tc - 1) // n_tc + NT - 1) // NT * NT
         for job in prange(n_rt * n_tc):
             r0 = (job % n_rt) * NR
-            t_lo = (job // n_rt) * TC
-            t_hi = min(T, t_lo + TC)
+            t_lo = (job // n_rt) * chunk
+            t_hi = min(T, t_lo + chunk)
             if r0 + NR <= R:
                 t = t_lo
                 while t + NT <= t_hi:

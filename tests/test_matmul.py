@@ -84,7 +84,7 @@ def activation_bound(w: np.ndarray, t: T, x: np.ndarray) -> np.ndarray:
 
 
 SHAPES = [  # R, K (in blocks of 256), T: R not a multiple of NR, one and several blocks, T over NT/TC
-    (1, 1, 1), (37, 1, 1), (37, 3, 2), (13, 2, 7), (6, 1, 64), (9, 1, TC + 6),
+    (1, 1, 1), (37, 1, 1), (37, 3, 2), (13, 2, 7), (6, 1, 64), (9, 1, TC + 6), (3, 1, 2 * TC + 1),
 ]
 
 
