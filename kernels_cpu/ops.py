@@ -10,8 +10,9 @@ import numpy as np
 from numba import njit, prange
 
 from kernels_cpu.f16 import f16_to_f32, f32_to_f16
+from kernels_cpu.fmath import fma, v_expf
 
-_SQRT_2_OVER_PI = np.float32(math.sqrt(2.0 / math.pi))
+_SQRT_2_OVER_PI = np.float32(0.79788456080286535587989211986876)  # ggml's SQRT_2_OVER_PI
 _GELU_COEF_A = np.float32(0.044715)
 
 
@@ -19,15 +20,16 @@ _GELU_COEF_A = np.float32(0.044715)
 def rms_norm(x, weight, eps, out):
     """RMSNorm over the last axis, then scale by ``weight`` (ggml_rms_norm + ggml_mul).
 
-    Shapes: x f32[T, n], weight f32[n], out f32[T, n] (may alias x). The sum of squares is
-    accumulated in float64 as ggml does (ggml_float); scale = 1 / sqrt(mean + eps) in float32.
+    Shapes: x f32[T, n], weight f32[n], out f32[T, n] (may alias x). As in ggml, each square
+    is rounded to float32 and summed in order in float64 (ggml_float); mean = float32(sum / n);
+    scale = 1 / sqrt(mean + eps) in float32; y = (x * scale) * weight.
     """
     T, n = x.shape
     for t in prange(T):
         s = 0.0
         for i in range(n):
-            v = np.float64(x[t, i])
-            s += v * v
+            v = x[t, i]
+            s += np.float64(v * v)
         scale = np.float32(1.0) / np.sqrt(np.float32(s / n) + np.float32(eps))
         for i in range(n):
             out[t, i] = (x[t, i] * scale) * weight[i]
@@ -45,34 +47,51 @@ def rms_norm_heads(x, weight, eps):
         h = th % H
         s = 0.0
         for i in range(hd):
-            v = np.float64(x[t, h, i])
-            s += v * v
+            v = x[t, h, i]
+            s += np.float64(v * v)
         scale = np.float32(1.0) / np.sqrt(np.float32(s / hd) + np.float32(eps))
         for i in range(hd):
             x[t, h, i] = (x[t, h, i] * scale) * weight[i]
 
 
 def rope_cos_sin(positions, n_rot, freq_base, freq_scale=1.0, freq_factors=None):
-    """cos/sin tables for RoPE (ggml_rope_ext without YaRN extrapolation).
+    """cos/sin tables for RoPE exactly as ggml_rope_cache_init (ggml-cpu ops.cpp, no YaRN).
 
-    theta[t, i] = positions[t] * freq_scale * freq_base**(-2i/n_rot) / freq_factors[i],
-    for i in [0, n_rot/2). Computed in float64, returned as float32[T, n_rot/2] each.
-    ``freq_factors`` (llama 3's ``rope_freqs`` tensor) divides the frequencies, as in ggml.
+    positions int[T] -> (cos, sin) float32[T, n_rot/2]. In float32, as ggml: theta_scale =
+    powf(freq_base, -2.0f / n_rot); theta = (float)p, multiplied by theta_scale after each
+    pair; entry i = cosf/sinf(freq_scale * (theta / freq_factors[i])). cosf/sinf/powf are the C
+    library's, as in ggml. ``freq_factors`` (llama 3's ``rope_freqs`` tensor) is float32[n_rot/2].
     """
-    inv = freq_base ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
-    if freq_factors is not None:
-        inv = inv / np.asarray(freq_factors, dtype=np.float64)
-    theta = np.asarray(positions, dtype=np.float64)[:, None] * (freq_scale * inv)[None, :]
-    return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+    ff = np.ones(n_rot // 2, np.float32) if freq_factors is None else np.asarray(freq_factors, np.float32)
+    pos = np.asarray(positions, dtype=np.int64)
+    cos = np.empty((len(pos), n_rot // 2), np.float32)
+    sin = np.empty_like(cos)
+    _rope_cache(pos, np.float32(freq_base), np.float32(freq_scale), ff, cos, sin)
+    return cos, sin
+
+
+@njit(cache=True)
+def _rope_cache(positions, freq_base, freq_scale, freq_factors, cos, sin):
+    half = cos.shape[1]
+    theta_scale = freq_base ** (np.float32(-2.0) / np.float32(2 * half))
+    for t in range(positions.shape[0]):
+        theta = np.float32(positions[t])
+        for i in range(half):
+            th = freq_scale * (theta / freq_factors[i])
+            cos[t, i] = math.cos(th)
+            sin[t, i] = math.sin(th)
+            theta *= theta_scale
 
 
 @njit(parallel=True, cache=True)
 def rope(x, cos, sin, neox):
-    """Rotary position embedding in place (ggml_rope_ext, modes NORM and NEOX).
+    """Rotary position embedding in place (ggml_rope_ext, modes NORM and NEOX), bit-exact.
 
-    Shapes: x f32[T, H, hd], cos/sin f32[T, n_rot/2] with n_rot <= hd (the first n_rot
-    dimensions rotate). NEOX pairs dimension i with i + n_rot/2 (GPT-NeoX, Qwen2, Gemma);
-    NORM pairs 2i with 2i+1 (original LLaMA).
+    Shapes: x f32[T, H, hd], cos/sin f32[T, n_rot/2] (from :func:`rope_cos_sin`) with
+    n_rot <= hd (the first n_rot dimensions rotate, the rest pass through). NEOX pairs
+    dimension i with i + n_rot/2 (GPT-NeoX, Qwen2, Gemma); NORM pairs 2i with 2i+1 (LLaMA).
+    ggml's rotate_pairs computes x0*c - x1*s and x0*s + x1*c, which GCC contracts to
+    fma(x0, c, -(x1*s)) and fma(x0, s, x1*c).
     """
     T, H, hd = x.shape
     half = cos.shape[1]
@@ -82,52 +101,72 @@ def rope(x, cos, sin, neox):
         for i in range(half):
             c = cos[t, i]
             s = sin[t, i]
-            if neox:
-                a = x[t, h, i]
-                b = x[t, h, i + half]
-                x[t, h, i] = a * c - b * s
-                x[t, h, i + half] = a * s + b * c
-            else:
-                a = x[t, h, 2 * i]
-                b = x[t, h, 2 * i + 1]
-                x[t, h, 2 * i] = a * c - b * s
-                x[t, h, 2 * i + 1] = a * s + b * c
+            i0, i1 = (i, i + half) if neox else (2 * i, 2 * i + 1)
+            a = x[t, h, i0]
+            b = x[t, h, i1]
+            x[t, h, i0] = fma(a, c, -(b * s))
+            x[t, h, i1] = fma(a, s, b * c)
 
 
 @njit(parallel=True, cache=True)
 def silu_mul(gate, up, out):
-    """out = silu(gate) * up (ggml_swiglu / LLM_FFN_SILU + LLM_FFN_PAR). Shapes f32[T, n_ff]."""
+    """out = silu(gate) * up, bit-exact with ggml_vec_swiglu_f32 (ggml_swiglu_split; LLM_FFN_SILU
+    + LLM_FFN_PAR). Shapes f32[T, n_ff]; out may alias gate.
+
+    As ggml's AVX-512 build: each row in blocks of 16 takes ggml_v_silu, x / (1 + v_expf(-x))
+    (:func:`kernels_cpu.fmath.v_expf`); the last n_ff % 16 elements take ggml_silu_f32,
+    x / (1 + expf(-x)) with the C library's expf.
+    """
     T, n = gate.shape
+    n16 = n - n % 16
     for t in prange(T):
         for i in range(n):
-            g = gate[t, i]
-            out[t, i] = g / (np.float32(1.0) + np.exp(-g)) * up[t, i]
+            x = gate[t, i]
+            e = v_expf(np.float32(0.0) - x) if i < n16 else np.float32(math.exp(-x))
+            out[t, i] = (x / (np.float32(1.0) + e)) * up[t, i]
 
 
 @njit(cache=True)
-def _gelu_tanh(x):
-    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(_SQRT_2_OVER_PI * x * (np.float32(1.0) + _GELU_COEF_A * x * x)))
+def _gelu_table():
+    """ggml_table_gelu_f16: f16 bits -> f16 bits of ggml_gelu_f32, the tanh approximation
+    0.5x(1 + tanhf(sqrt(2/pi) x (1 + 0.044715 x^2))) with GCC's contraction of 1 + (a x) x
+    into one FMA and glibc's tanhf; NaNs become the quiet NaN of their sign, as F16C rounds."""
+    table = np.empty(1 << 16, np.uint16)
+    for i in range(1 << 16):
+        x = f16_to_f32(np.uint16(i))
+        if x != x:
+            table[i] = np.uint16(0x7E00 | (i & 0x8000))
+            continue
+        inner = fma(_GELU_COEF_A * x, x, np.float32(1.0))
+        table[i] = f32_to_f16(np.float32(0.5) * x * (np.float32(1.0) + math.tanh(_SQRT_2_OVER_PI * x * inner)))
+    return table
+
+
+GELU_TABLE = _gelu_table()
 
 
 @njit(parallel=True, cache=True)
-def gelu_mul(gate, up, out):
-    """out = gelu(gate) * up with ggml's tanh-approximate GELU (ggml_geglu, LLM_FFN_GELU + PAR).
-
-    Like ggml's CPU build (GGML_GELU_FP16), the GELU input is rounded to f16 and the result
-    read back as f16 (ggml looks it up in a table of f16 values); x <= -10 gives 0 and x >= 10
-    gives x. Shapes f32[T, n_ff].
-    """
+def _gelu_mul(gate, up, out, table):
     T, n = gate.shape
     for t in prange(T):
         for i in range(n):
             g = gate[t, i]
             if g <= np.float32(-10.0):
-                y = np.float32(0.0)
+                out[t, i] = np.float32(0.0)
             elif g >= np.float32(10.0):
-                y = g
+                out[t, i] = g * up[t, i]
             else:
-                y = f16_to_f32(f32_to_f16(_gelu_tanh(f16_to_f32(f32_to_f16(g)))))
-            out[t, i] = y * up[t, i]
+                out[t, i] = f16_to_f32(table[f32_to_f16(g)]) * up[t, i]
+
+
+def gelu_mul(gate, up, out):
+    """out = gelu(gate) * up, bit-exact with ggml_vec_geglu_f32 (ggml_geglu_split; LLM_FFN_GELU
+    + LLM_FFN_PAR) in ggml's CPU build (GGML_GELU_FP16). Shapes f32[T, n_ff]; out may alias gate.
+
+    x <= -10 gives 0, x >= 10 gives x * up; otherwise x is rounded to f16 and looked up in
+    :data:`GELU_TABLE` (ggml_table_gelu_f16, f16 results).
+    """
+    _gelu_mul(gate, up, out, GELU_TABLE)
 
 
 @njit(cache=True)
@@ -138,46 +177,13 @@ def store_f16(src, dst):
             dst[i, j] = f32_to_f16(src[i, j])
 
 
-@njit(parallel=True, cache=True, fastmath=True)
-def attention_f16(q, k_cache, v_cache, positions, window, scale, out):
-    """Causal multi-head attention with GQA over an f16 KV cache (softmax(q k^T * scale) v).
-
-    Shapes: q f32[T, H, hd]; k_cache, v_cache uint16[n_ctx, H_kv, hd] (f16 bits, row j holds
-    the key/value of position j); positions int32[T] (position of each query); out f32[T, H, hd].
-    Query at position p attends to keys j <= p, and with ``window`` > 0 only to j > p - window
-    (llama.cpp's LLAMA_SWA_TYPE_STANDARD). Softmax is computed online (running max and sum)
-    in float32, so no scratch memory is needed.
-    """
-    T, H, hd = q.shape
-    H_kv = k_cache.shape[1]
-    group = H // H_kv
-    for th in prange(T * H):
-        t = th // H
-        h = th % H
-        kh = h // group
-        p = positions[t]
-        start = 0
-        if window > 0 and p - window + 1 > 0:
-            start = p - window + 1
-        m = -np.inf
-        l = np.float32(0.0)
-        for i in range(hd):
-            out[t, h, i] = 0.0
-        for j in range(start, p + 1):
-            s = np.float32(0.0)
-            for i in range(hd):
-                s += q[t, h, i] * f16_to_f32(k_cache[j, kh, i])
-            s *= scale
-            if s > m:
-                corr = np.exp(m - s) if m > -np.inf else np.float32(0.0)
-                l *= corr
-                for i in range(hd):
-                    out[t, h, i] *= corr
-                m = s
-            w = np.exp(s - m)
-            l += w
-            for i in range(hd):
-                out[t, h, i] += w * f16_to_f32(v_cache[j, kh, i])
-        inv = np.float32(1.0) / l
-        for i in range(hd):
-            out[t, h, i] *= inv
+@njit(parallel=True, cache=True)
+def softcap(x, cap):
+    """In place x = cap * tanh(x * (1/cap)) on f32[T, n] (llama.cpp's final logit soft-capping:
+    ggml_scale by 1.0f/cap, ggml_tanh with the C library's tanhf, ggml_scale by cap)."""
+    cap = np.float32(cap)
+    inv = np.float32(1.0) / cap
+    T, n = x.shape
+    for t in prange(T):
+        for i in range(n):
+            x[t, i] = math.tanh(x[t, i] * inv) * cap

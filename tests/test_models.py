@@ -74,8 +74,11 @@ def test_kv_cache_and_chunked_prefill_agree(tiny):
     _, _, model = tiny
     whole = _all_logits(model, TOKENS, [len(TOKENS)])
     for chunks in ([1] * len(TOKENS), [3, 5, 1, 4, 1], [7, 7]):
+        # As in llama.cpp, one-token chunks take other kernels (other float summation orders)
+        # than batches, and attention rounds q and the probabilities to f16: a last-bit change
+        # can flip one of those roundings (2**-11 relative), which random tiny models amplify.
         np.testing.assert_allclose(_all_logits(model, TOKENS, chunks), whole, rtol=0,
-                                   atol=2e-5 * np.abs(whole).max())
+                                   atol=2e-4 * np.abs(whole).max())
 
 
 def test_sliding_window_changes_local_layers(tmp_path):

@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType, GGUFValueType
 
 from edge.gguf_file import GGUFError, GGUFFile
 from kernels_cpu import ops
+from kernels_cpu.attention import attention_f16
 from kernels_cpu.dequant import dequantize, dequantize_rows
 from kernels_cpu.matmul import matmul
 
@@ -50,7 +51,8 @@ class ModelArgs:
     post_norms: bool = False
     activation: str = "silu"
     embed_scale: float = 1.0
-    attention_scale: float = 0.0  # 0 = 1/sqrt(head_dim)
+    attention_scale: float = 0.0  # softmax scale of the scores; 0 = 1/sqrtf(head_dim)
+    query_scale: float = 0.0  # q multiplied by this after RoPE (Gemma's f_attention_scale); 0 = none
     sliding_window: int = 0
     swa_layers: tuple[bool, ...] = ()
     rope_freq_base_swa: float = 10000.0
@@ -240,8 +242,14 @@ class Block:
         self.window = a.sliding_window if self.is_swa else 0
         self.args = a
 
-    def __call__(self, x: np.ndarray, positions: np.ndarray, rope_cs, k_cache, v_cache) -> None:
-        """Run the block on x f32[T, n_embd] in place; write this chunk's K/V at ``positions``."""
+    def __call__(self, x: np.ndarray, positions: np.ndarray, rope_cs, k_cache, v_cache,
+                 out_rows=None) -> np.ndarray:
+        """Run the block on x f32[T, n_embd]; write this chunk's K/V at ``positions``.
+
+        Returns the block output f32[T, n_embd] (x, updated in place), or only the rows
+        ``out_rows`` when given: as llama.cpp's last layer (inp_out_ids), attention runs on
+        every row and the rest of the block on the output rows alone.
+        """
         a = self.args
         T = x.shape[0]
         h = np.empty_like(x)
@@ -261,13 +269,19 @@ class Block:
         cos, sin = rope_cs
         ops.rope(q, cos, sin, a.rope_neox)
         ops.rope(k, cos, sin, a.rope_neox)
+        if a.query_scale:
+            q *= np.float32(a.query_scale)
         p0 = int(positions[0])
         ops.store_f16(k.reshape(T, -1), k_cache[p0 : p0 + T].reshape(T, -1))
         ops.store_f16(v.reshape(T, -1), v_cache[p0 : p0 + T].reshape(T, -1))
         attn = np.empty((T, a.n_head, a.head_dim_v), dtype=np.float32)
-        scale = a.attention_scale or 1.0 / math.sqrt(a.head_dim)
-        ops.attention_f16(q, k_cache, v_cache, positions, self.window, np.float32(scale), attn)
+        scale = np.float32(a.attention_scale) if a.attention_scale else np.float32(1) / np.sqrt(np.float32(a.head_dim))
+        attention_f16(q, k_cache, v_cache, positions, self.window, scale, attn)
         o = self.attn_output(attn.reshape(T, -1))                          # [T, n_embd]
+        if out_rows is not None:
+            o = np.ascontiguousarray(o[out_rows])                          # [rows, n_embd]
+            x = np.ascontiguousarray(x[out_rows])                          # [rows, n_embd]
+            h = np.empty_like(x)
         if self.post_attention_norm is not None:
             ops.rms_norm(o, self.post_attention_norm, a.rms_eps, o)
         x += o
@@ -282,6 +296,7 @@ class Block:
         if self.post_ffw_norm is not None:
             ops.rms_norm(d, self.post_ffw_norm, a.rms_eps, d)
         x += d
+        return x
 
 
 class Transformer:
@@ -335,17 +350,19 @@ class Transformer:
         x = self.token_embd.get_rows(tokens)                               # [T, n_embd]
         if self.args.embed_scale != 1.0:
             x *= np.float32(self.args.embed_scale)
-        glob, local = self._rope_tables(positions)
-        for il, blk in enumerate(self.blocks):
-            blk(x, positions, local if blk.is_swa else glob, cache.k[il], cache.v[il])
-        cache.n_past = p0 + T
         if logits_rows is None:
             logits_rows = slice(T - 1, T)
-        h = np.ascontiguousarray(x[logits_rows])
+        glob, local = self._rope_tables(positions)
+        last = len(self.blocks) - 1
+        for il, blk in enumerate(self.blocks):
+            x = blk(x, positions, local if blk.is_swa else glob, cache.k[il], cache.v[il],
+                    logits_rows if il == last else None)
+        cache.n_past = p0 + T
+        h = x                                                              # [rows, n_embd]
         ops.rms_norm(h, self.output_norm, self.args.rms_eps, h)
         logits = self.output(h)                                            # [rows, n_vocab]
         cap = self.args.final_logit_softcap
         if cap:
-            logits = np.float32(cap) * np.tanh(logits / np.float32(cap))
+            ops.softcap(logits, cap)
         return logits
 

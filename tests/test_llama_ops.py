@@ -1,0 +1,104 @@
+"""edge's attention and element-wise kernels reproduce llama.cpp bit for bit.
+
+The fixtures (tests/data/llama_ops_<model>.npz, made by tools/make_llama_ops_fixtures.py with
+the llama.cpp build that made the goldens) hold llama.cpp's own inputs and outputs of each op
+for layer 0 of the real models, for a batch of prompt tokens (prefill: tinyBLAS lane order)
+and for one decoded token (decode: ggml_vec_dot_f16 lane order). Each test feeds the inputs
+to edge's kernel and requires identical float32 bits.
+"""
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kernels_cpu import ops
+from kernels_cpu.attention import attention_f16, attention_scores
+
+DATA = Path(__file__).parent / "data"
+MODELS = ["gemma-3-270m", "qwen2.5-coder-0.5b-instruct"]
+PATHS = ["prefill", "decode"]
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def fx(request):
+    with np.load(DATA / f"llama_ops_{request.param}.npz") as z:
+        return {k: z[k] for k in z.files}
+
+
+def _bits_equal(got, want):
+    """Exact equality of float bit patterns, with a readable failure."""
+    want = np.asarray(want)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    bad = np.flatnonzero(got.view(np.uint32 if got.dtype == np.float32 else np.uint16).ravel()
+                         != want.view(np.uint32 if want.dtype == np.float32 else np.uint16).ravel())
+    assert bad.size == 0, f"{bad.size}/{got.size} differ, first at {bad[:5]}: {got.ravel()[bad[:5]]} vs {want.ravel()[bad[:5]]}"
+
+
+@pytest.mark.parametrize("path", PATHS + ["global_prefill", "global_decode"])
+def test_rope(fx, path):
+    if f"{path}_pos" not in fx:
+        pytest.skip("no global-layer RoPE for this model (one RoPE base)")
+    base = fx["global_rope_base"] if path.startswith("global") else fx["rope_base"]
+    for which in ("q", "k"):
+        x = fx[f"{path}_rope_{which}_in"].copy()
+        cos, sin = ops.rope_cos_sin(fx[f"{path}_pos"], x.shape[-1], float(base))
+        ops.rope(x, cos, sin, True)
+        _bits_equal(x, fx[f"{path}_rope_{which}_out"])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_kv_store_rounds_to_f16(fx, path):
+    for which in ("k", "v"):
+        src = fx[f"{path}_{which}_new"]
+        dst = np.zeros(src.shape, np.uint16)
+        ops.store_f16(src, dst)
+        _bits_equal(dst.view(np.float16), fx[f"{path}_{which}_stored"])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_kq_and_softmax(fx, path):
+    q, pos = fx[f"{path}_q"], fx[f"{path}_pos"]
+    if path == "decode":
+        q, pos = q[:1], pos[:1]
+    k = fx[f"{path}_k_cache"].view(np.uint16)
+    n = k.shape[0]
+    kq = np.empty((len(pos), q.shape[1], n), np.float32)
+    probs = np.empty_like(kq)
+    attention_scores(q, k, pos, 0, np.float32(fx["kq_scale"]), kq, probs)
+    visible = np.arange(n)[None, None, :] <= pos[:, None, None]
+    _bits_equal(kq[np.broadcast_to(visible, kq.shape)], fx[f"{path}_kq"][np.broadcast_to(visible, kq.shape)])
+    _bits_equal(probs, fx[f"{path}_probs"])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_attention_output(fx, path):
+    q, pos = fx[f"{path}_q"], fx[f"{path}_pos"]
+    k, v = fx[f"{path}_k_cache"].view(np.uint16), fx[f"{path}_v_cache"].view(np.uint16)
+    out = np.empty((len(pos), q.shape[1], v.shape[2]), np.float32)
+    attention_f16(q, k, v, pos, 0, np.float32(fx["kq_scale"]), out)
+    _bits_equal(out, fx[f"{path}_kqv"])
+
+
+def test_lane_order_matters(fx):
+    """The fixture tells the two kernels apart: the decode query scored with the batch (T >= 2)
+    lane order differs from llama.cpp's decode scores, so the tests above pin the order."""
+    q, pos = fx["decode_q"], fx["decode_pos"]
+    k = fx["decode_k_cache"].view(np.uint16)
+    kq = np.empty((2, q.shape[1], k.shape[0]), np.float32)
+    attention_scores(np.concatenate([q, q]), k, np.concatenate([pos, pos]), 0,
+                     np.float32(fx["kq_scale"]), kq, np.empty_like(kq))
+    assert np.array_equal(kq[0], kq[1])
+    assert not np.array_equal(kq[:1], fx["decode_kq"])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_gated_activation(fx, path):
+    gate, up = fx[f"{path}_gate"], fx[f"{path}_up"]
+    out = np.empty_like(gate)
+    (ops.gelu_mul if str(fx["model"]).startswith("gemma") else ops.silu_mul)(gate, up, out)
+    _bits_equal(out, fx[f"{path}_act"])
+
+
+def test_gelu_table_is_ggmls(fx):
+    assert hashlib.sha256(ops.GELU_TABLE.astype("<u2").tobytes()).hexdigest() == str(fx["gelu_table_sha256"])
