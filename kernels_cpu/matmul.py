@@ -42,7 +42,7 @@ TC = 64  # activation rows per prefill chunk
 
 ACT_Q8_0, ACT_Q8_1, ACT_Q8_K = "q8_0", "q8_1", "q8_k"
 
-V32I8, V32I16, V16I16, V16I32, V16F32 = vec(I8, 32), vec(I16, 32), vec(I16, 16), vec(I32, 16), vec(F32, 16)
+V32I8, V32I16, V16I16, V16F32 = vec(I8, 32), vec(I16, 32), vec(I16, 16), vec(F32, 16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,7 +139,8 @@ class Q8_0(BlockFormat):
 
 
 def _group_scales(b, scales16, g: int):
-    """<16 x i16> per-16-value scales -> <32 x i16> for the segment of groups 2g', 2g'+1 (g = 2g')."""
+    """<16 x i16> scales of 16-value groups -> <32 x i16>: lanes 0-15 scale g, lanes 16-31 scale g + 1
+    (a 32-value segment spans two groups)."""
     return shuffle(b, scales16, [g] * 16 + [g + 1] * 16)
 
 
