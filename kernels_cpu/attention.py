@@ -24,39 +24,127 @@ unified cache, no wrap-around of llama.cpp's sliding-window cache, which is full
 n_ctx <= the window).
 """
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from kernels_cpu.f16 import f16_to_f32, f32_to_f16
-from kernels_cpu.fmath import fma, hsum16, v_expf
+from kernels_cpu.fmath import hsum16, v_expf
+from kernels_cpu.simd import BYTE_PTR, F32, I64, hsum_f32, load, vec
 
 _TINY_LANES = 16   # tinyBLAS<16, __m512>: KN
 _VEC_STEP = 64     # GGML_F16_STEP on AVX-512 (4 x 16 lanes)
 
+# Products of two f16 values are exact in float32, so ggml's fused multiply-adds of f16 data
+# equal the plain multiply-then-add used below (which also vectorizes without FMA hardware).
 
-@njit(cache=True, inline="always")
-def _dot_f16(a, b, ia, ib, n, tiny, lanes):
-    """float32 dot product of f16 values a[ia:ia+n] (uint16 bits) and b[ib:ib+n] (float32
-    holding f16 values), in tinyBLAS (tiny) or ggml_vec_dot_f16 order. ``lanes`` is a float32[64]
-    scratch."""
-    if tiny:
-        for j in range(_TINY_LANES):
-            lanes[j] = 0.0
-        for l in range(0, n, _TINY_LANES):
-            for j in range(_TINY_LANES):
-                lanes[j] = fma(f16_to_f32(a[ia + l + j]), b[ib + l + j], lanes[j])
-        return hsum16(lanes, 0)
-    for j in range(_VEC_STEP):
-        lanes[j] = 0.0
-    n64 = n - n % _VEC_STEP
-    for l in range(0, n64, _VEC_STEP):
-        for j in range(_VEC_STEP):
-            lanes[j] = fma(f16_to_f32(a[ia + l + j]), b[ib + l + j], lanes[j])
-    for j in range(16):
-        lanes[j] = (lanes[j] + lanes[j + 32]) + (lanes[j + 16] + lanes[j + 48])
-    s = np.float64(hsum16(lanes, 0))
-    for i in range(n64, n):
-        s += np.float64(f16_to_f32(a[ia + i]) * b[ib + i])
-    return np.float32(s)
+
+@intrinsic
+def _dot_f16_lanes(typingctx, k, q, n, lanes):
+    """float32 dot product of k (uint16 f16 bits, 1-D contiguous) and q (float32, 1-D
+    contiguous) over their first n elements (a multiple of ``lanes``), in ggml's lane order:
+    ``lanes`` (literal 16 or 64) / 16 vector accumulators of 16 float32 lanes take elements
+    in order, block by block; 64 lanes are combined (a0 + a2) + (a1 + a3); the 16 lanes are
+    reduced by halves (_mm512_reduce_add_ps). Emitted as LLVM vector IR (vcvtph2ps, vmulps,
+    vaddps; no reassociation)."""
+    if not (isinstance(lanes, types.IntegerLiteral) and lanes.literal_value in (16, 64)):
+        return None
+    if not (isinstance(k, types.Array) and k.ndim == 1 and k.layout == "C" and k.dtype == types.uint16
+            and isinstance(q, types.Array) and q.ndim == 1 and q.layout == "C" and q.dtype == types.float32):
+        return None
+    n_acc = lanes.literal_value // 16
+    sig = types.float32(k, q, n, lanes)
+
+    def codegen(context, builder, signature, args):
+        ak = context.make_array(signature.args[0])(context, builder, args[0])
+        aq = context.make_array(signature.args[1])(context, builder, args[1])
+        kp, qp = builder.bitcast(ak.data, BYTE_PTR), builder.bitcast(aq.data, BYTE_PTR)
+        v16 = vec(F32, 16)
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(v16, [0.0] * 16)) for _ in range(n_acc)]
+        n_blocks = builder.sdiv(context.cast(builder, args[2], signature.args[2], types.int64),
+                                ir.Constant(I64, 16 * n_acc))
+        with cgutils.for_range(builder, n_blocks) as loop:
+            first = builder.mul(loop.index, ir.Constant(I64, 16 * n_acc))
+            for a in range(n_acc):
+                e = builder.add(first, ir.Constant(I64, 16 * a))
+                kv = builder.fpext(load(builder, kp, builder.mul(e, ir.Constant(I64, 2)), vec(ir.HalfType(), 16)), v16)
+                qv = load(builder, qp, builder.mul(e, ir.Constant(I64, 4)), v16)
+                builder.store(builder.fadd(builder.load(accs[a]), builder.fmul(kv, qv)), accs[a])
+        v = [builder.load(a) for a in accs]
+        if n_acc == 4:
+            v = [builder.fadd(builder.fadd(v[0], v[2]), builder.fadd(v[1], v[3]))]
+        return hsum_f32(builder, v[0])
+
+    return sig, codegen
+
+
+@njit(cache=True)
+def _kq_row(q16, kflat, base, hd, start, end, tiny, kq):
+    """kq[j] = K[j] . q16 for cells start..end-1 in tinyBLAS (16 lanes) or ggml_vec_dot_f16
+    order (64 lanes, then the hd % 64 leftover products added in float64). K rows:
+    kflat[j, base:base+hd]."""
+    for j in range(start, end):
+        row = kflat[j, base:base + hd]
+        if tiny:
+            kq[j] = _dot_f16_lanes(row, q16, hd, 16)
+            continue
+        nb = hd - hd % _VEC_STEP
+        s = _dot_f16_lanes(row, q16, nb, 64)
+        if nb < hd:
+            d = np.float64(s)
+            for e in range(nb, hd):
+                d += np.float64(f16_to_f32(row[e]) * q16[e])
+            s = np.float32(d)
+        kq[j] = s
+
+
+@njit(cache=True)
+def _softmax_row(kq, start, end, scale, block, probs):
+    """probs[j] for cells start..end-1 = ggml_compute_forward_soft_max_f32 of the row kq with
+    every other cell masked to -inf: x = kq * scale; m = max x; e = ggml_v_expf(x - m); each
+    16-cell block (cells 16b..16b+15; masked cells count 0) summed with _mm512_reduce_add_ps,
+    block sums accumulated in float64 in order; probs = e * float32(1.0 / sum).
+    block: float32[16] scratch. Other entries of probs are left unchanged."""
+    mx = np.float32(-np.inf)
+    for j in range(start, end):
+        x = kq[j] * scale
+        probs[j] = x
+        mx = max(mx, x)
+    for j in range(start, end):
+        probs[j] = v_expf(probs[j] - mx)
+    total = 0.0
+    for b in range(start - start % 16, end, 16):
+        for i in range(16):
+            j = b + i
+            block[i] = probs[j] if start <= j < end else np.float32(0.0)
+        total += np.float64(hsum16(block, 0))
+    inv = np.float32(1.0 / total)
+    for j in range(start, end):
+        probs[j] *= inv
+
+
+@njit(cache=True)
+def _kqv_row(probs, vflat, base, hd_v, start, end, tiny, acc, out):
+    """out[d] = sum over cells j of V[j, d] * f16(probs[j]), cell j in lane j % 16 (tinyBLAS)
+    or j % 64 (ggml_vec_dot_f16, lanes then combined as in _kq_row), lanes reduced by hsum16.
+    V rows: vflat[j, base:base+hd_v]. acc: float32[64, hd_v] scratch."""
+    lanes = _TINY_LANES if tiny else _VEC_STEP
+    acc[:lanes, :] = 0.0
+    for j in range(start, end):
+        p = f16_to_f32(f32_to_f16(probs[j]))
+        a = acc[j % lanes]
+        row = vflat[j, base:base + hd_v]
+        for d in range(hd_v):
+            a[d] += f16_to_f32(row[d]) * p
+    if not tiny:
+        for j in range(16):
+            acc[j] = (acc[j] + acc[j + 32]) + (acc[j + 16] + acc[j + 48])
+    col = np.empty(16, np.float32)
+    for d in range(hd_v):
+        for j in range(16):
+            col[j] = acc[j, d]
+        out[d] = hsum16(col, 0)
 
 
 @njit(cache=True, inline="always")
@@ -67,66 +155,21 @@ def _visible(p, window):
     return 0
 
 
-@njit(cache=True)
-def _scores_row(q16, kflat, kh, hd, start, end, scale, tiny, lanes, kq, probs):
-    """kq[j] = K[j, kh] . q16 and probs[j] = softmax(kq * scale)[j] for cells start..end-1
-    (ggml_compute_forward_soft_max_f32); other entries of probs are left unchanged.
-
-    kflat: uint16[n_ctx, H_kv * hd] f16 bits. Softmax as ggml: x = kq * scale; max over the
-    row; each 16-cell block (cells 16b .. 16b+15, masked ones contribute 0) is exponentiated
-    with ggml_v_expf(x - max) and summed with _mm512_reduce_add_ps; block sums accumulate in
-    float64; probabilities = e * float32(1.0 / sum).
-    """
-    mx = np.float32(-np.inf)
-    for j in range(start, end):
-        s = _dot_f16(kflat[j], q16, kh * hd, 0, hd, tiny, lanes)
-        kq[j] = s
-        s *= scale
-        probs[j] = s
-        if s > mx:
-            mx = s
-    total = 0.0
-    for b in range(start - start % 16, end, 16):
-        for i in range(16):
-            j = b + i
-            lanes[i] = v_expf(probs[j] - mx) if start <= j < end else np.float32(0.0)
-            if start <= j < end:
-                probs[j] = lanes[i]
-        total += np.float64(hsum16(lanes, 0))
-    inv = np.float32(1.0 / total)
-    for j in range(start, end):
-        probs[j] *= inv
-
-
-@njit(cache=True)
-def _kqv_row(probs, vflat, kh, hd_v, start, end, tiny, acc, out):
-    """out[d] = sum over cells j of V[j, kh, d] * f16(probs[j]) in tinyBLAS or vec_dot lane
-    order (see module docstring). acc: float32[64, hd_v] scratch."""
-    nl = _TINY_LANES if tiny else _VEC_STEP
-    acc[:nl, :] = 0.0
-    base = kh * hd_v
-    for j in range(start, end):
-        p = f16_to_f32(f32_to_f16(probs[j]))
-        lane = j % nl
-        row = vflat[j]
-        for d in range(hd_v):
-            acc[lane, d] = fma(f16_to_f32(row[base + d]), p, acc[lane, d])
-    if not tiny:
-        for j in range(16):
-            for d in range(hd_v):
-                acc[j, d] = (acc[j, d] + acc[j + 32, d]) + (acc[j + 16, d] + acc[j + 48, d])
-    lanes = np.empty(16, np.float32)
-    for d in range(hd_v):
-        for j in range(16):
-            lanes[j] = acc[j, d]
-        out[d] = hsum16(lanes, 0)
-
-
 @njit(cache=True, inline="always")
 def _paths(T, hd, hd_v):
     """(tinyBLAS for KQ, tinyBLAS for KQV): llamafile_sgemm takes n >= 2 rows when the dot length
     is a multiple of 16 and the output rows (cells for KQ, hd_v for KQV) a multiple of 4."""
     return T >= 2 and hd % _TINY_LANES == 0, T >= 2 and hd_v % 4 == 0
+
+
+@njit(cache=True, inline="always")
+def _q16(q, t, h):
+    """The query row rounded to f16 (ggml converts src1 to the F16 vec_dot_type)."""
+    hd = q.shape[2]
+    out = np.empty(hd, np.float32)
+    for i in range(hd):
+        out[i] = f16_to_f32(f32_to_f16(q[t, h, i]))
+    return out
 
 
 @njit(parallel=True, cache=True)
@@ -155,15 +198,10 @@ def attention_f16(q, k_cache, v_cache, positions, window, scale, out):
         kh = h // group
         p = positions[t]
         start = _visible(p, window)
-        q16 = np.empty(hd, np.float32)
-        for i in range(hd):
-            q16[i] = f16_to_f32(f32_to_f16(q[t, h, i]))
-        lanes = np.empty(_VEC_STEP, np.float32)
-        kq = np.empty(p + 1, np.float32)
-        probs = np.empty(p + 1, np.float32)
-        _scores_row(q16, kflat, kh, hd, start, p + 1, scale, tiny_kq, lanes, kq, probs)
-        acc = np.empty((_VEC_STEP, hd_v), np.float32)
-        _kqv_row(probs, vflat, kh, hd_v, start, p + 1, tiny_kqv, acc, out[t, h])
+        row = np.empty(p + 1, np.float32)
+        _kq_row(_q16(q, t, h), kflat, kh * hd, hd, start, p + 1, tiny_kq, row)
+        _softmax_row(row, start, p + 1, scale, np.empty(16, np.float32), row)
+        _kqv_row(row, vflat, kh * hd_v, hd_v, start, p + 1, tiny_kqv, np.empty((_VEC_STEP, hd_v), np.float32), out[t, h])
 
 
 @njit(parallel=True, cache=True)
@@ -177,19 +215,15 @@ def attention_scores(q, k_cache, positions, window, scale, kq_out, probs_out):
     value there that the mask then discards) and probs_out = 0.
     """
     T, H, hd = q.shape
-    H_kv = k_cache.shape[1]
-    group = H // H_kv
+    group = H // k_cache.shape[1]
     kflat = k_cache.reshape(k_cache.shape[0], -1)
     tiny_kq = _paths(T, hd, 4)[0]
     for th in prange(T * H):
         t = th // H
         h = th % H
         p = positions[t]
-        q16 = np.empty(hd, np.float32)
-        for i in range(hd):
-            q16[i] = f16_to_f32(f32_to_f16(q[t, h, i]))
-        lanes = np.empty(_VEC_STEP, np.float32)
+        start = _visible(p, window)
         kq_out[t, h, :] = 0.0
         probs_out[t, h, :] = 0.0
-        _scores_row(q16, kflat, h // group, hd, _visible(p, window), p + 1, scale, tiny_kq, lanes,
-                    kq_out[t, h], probs_out[t, h])
+        _kq_row(_q16(q, t, h), kflat, (h // group) * hd, hd, start, p + 1, tiny_kq, kq_out[t, h])
+        _softmax_row(kq_out[t, h], start, p + 1, scale, np.empty(16, np.float32), probs_out[t, h])

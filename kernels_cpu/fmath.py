@@ -63,19 +63,33 @@ _EXP_C5 = np.float32(float.fromhex("0x1.0e4020p-7"))
 _ONE = np.float32(1.0)
 
 
+@intrinsic
+def _f64_from_bits(typingctx, bits):
+    """Reinterpret an int64 as float64 (LLVM bitcast)."""
+    if bits != types.int64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.DoubleType())
+
+    return types.float64(types.int64), codegen
+
+
 @njit(cache=True, inline="always")
 def v_expf(x):
     """exp(x) for float32 x exactly as one lane of ggml_v_expf (vec.h, AVX-512 version).
 
     n = round(x / ln 2) via the 1.5 * 2**23 shift trick; b = x - n ln2 (two-part ln2, fused);
-    j = degree-5 polynomial in b (Horner pairs with FMA); result = j * 2**n (_mm512_scalef_ps,
-    one rounding); |n| > 192 gives 0 (n <= 0) or inf.
+    j = degree-5 polynomial in b (Horner pairs with FMA); result = j * 2**n rounded once
+    (_mm512_scalef_ps; here an exact float64 product rounded to float32); |n| > 192 gives 0
+    (n <= 0) or inf. Branch-free, so loops over it vectorize.
     """
     z = fma(x, _EXP_LOG2E, _EXP_SHIFT)
     n = z - _EXP_SHIFT
     b = fma(-n, _EXP_LN2_LO, fma(-n, _EXP_LN2_HI, x))
-    if abs(n) > np.float32(192.0):
-        return np.float32(0.0) if n <= np.float32(0.0) else np.float32(np.inf)
     u = b * b
     j = fma(fma(fma(_EXP_C5, b, _EXP_C4), u, fma(_EXP_C3, b, _EXP_C2)), u, fma(_EXP_C1, b, _ONE))
-    return np.float32(np.float64(j) * math.ldexp(1.0, int(n)))
+    e = np.int64(min(max(n, np.float32(-192.0)), np.float32(192.0)))
+    res = np.float32(np.float64(j) * _f64_from_bits((e + np.int64(1023)) << np.int64(52)))
+    big = np.float32(0.0) if n <= np.float32(0.0) else np.float32(np.inf)
+    return big if abs(n) > np.float32(192.0) else res
