@@ -111,9 +111,12 @@ class Q5_0(BlockFormat):
         return {"d": load_half(b, p, 0)}
 
     def segments(self, b, p, h):
-        high = b.shl(bits_to_lanes(b, load(b, p, self.qh_at, I32)), lanes_i8(b, 4, 32))
-        q = b.or_(_nibbles(b, load(b, p, self.qs_at, vec(I8, 16))), high)
-        yield 0, _to_i16(b, q, self.offset)
+        low = _nibbles(b, load(b, p, self.qs_at, vec(I8, 16)))
+        bits = b.bitcast(load(b, p, self.qh_at, I32), vec(ir.IntType(1), 32))
+        if self.offset:  # q - 16 as a signed byte: low nibble, with bits 4-7 set where bit 4 of q is 0
+            yield 0, b.sext(b.or_(low, b.select(bits, lanes_i8(b, 0, 32), lanes_i8(b, 0xF0, 32))), V32I16)
+        else:
+            yield 0, _to_i16(b, b.or_(low, b.select(bits, lanes_i8(b, 16, 32), lanes_i8(b, 0, 32))))
 
 
 class Q5_1(Q5_0):
