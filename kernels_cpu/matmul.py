@@ -32,7 +32,7 @@ from numba.extending import intrinsic
 from kernels_cpu import quantize_act as qa
 from kernels_cpu.dequant import QuantFormatError, as_ggml_type
 from kernels_cpu.f16 import f16_to_f32, f32_to_f16
-from kernels_cpu.simd import (BYTE_PTR, F32, I8, I16, I32, I64, bits_to_lanes, concat, const_vec, f32_from_bits,
+from kernels_cpu.simd import (BYTE_PTR, F32, I8, I16, I32, I64, bit_lanes, concat, const_vec, f32_from_bits,
                               fmuladd, hsum_f32, lanes_i8, load, load_half, madd_pairs, shuffle, splat, vec)
 
 T_ = GGMLQuantizationType
@@ -112,7 +112,7 @@ class Q5_0(BlockFormat):
 
     def segments(self, b, p, h):
         low = _nibbles(b, load(b, p, self.qs_at, vec(I8, 16)))
-        bits = b.bitcast(load(b, p, self.qh_at, I32), vec(ir.IntType(1), 32))
+        bits = bit_lanes(b, load(b, p, self.qh_at, I32))
         if self.offset:  # q - 16 as a signed byte: low nibble, with bits 4-7 set where bit 4 of q is 0
             yield 0, b.sext(b.or_(low, b.select(bits, lanes_i8(b, 0, 32), lanes_i8(b, 0xF0, 32))), V32I16)
         else:

@@ -142,9 +142,9 @@ def load_half(b: ir.IRBuilder, base, offset):
     return b.fpext(load(b, base, offset, ir.HalfType()), F32)
 
 
-def bits_to_lanes(b: ir.IRBuilder, word, n: int = 32):
-    """iN ``word`` -> <n x i8> with lane i = bit i of word (0 or 1)."""
-    return b.zext(b.bitcast(word, vec(ir.IntType(1), n)), vec(I8, n))
+def bit_lanes(b: ir.IRBuilder, word):
+    """iN ``word`` -> <N x i1> with lane i = bit i of word (an LLVM bitcast; x86 kmov)."""
+    return b.bitcast(word, vec(ir.IntType(1), word.type.width))
 
 
 def lanes_i8(b: ir.IRBuilder, value: int, n: int):
