@@ -102,3 +102,32 @@ def test_gated_activation(fx, path):
 
 def test_gelu_table_is_ggmls(fx):
     assert hashlib.sha256(ops.GELU_TABLE.astype("<u2").tobytes()).hexdigest() == str(fx["gelu_table_sha256"])
+
+
+# ggml's CPU results on synthetic inputs (tools/make_ggml_op_fixtures.py): cases the two real
+# models do not reach.
+@pytest.fixture(scope="module")
+def ggml_fx():
+    with np.load(DATA / "ggml_ops.npz") as z:
+        return {k: z[k] for k in z.files}
+
+
+@pytest.mark.parametrize("name", ["rope_norm_factors", "rope_norm", "rope_neox_partial"])
+def test_rope_modes_scaling_and_factors(ggml_fx, name):
+    """NORM pairing with llama-3 frequency factors and linear scaling, partial rotary
+    dimensions (n_rot < hd: the rest pass through), positions up to 30000."""
+    mode, n_rot, base, freq_scale = ggml_fx[f"{name}_params"]
+    x = ggml_fx[f"{name}_x"].copy()
+    cos, sin = ops.rope_cos_sin(ggml_fx[f"{name}_pos"], int(n_rot), base, freq_scale, ggml_fx.get(f"{name}_ff"))
+    ops.rope(x, cos, sin, mode == 2)  # GGML_ROPE_TYPE_NEOX
+    _bits_equal(x, ggml_fx[f"{name}_out"])
+
+
+@pytest.mark.parametrize("act", ["swiglu", "geglu"])
+def test_glu_rows_with_scalar_tail(ggml_fx, act):
+    """Rows of 1000 = 62 * 16 + 8: SwiGLU's last 8 elements take ggml's scalar expf path;
+    GeGLU inputs include +-10 and their neighbours."""
+    gate, up = ggml_fx["glu_gate"], ggml_fx["glu_up"]
+    out = np.empty_like(gate)
+    (ops.silu_mul if act == "swiglu" else ops.gelu_mul)(gate, up, out)
+    _bits_equal(out, ggml_fx[f"{act}_out"])
