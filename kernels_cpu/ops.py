@@ -1,8 +1,9 @@
-"""Element-wise and attention kernels of the transformer forward pass.
+"""Element-wise kernels of the transformer forward pass (attention: kernels_cpu/attention.py).
 
-Each kernel mirrors the ggml CPU operator named in its docstring; results agree with ggml up to
-float summation order. All write into preallocated outputs (``out`` may alias the input where
-noted) and take float32 C-contiguous arrays unless stated otherwise.
+Each kernel reproduces the ggml CPU operator named in its docstring bit for bit, as built for
+x86 with AVX-512 (the llama.cpp build behind the goldens; tests/test_llama_ops.py holds them to
+llama.cpp's own tensors). All write into preallocated outputs (``out`` may alias the input
+where noted) and take float32 C-contiguous arrays unless stated otherwise.
 """
 import math
 
