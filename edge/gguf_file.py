@@ -131,6 +131,14 @@ class _Cursor:
     def u64(self, field: str) -> int:
         return self.unpack("<Q", 8, field)
 
+    def value_type(self, field: str) -> GGUFValueType:
+        start = self.pos
+        raw = self.u32(field)
+        try:
+            return GGUFValueType(raw)
+        except ValueError:
+            raise GGUFError(f"{field} at offset {start}: unknown value type {raw}") from None
+
     def string(self, field: str) -> str:
         start = self.pos
         n = self.u64(f"{field} length")
@@ -210,14 +218,7 @@ class GGUFFile:
                 raise GGUFError(f"metadata key #{i} at offset {key_offset}: empty key")
             if key in fields:
                 raise GGUFError(f"metadata key #{i} at offset {key_offset}: duplicate key {key!r}")
-            vt_offset = c.pos
-            raw_type = c.u32(f"type of {key!r}")
-            try:
-                vtype = GGUFValueType(raw_type)
-            except ValueError:
-                raise GGUFError(
-                    f"type of {key!r} at offset {vt_offset}: unknown value type {raw_type}"
-                ) from None
+            vtype = c.value_type(f"type of {key!r}")
             value, array_type = self._read_value(c, vtype, key, 0)
             fields[key] = MetadataField(value, vtype, array_type, key_offset)
         self.fields = fields
@@ -308,12 +309,7 @@ class GGUFFile:
             raise GGUFError(f"value of {key!r} at offset {c.pos}: unknown value type {vtype}")
         if depth >= MAX_ARRAY_NESTING:
             raise GGUFError(f"value of {key!r} at offset {c.pos}: arrays nested too deep")
-        at_offset = c.pos
-        raw_at = c.u32(f"array type of {key!r}")
-        try:
-            atype = GGUFValueType(raw_at)
-        except ValueError:
-            raise GGUFError(f"array type of {key!r} at offset {at_offset}: unknown value type {raw_at}") from None
+        atype = c.value_type(f"array type of {key!r}")
         n_offset = c.pos
         n = c.u64(f"array length of {key!r}")
         min_el = _SCALAR[atype][0].itemsize if atype in _SCALAR else (8 if atype == GGUFValueType.STRING else 12)
