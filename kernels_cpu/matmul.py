@@ -1,21 +1,44 @@
-"""Quantized matrix multiplication: out[t, r] = sum_k W[r, k] * x[t, k], as llama.cpp's CPU backend.
+"""Quantized matrix multiplication: out[t, r] = sum_k W[r, k] * x[t, k], bit for bit as llama.cpp's CPU backend.
 
 x is first converted to the weight type's ``vec_dot_type`` (ggml-cpu.c ``type_traits_cpu``):
 
     Q4_0, Q5_0, Q8_0 -> Q8_0      Q4_1, Q5_1 -> Q8_1      Q2_K .. Q6_K -> Q8_K
     F16 -> x rounded to f16       BF16 -> x rounded to bf16       F32 -> x as is
 
-then each pair of blocks is dotted as ``ggml_vec_dot_<type>_<vec_dot_type>`` does: integer
-products summed exactly within a block (int32), block scales applied in float32, float partial
-sums accumulated across blocks. Results therefore equal ggml's up to float summation order.
+Integer products are exact in every ggml kernel, so a result is fixed by which integer sums
+become floats, the float scales they meet and the order of the float operations. For each
+weight type and batch size T, llama.cpp (x86-64, AVX-512 VNNI build, CPU_REPACK and tiled
+matmul on) runs one of these kernels; each ``path`` here reproduces its float structure:
 
-The quantized kernels are LLVM vector IR generated here and called through a numba intrinsic
-(``qdot_tile``): for a tile of NR weight rows x NT activation rows, each weight block is
-unpacked once into 32-lane int16 "segments" (weights times their integer sub-block scale),
-multiplied against the activation segments pairwise into int32 lanes (x86 ``pmaddwd``), and
-folded into float32 lane accumulators with the block's float scale; one horizontal sum per
-output at the end. Decode (T = 1) runs 1x1 tiles over all rows in parallel; prefill runs
-NR x NT tiles over chunks of TC activation rows (so the chunk stays in cache).
+VEC_DOT  ggml_vec_dot_<type>_<vec_dot_type> (arch/x86/quants.c, AVX2 code), and for Q4_0/Q5_0/
+         Q8_0 batches of T >= 2 llamafile's tinyBLAS_Q0_AVX (same structure): 8 float lanes per
+         output; per block lane j gets the integer sum of values 4j..4j+3 of every 32-value
+         segment (times their sub-block scales) through acc = fma(d_w * d_x, lane, acc); the
+         result is hsum_float_8 = ((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7)). Per type: Q4_1/Q5_1 add
+         a fma chain of m * s; Q6_K lanes use codes 0..63 minus 32 * scale * bsums; Q4_K adds
+         4 lanes of mins * bsums (scale -d_x * dmin), Q5_K a scalar fma chain of them, Q2_K puts
+         them first into the same 8 lanes. Used for Q4_0..Q5_1 always, K-quants when T < 8.
+TILED    tiled_run_micro_vnni_8x16 (tiled/tiled-kernel.cpp), K-quants with T >= 8 that are not
+         repacked: per super-block exact totals S1 (and mins S2); r = S1 * d_w, r = fma(-dmin,
+         S2, r); acc = fma(r, d_x, acc).
+GEMV     ggml_gemv_{q4_K,q2_K}_8x8_q8_K (arch/x86/repack.cpp): Q4_K / Q2_K with R % 8 == 0 are
+GEMM     repacked; activation rows [0, T - T % 4) (T > 3) go through the gemm, the rest through
+         the gemv. Per group of values (gemv: 256; gemm: 64 for Q4_K, 128 for Q2_K) acc =
+         fma(I, d_w * d_x, acc) and accm = fma(M, dmin * d_x, accm); out = acc - accm. The gemm
+         rows are quantized as ggml_quantize_mat_q8_K_4x8 (see quantize_act).
+
+The kernels are LLVM vector IR generated here and called through a numba intrinsic
+(``qdot_tile``): for a tile of nr weight rows x nt activation rows, each weight block is
+unpacked once into 32-lane int16 "segments" (weights times their integer sub-block scale) and
+multiplied with the activation segments pairwise into int32 lanes (x86 ``pmaddwd``). The
+integer vectors of the tile's (r, t) pairs are then merged (even + odd lanes of two vectors)
+down to the lanes of the path (8, 4 or 1 per output), which also packs several outputs into
+one float vector, and the float updates run on those packed vectors. Decode (T = 1) runs
+NR x 1 tiles over all rows in parallel; prefill runs NR x NT tiles over chunks of TC
+activation rows (so the chunk stays in cache).
+
+Not reproduced: llama.cpp repacks Q4_0 (and IQ4_NL) with R % 8 == 0 into q4_0_8x8; edge runs
+the tinyBLAS / vec_dot structure for every Q4_0 matrix. F32/F16/BF16 weights are not exact.
 
 Shapes everywhere: w uint8[R, row_bytes] (GGUFFile.tensor_rows), x float32[T, K], out
 float32[T, R]; per-type kernels take the quantized activations (see quantize_act).
@@ -33,7 +56,7 @@ from kernels_cpu import quantize_act as qa
 from kernels_cpu.dequant import QuantFormatError, as_ggml_type
 from kernels_cpu.f16 import f16_to_f32, f32_to_f16
 from kernels_cpu.simd import (BYTE_PTR, F32, I8, I16, I32, I64, bit_lanes, concat, const_vec, f32_from_bits,
-                              fmuladd, hsum_f32, lanes_i8, load, load_half, madd_pairs, shuffle, splat, vec)
+                              fmuladd, lanes_i8, load, load_half, madd_pairs, shuffle, splat, vec)
 
 T_ = GGMLQuantizationType
 LANES = 16  # float32 / int32 lanes per accumulator (32 int16 products pairwise summed)
@@ -61,7 +84,8 @@ class BlockFormat:
     def header(self, b: ir.IRBuilder, p) -> dict:
         raise NotImplementedError
 
-    def segments(self, b: ir.IRBuilder, p, h: dict):
+    def segments(self, b: ir.IRBuilder, p, h: dict, unsigned: bool = False):
+        """``unsigned``: Q6_K codes without their offset of 32 (ggml_vec_dot_q6_K_q8_K)."""
         raise NotImplementedError
 
 
@@ -85,7 +109,7 @@ class Q4_0(BlockFormat):
     def header(self, b, p):
         return {"d": load_half(b, p, 0)}
 
-    def segments(self, b, p, h):
+    def segments(self, b, p, h, unsigned=False):
         yield 0, _to_i16(b, _nibbles(b, load(b, p, 2, vec(I8, 16))), 8)
 
 
@@ -97,7 +121,7 @@ class Q4_1(BlockFormat):
     def header(self, b, p):
         return {"d": load_half(b, p, 0), "m": load_half(b, p, 2)}
 
-    def segments(self, b, p, h):
+    def segments(self, b, p, h, unsigned=False):
         yield 0, _to_i16(b, _nibbles(b, load(b, p, 4, vec(I8, 16))))
 
 
@@ -110,7 +134,7 @@ class Q5_0(BlockFormat):
     def header(self, b, p):
         return {"d": load_half(b, p, 0)}
 
-    def segments(self, b, p, h):
+    def segments(self, b, p, h, unsigned=False):
         low = _nibbles(b, load(b, p, self.qs_at, vec(I8, 16)))
         bits = bit_lanes(b, load(b, p, self.qh_at, I32))
         if self.offset:  # q - 16 as a signed byte: low nibble, with bits 4-7 set where bit 4 of q is 0
@@ -137,7 +161,7 @@ class Q8_0(BlockFormat):
     def header(self, b, p):
         return {"d": load_half(b, p, 0)}
 
-    def segments(self, b, p, h):
+    def segments(self, b, p, h, unsigned=False):
         yield 0, b.sext(load(b, p, 2, V32I8), V32I16)
 
 
@@ -167,7 +191,7 @@ class Q2_K(BlockFormat):
                 "scales": b.zext(b.and_(sc, lanes_i8(b, 0x0F, 16)), V16I16),
                 "mins": b.zext(b.lshr(sc, lanes_i8(b, 4, 16)), V16I16)}
 
-    def segments(self, b, p, h):
+    def segments(self, b, p, h, unsigned=False):
         for half in range(2):
             v = load(b, p, 16 + 32 * half, V32I8)
             for g in range(4):
@@ -193,7 +217,7 @@ class Q3_K(BlockFormat):
         scales = b.sub(b.zext(s, V16I16), ir.Constant(V16I16, [32] * 16))
         return {"d": load_half(b, p, 108), "scales": scales, "hmask": load(b, p, 0, V32I8)}
 
-    def segments(self, b, p, h):
+    def segments(self, b, p, h, unsigned=False):
         for half in range(2):
             v = load(b, p, 32 + 32 * half, V32I8)
             for g in range(4):
@@ -228,7 +252,7 @@ class Q4_K(BlockFormat):
         return {"d": load_half(b, p, 0), "dmin": load_half(b, p, 2), "scales": scales,
                 "mins": shuffle(b, mins, [j // 2 for j in range(16)])}  # min j pairs with bsums 2j, 2j+1
 
-    def segments(self, b, p, h):
+    def segments(self, b, p, h, unsigned=False):
         for pair in range(4):  # sub-blocks 2*pair (low nibbles) and 2*pair + 1 (high nibbles)
             v = load(b, p, self.qs_at + 32 * pair, V32I8)
             for j, q in ((2 * pair, b.and_(v, lanes_i8(b, 0x0F, 32))), (2 * pair + 1, b.lshr(v, lanes_i8(b, 4, 32)))):
@@ -261,7 +285,7 @@ class Q6_K(BlockFormat):
     def header(self, b, p):
         return {"d": load_half(b, p, 208), "scales": b.sext(load(b, p, 192, vec(I8, 16)), V16I16)}
 
-    def segments(self, b, p, h):
+    def segments(self, b, p, h, unsigned=False):
         for half in range(2):
             qh = load(b, p, 128 + 32 * half, V32I8)
             ql = [load(b, p, 64 * half + 32 * k, V32I8) for k in range(2)]
@@ -269,170 +293,308 @@ class Q6_K(BlockFormat):
                 low = ql[g % 2]
                 low = b.and_(low, lanes_i8(b, 0x0F, 32)) if g < 2 else b.lshr(low, lanes_i8(b, 4, 32))
                 q = b.or_(low, b.shl(_crumbs(b, qh, 2 * g), lanes_i8(b, 4, 32)))
-                yield 128 * half + 32 * g, b.mul(_to_i16(b, q, 32), _group_scales(b, h["scales"], 8 * half + 2 * g))
+                yield 128 * half + 32 * g, b.mul(_to_i16(b, q, 0 if unsigned else 32),
+                                                 _group_scales(b, h["scales"], 8 * half + 2 * g))
 
 
 FORMATS = {f.ggml_type: f for f in (Q4_0(), Q4_1(), Q5_0(), Q5_1(), Q8_0(), Q2_K(), Q3_K(), Q4_K(), Q5_K(), Q6_K())}
 
 
 # ---------------------------------------------------------------------------------------------
-# Tile kernel: NR weight rows x NT activation rows, all blocks of a row.
+# llama.cpp's kernels ("paths"). Integer sums are exact in every kernel, so results depend only
+# on which integer sums become floats, the float scales they are multiplied by and the order
+# of the float operations; each path reproduces those of one llama.cpp kernel (x86-64, AVX-512
+# VNNI build), see the module docstring.
+
+VEC_DOT, TILED, GEMV, GEMM = 0, 1, 2, 3
+PATH_NAMES = ("vec_dot", "tiled", "gemv", "gemm")
 
 
-def _combine(b, fmt: BlockFormat, h: dict, iacc, acc, xd, xa_row, blk):
-    """acc += this block's contribution, given its int32 lane sums ``iacc`` (see module doc)."""
-    scale = b.fmul(h["d"], xd)
-    acc = fmuladd(b, b.sitofp(iacc, V16F32), splat(b, scale, LANES), acc)
-    if fmt.act == ACT_Q8_1:  # + m * s: the min times d_x * sum(q_x)
-        xs = load(b, xa_row, b.mul(blk, ir.Constant(I64, 4)), F32)
-        acc = b.fadd(acc, b.insert_element(ir.Constant(V16F32, [0.0] * LANES), b.fmul(h["m"], xs), ir.Constant(I32, 0)))
-    elif "mins" in h:  # - dmin * d_x * sum_j min_j * bsum_j
-        bsums = load(b, xa_row, b.mul(blk, ir.Constant(I64, 32)), V16I16)
-        summs = shuffle(b, madd_pairs(b, h["mins"], bsums), list(range(8)) + [8] * 8, ir.Constant(vec(I32, 8), [0] * 8))
-        neg_dmin = b.fneg(b.fmul(h["dmin"], xd))
-        acc = fmuladd(b, b.sitofp(summs, V16F32), splat(b, neg_dmin, LANES), acc)
-    return acc
+def _groups(fmt: BlockFormat, path: int) -> int:
+    """Float updates per block: GEMM takes one per 64 (Q4_K) or 128 (Q2_K) values."""
+    if path != GEMM:
+        return 1
+    return 4 if fmt.ggml_type == T_.Q4_K else 2
 
 
-def _emit_block(b, fmt: BlockFormat, rows: dict, blk, accs):
-    """IR for one block index ``blk`` of every (r, t) pair of a tile; returns the new accumulators."""
-    nr, nt = len(accs), len(accs[0])
+def _pack(b, vecs: list, w: int) -> list:
+    """Per-input integer vectors -> [(packed <16 x i32>, input ids)] with ``w`` lanes per input.
+
+    ``vecs[i]`` is input i's <16 x i32> of pair sums (lane k: values 2k, 2k+1 of a 32-value
+    segment, summed over segments) or its <8 x i32> of 32-value sums. Merging two vectors adds
+    their even and odd lanes (a, b -> [a0+a1, a2+a3, ..., b0+b1, ...]), so with w = 8 lane j of
+    an input sums values 4j..4j+3 of every segment, with w = 1 it is the input's total. An odd
+    vector out is merged with itself (its ids repeat).
+    """
+    items = [(v, [i]) for i, v in enumerate(vecs)]
+    width = vecs[0].type.count
+    if width == 8:
+        items = [(concat(b, a[0], c[0]), a[1] + c[1]) for a, c in zip(items[::2], items[1::2] + items[-1:] * (len(items) % 2))]
+    width = LANES // len(items[0][1])
+    while width > w:
+        nxt = []
+        for k in range(0, len(items), 2):
+            (va, ia), (vb, ib) = items[k], items[min(k + 1, len(items) - 1)]
+            even = shuffle(b, va, range(0, 2 * LANES, 2), vb)
+            odd = shuffle(b, va, range(1, 2 * LANES, 2), vb)
+            nxt.append((b.add(even, odd), ia + ib))
+        items, width = nxt, width // 2
+    return items
+
+
+def _gather(b, items: list, w: int, g: int) -> list:
+    """Packed [(vector, ids)] of ``w`` lanes per input -> [(vector, ids)] of one lane per input
+    holding lane ``g`` of each input's group (inputs in order, first occurrence)."""
+    seen, picks = set(), []
+    for k, (_, ids) in enumerate(items):
+        for n, i in enumerate(ids):
+            if i not in seen:
+                seen.add(i)
+                picks.append((k, n * w + g, i))
+    out = []
+    for lo in range(0, len(picks), LANES):
+        chunk = picks[lo:lo + LANES]
+        sources = sorted({k for k, _, _ in chunk})
+        vec_ = items[sources[0]][0]
+        mask = [lane if k == sources[0] else 0 for k, lane, _ in chunk]
+        for src in sources[1:] or sources[:1]:
+            mask = [LANES + lane if k == src else m for (k, lane, _), m in zip(chunk, mask)]
+            vec_ = shuffle(b, vec_, mask + [0] * (LANES - len(mask)), items[src][0])
+            mask = list(range(len(chunk)))
+        out.append((vec_, [i for _, _, i in chunk]))
+    return out
+
+
+def _lanes(b, per_input, ids: list, w: int):
+    """<16 x float> with lane l = per_input[ids[l // w]] (per_input: <16 x float> by input id)."""
+    return shuffle(b, per_input, [ids[min(l // w, len(ids) - 1)] for l in range(LANES)])
+
+
+def _by_input(b, values: list, index: list):
+    """<16 x float> with lane i = values[index[i]] (values: scalars, index: one entry per input)."""
+    small = ir.Constant(vec(F32, len(values)), ir.Undefined)
+    for k, v in enumerate(values):
+        small = b.insert_element(small, v, ir.Constant(I32, k))
+    return shuffle(b, small, index + [0] * (LANES - len(index)))
+
+
+def _to_float(b, v):
+    return b.sitofp(v, V16F32)
+
+
+def _emit_block(b, fmt: BlockFormat, path: int, rows: dict, blk, accs: dict) -> dict:
+    """IR for block ``blk`` of every (r, t) input of a tile (input i = r * nt + t): the integer
+    sums, then the float updates of ``path``; returns the new accumulators (lists of packed
+    vectors by name, see build_tile)."""
+    nr, nt = len(rows["w"]), len(rows["xq"])
+    inputs = [(r, t) for r in range(nr) for t in range(nt)]
+    r_of, t_of = [r for r, _ in inputs], [t for _, t in inputs]
     blocks = [b.gep(w_row, [b.mul(blk, ir.Constant(I64, fmt.block_bytes))]) for w_row in rows["w"]]
     headers = [fmt.header(b, p) for p in blocks]
     x_at = b.mul(blk, ir.Constant(I64, fmt.block_elems))
-    iacc = [[None] * nt for _ in range(nr)]
-    for segs in zip(*(fmt.segments(b, p, h) for p, h in zip(blocks, headers))):
+    group = fmt.block_elems // _groups(fmt, path)
+    main = [[None] * len(inputs) for _ in range(_groups(fmt, path))]
+    unsigned = path == VEC_DOT  # Q6_K codes 0..63 with a bsums correction (ggml_vec_dot_q6_K_q8_K)
+    for segs in zip(*(fmt.segments(b, p, h, unsigned) for p, h in zip(blocks, headers))):
         offset = segs[0][0]
+        sums = main[offset // group]
         for t in range(nt):
+            at = b.add(x_at, ir.Constant(I64, offset))
             if rows["x16"]:
-                xv = load(b, rows["xq"][t], b.mul(b.add(x_at, ir.Constant(I64, offset)), ir.Constant(I64, 2)), V32I16)
+                xv = load(b, rows["xq"][t], b.mul(at, ir.Constant(I64, 2)), V32I16)
             else:
-                xv = b.sext(load(b, rows["xq"][t], b.add(x_at, ir.Constant(I64, offset)), V32I8), V32I16)
+                xv = b.sext(load(b, rows["xq"][t], at, V32I8), V32I16)
             for r in range(nr):
                 prod = madd_pairs(b, segs[r][1], xv)
-                iacc[r][t] = prod if iacc[r][t] is None else b.add(iacc[r][t], prod)
-    new = [[None] * nt for _ in range(nr)]
-    for t in range(nt):
-        xd_t = load(b, rows["xd"][t], b.mul(blk, ir.Constant(I64, 4)), F32)
-        for r in range(nr):
-            new[r][t] = _combine(b, fmt, headers[r], iacc[r][t], accs[r][t], xd_t, rows["xa"][t], blk)
+                i = r * nt + t
+                sums[i] = prod if sums[i] is None else b.add(sums[i], prod)
+
+    dw = _by_input(b, [h["d"] for h in headers], r_of)
+    dx = _by_input(b, [load(b, xd, b.mul(blk, ir.Constant(I64, 4)), F32) for xd in rows["xd"]], t_of)
+    if fmt.act == ACT_Q8_K:
+        bsums = [load(b, xa, b.mul(blk, ir.Constant(I64, 32)), V16I16) for xa in rows["xa"]]
+    if "mins" in headers[0]:  # lane j: min times the activation sum of values 32j..32j+31
+        mins = [madd_pairs(b, headers[r]["mins"], bsums[t]) for r, t in inputs]
+        dmin = _by_input(b, [h["dmin"] for h in headers], r_of)
+    new = dict(accs)
+
+    def update(name, items, scale, w):
+        """acc = fma(float(int), scale, acc) for the packed items (scale by input)."""
+        new[name] = [fmuladd(b, _to_float(b, v), _lanes(b, scale, ids, w), acc) for (v, ids), acc in zip(items, new[name])]
+
+    if path == VEC_DOT:
+        d = b.fmul(dx, dw)
+        lanes = _pack(b, main[0], 8)
+        if fmt.ggml_type == T_.Q6_K:  # minus 32 * (scale * bsum) of values 32j..32j+31
+            corr = _pack(b, [madd_pairs(b, headers[r]["scales"], bsums[t]) for r, t in inputs], 8)
+            lanes = [(b.sub(v, b.shl(c, ir.Constant(vec(I32, LANES), [5] * LANES))), ids)
+                     for (v, ids), (c, _) in zip(lanes, corr)]
+        if "mins" in headers[0]:
+            neg_dmin = b.fmul(b.fneg(dx), dmin)
+            if fmt.ggml_type == T_.Q2_K:  # mins first, into the same 8 lanes
+                update("lanes", _pack(b, mins, 8), neg_dmin, 8)
+            elif fmt.ggml_type == T_.Q4_K:  # 4 lanes: sub-block pairs
+                update("mins", _pack(b, mins, 4), neg_dmin, 4)
+            else:  # Q5_K: a scalar chain
+                update("mins", _pack(b, mins, 1), neg_dmin, 1)
+        update("lanes", lanes, d, 8)
+        if fmt.act == ACT_Q8_1:  # + m_w * s_x, a scalar fma chain per output
+            m = _by_input(b, [h["m"] for h in headers], r_of)
+            s = _by_input(b, [load(b, xa, b.mul(blk, ir.Constant(I64, 4)), F32) for xa in rows["xa"]], t_of)
+            ids = list(range(len(inputs)))
+            new["sum"] = [fmuladd(b, _lanes(b, m, ids, 1), _lanes(b, s, ids, 1), new["sum"][0])]
+    elif path == TILED:
+        s1 = _pack(b, main[0], 1)
+        res = [b.fmul(_to_float(b, v), _lanes(b, dw, ids, 1)) for v, ids in s1]
+        if "mins" in headers[0]:
+            s2 = _pack(b, mins, 1)
+            res = [fmuladd(b, _lanes(b, b.fneg(dmin), ids, 1), _to_float(b, v), r_) for (v, ids), r_ in zip(s2, res)]
+        new["acc"] = [fmuladd(b, r_, _lanes(b, dx, ids, 1), acc) for r_, (_, ids), acc in zip(res, s1, new["acc"])]
+    else:  # GEMV / GEMM: acc += I * (d_w * d_x), accm += M * (dmin * d_x), per group of values
+        d, dmin_x = b.fmul(dw, dx), b.fmul(dmin, dx)
+        n_groups = len(main)
+        packed_mins = _pack(b, mins, n_groups)
+        for g in range(n_groups):
+            items = _pack(b, main[g], 1)
+            new["acc"] = [fmuladd(b, _to_float(b, v), _lanes(b, d, ids, 1), acc) for (v, ids), acc in zip(items, new["acc"])]
+            items = _gather(b, packed_mins, n_groups, g) if n_groups > 1 else packed_mins
+            new["accm"] = [fmuladd(b, _to_float(b, v), _lanes(b, dmin_x, ids, 1), acc)
+                           for (v, ids), acc in zip(items, new["accm"])]
     return new
 
 
-def _unroll(fmt: BlockFormat, nr: int, nt: int) -> int:
-    """Blocks per main-loop iteration, each with its own accumulators: enough independent
-    float chains to hide the FMA latency when a tile has few (r, t) pairs and small blocks."""
-    return 4 if nr * nt == 1 and fmt.block_elems == 32 else 1
+def _layout(fmt: BlockFormat, path: int, n_inputs: int) -> dict:
+    """Accumulator name -> (lanes per input, ids of each packed vector), as _emit_block packs them."""
+
+    def ids(w, start_width=16):
+        items = [[i] for i in range(n_inputs)]
+        width = start_width
+        if width == 8:
+            items = [a + c for a, c in zip(items[::2], items[1::2] + items[-1:] * (len(items) % 2))]
+        width = LANES // len(items[0])
+        while width > w:
+            items = [items[k] + items[min(k + 1, len(items) - 1)] for k in range(0, len(items), 2)]
+            width //= 2
+        return items
+
+    if path == VEC_DOT:
+        out = {"lanes": (8, ids(8))}
+        if fmt.ggml_type in (T_.Q4_K, T_.Q5_K):
+            w = 4 if fmt.ggml_type == T_.Q4_K else 1
+            out["mins"] = (w, ids(w, 8))
+        if fmt.act == ACT_Q8_1:
+            out["sum"] = (1, [list(range(n_inputs))])
+        return out
+    if path == TILED:
+        return {"acc": (1, ids(1))}
+    n_groups = _groups(fmt, path)
+    mins = ids(n_groups, 8)
+    if n_groups > 1:
+        flat = []
+        for group in mins:
+            flat += [i for i in group if i not in flat]
+        mins = [flat[k:k + LANES] for k in range(0, len(flat), LANES)]
+    return {"acc": (1, ids(1)), "accm": (1, mins)}
 
 
-def build_tile(module: ir.Module, fmt: BlockFormat, nr: int, nt: int, name: str, x16: bool = False) -> ir.Function:
+def _reduce(b, v, w: int):
+    """Butterfly over each group of ``w`` lanes (lane l += lane l ^ s for s = w/2 .. 1): lane
+    k*w ends with ggml's hsum_float_8 order for w = 8 (((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7))) and
+    (m0+m2)+(m1+m3) for w = 4."""
+    s = w // 2
+    while s:
+        v = b.fadd(v, shuffle(b, v, [l ^ s for l in range(LANES)]))
+        s //= 2
+    return v
+
+
+def build_tile(module: ir.Module, fmt: BlockFormat, path: int, nr: int, nt: int, name: str,
+               x16: bool = True) -> ir.Function:
     """Define ``void name(w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride, nb)``.
 
-    Pointers are i8* to the tile's first row (out: float*); strides in bytes (out: in floats).
-    For r < nr, t < nt: out[t*out_stride + r] = dot(weight row r, activation row t) over nb >= 1
-    blocks; activation quants are int8, or int16 when ``x16``. A main loop takes U blocks per
-    iteration (U accumulator sets), a tail loop the rest.
+    Pointers are i8* to the tile's first row (out: float*); strides in bytes (out: in floats);
+    activation quants are int16 (``x16``) or int8. For r < nr, t < nt: out[t*out_stride + r] =
+    llama.cpp's ``path`` result for weight row r and activation row t over nb >= 1 blocks.
     """
     args = [BYTE_PTR, I64] * 4 + [F32.as_pointer(), I64, I64]
     fn = ir.Function(module, ir.FunctionType(ir.VoidType(), args), name)
     fn.linkage = "internal"
     w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride, nb = fn.args
-    entry, main, tail_check, tail, done = (fn.append_basic_block(n) for n in ("entry", "main", "tail_check", "tail", "done"))
+    entry, loop, done = (fn.append_basic_block(n) for n in ("entry", "loop", "done"))
     b = ir.IRBuilder(entry)
     row = lambda base, stride, i: b.gep(base, [b.mul(ir.Constant(I64, i), stride)])  # noqa: E731
     rows = {"w": [row(w, w_stride, r) for r in range(nr)], "xq": [row(xq, xq_stride, t) for t in range(nt)],
             "xd": [row(xd, xd_stride, t) for t in range(nt)], "xa": [row(xa, xa_stride, t) for t in range(nt)],
             "x16": x16}
-    u = _unroll(fmt, nr, nt)
-    n_main = b.sub(nb, b.srem(nb, ir.Constant(I64, u)))
-    b.cbranch(b.icmp_signed(">", n_main, ir.Constant(I64, 0)), main, tail_check)
-    zero = ir.Constant(V16F32, [0.0] * LANES)
+    layout = _layout(fmt, path, nr * nt)
+    b.branch(loop)
 
-    # main loop: blocks blk .. blk + u - 1, one accumulator set each
-    b.position_at_end(main)
+    b.position_at_end(loop)
     blk = b.phi(I64)
     blk.add_incoming(ir.Constant(I64, 0), entry)
-    sets = [[[b.phi(V16F32) for _ in range(nt)] for _ in range(nr)] for _ in range(u)]
-    new_sets = [_emit_block(b, fmt, rows, b.add(blk, ir.Constant(I64, k)), sets[k]) for k in range(u)]
-    for acc_set, new_set in zip(sets, new_sets):
-        for r in range(nr):
-            for t in range(nt):
-                acc_set[r][t].add_incoming(zero, entry)
-                acc_set[r][t].add_incoming(new_set[r][t], main)
-    summed = [[new_sets[0][r][t] for t in range(nt)] for r in range(nr)]
-    for k in range(1, u):
-        summed = [[b.fadd(summed[r][t], new_sets[k][r][t]) for t in range(nt)] for r in range(nr)]
-    blk_next = b.add(blk, ir.Constant(I64, u))
-    blk.add_incoming(blk_next, main)
-    main_exit = b.block
-    b.cbranch(b.icmp_signed("<", blk_next, n_main), main, tail_check)
-
-    # tail: the remaining nb % u blocks, one at a time
-    b.position_at_end(tail_check)
-    start = b.phi(I64)
-    start.add_incoming(ir.Constant(I64, 0), entry)
-    start.add_incoming(n_main, main_exit)
-    carried = [[b.phi(V16F32) for _ in range(nt)] for _ in range(nr)]
-    for r in range(nr):
-        for t in range(nt):
-            carried[r][t].add_incoming(zero, entry)
-            carried[r][t].add_incoming(summed[r][t], main_exit)
-    b.cbranch(b.icmp_signed("<", start, nb), tail, done)
-
-    b.position_at_end(tail)
-    blk = b.phi(I64)
-    blk.add_incoming(start, tail_check)
-    accs = [[b.phi(V16F32) for _ in range(nt)] for _ in range(nr)]
-    new = _emit_block(b, fmt, rows, blk, accs)
-    for r in range(nr):
-        for t in range(nt):
-            accs[r][t].add_incoming(carried[r][t], tail_check)
-            accs[r][t].add_incoming(new[r][t], tail)
+    accs = {k: [b.phi(V16F32) for _ in ids] for k, (_, ids) in layout.items()}
+    new = _emit_block(b, fmt, path, rows, blk, accs)
+    zero = ir.Constant(V16F32, [0.0] * LANES)
+    for k, phis in accs.items():
+        for phi, v in zip(phis, new[k]):
+            phi.add_incoming(zero, entry)
+            phi.add_incoming(v, b.block)
     blk_next = b.add(blk, ir.Constant(I64, 1))
-    blk.add_incoming(blk_next, tail)
-    b.cbranch(b.icmp_signed("<", blk_next, nb), tail, done)
+    blk.add_incoming(blk_next, b.block)
+    b.cbranch(b.icmp_signed("<", blk_next, nb), loop, done)
 
     b.position_at_end(done)
-    final = [[b.phi(V16F32) for _ in range(nt)] for _ in range(nr)]
-    for r in range(nr):
-        for t in range(nt):
-            final[r][t].add_incoming(carried[r][t], tail_check)
-            final[r][t].add_incoming(new[r][t], tail)
-            at = b.add(b.mul(ir.Constant(I64, t), out_stride), ir.Constant(I64, r))
-            b.store(hsum_f32(b, final[r][t]), b.gep(out, [at]))
+    res = {}
+    for k, (width, ids) in layout.items():
+        res[k] = {}
+        for v, group in zip(new[k], ids):
+            v = _reduce(b, v, width)
+            for n, i in enumerate(group):
+                res[k].setdefault(i, b.extract_element(v, ir.Constant(I32, n * width)))
+    for i in range(nr * nt):
+        r, t = divmod(i, nt)
+        if path in (GEMV, GEMM):
+            value = b.fsub(res["acc"][i], res["accm"][i])
+        else:
+            value = res["lanes" if path == VEC_DOT else "acc"][i]
+            for extra in ("mins", "sum"):
+                if extra in res:
+                    value = b.fadd(value, res[extra][i])
+        at = b.add(b.mul(ir.Constant(I64, t), out_stride), ir.Constant(I64, r))
+        b.store(value, b.gep(out, [at]))
     b.ret_void()
     return fn
 
 
 @intrinsic
-def qdot_tile(typingctx, fmt, nr, nt, w, r0, xq, xd, xa, t0, out):
-    """out[t0 + t, r0 + r] = dot(w[r0 + r], x[t0 + t]) for r < nr, t < nt (nr, nt, fmt literal).
+def qdot_tile(typingctx, fmt, path, nr, nt, w, r0, xq, xd, xa, t0, out):
+    """out[t0 + t, r0 + r] = llama.cpp's dot(w[r0 + r], x[t0 + t]) for r < nr, t < nt.
 
-    ``fmt`` is the GGML type id of w; xq int8[T, K] or int16[T, K], xd float32[T, K/block], xa
-    the Q8_1 sums float32[T, K/32] or the Q8_K bsums int16[T, K/16] (ignored for Q8_0), out
-    float32[T, R].
+    ``fmt`` (GGML type id of w), ``path`` (VEC_DOT, TILED, GEMV, GEMM), nr, nt are literals;
+    xq int8[T, K] or int16[T, K] quants, xd float32[T, K/block] scales, xa the Q8_1 sums float32[T, K/32]
+    or the Q8_K bsums int16[T, K/16] (ignored for Q8_0), out float32[T, R].
     """
-    if not all(isinstance(a, types.IntegerLiteral) for a in (fmt, nr, nt)):
+    if not all(isinstance(a, types.IntegerLiteral) for a in (fmt, path, nr, nt)):
         return None
     if not isinstance(xq, types.Array) or xq.dtype not in (types.int8, types.int16):
         return None
     f = FORMATS[GGMLQuantizationType(fmt.literal_value)]
-    n_r, n_t = nr.literal_value, nt.literal_value
-    sig = types.void(fmt, nr, nt, w, r0, xq, xd, xa, t0, out)
+    p, n_r, n_t = path.literal_value, nr.literal_value, nt.literal_value
+    sig = types.void(fmt, path, nr, nt, w, r0, xq, xd, xa, t0, out)
 
     def codegen(context, builder, signature, args):
-        x16 = signature.args[5].dtype == types.int16
-        name = f"edge_qdot_{f.ggml_type.name.lower()}_{n_r}x{n_t}{'_x16' if x16 else ''}"
-        fn = builder.module.globals.get(name) or build_tile(builder.module, f, n_r, n_t, name, x16)
+        x16 = signature.args[6].dtype == types.int16
+        name = f"edge_qdot_{f.ggml_type.name.lower()}_{PATH_NAMES[p]}_{n_r}x{n_t}{'_x16' if x16 else ''}"
+        fn = builder.module.globals.get(name) or build_tile(builder.module, f, p, n_r, n_t, name, x16)
         arrays = [context.make_array(ty)(context, builder, v) for ty, v in
-                  zip(signature.args[3:], args[3:]) if isinstance(ty, types.Array)]
+                  zip(signature.args[4:], args[4:]) if isinstance(ty, types.Array)]
         aw, axq, axd, axa, aout = arrays
-        r0v, t0v = args[4], args[8]
+        r0v, t0v = args[5], args[9]
         stride = lambda a: cgutils.unpack_tuple(builder, a.strides)[0]  # noqa: E731
 
         def base(a, i):
-            p = builder.bitcast(a.data, BYTE_PTR)
-            return builder.gep(p, [builder.mul(i, stride(a))])
+            ptr = builder.bitcast(a.data, BYTE_PTR)
+            return builder.gep(ptr, [builder.mul(i, stride(a))])
 
         out_stride = builder.sdiv(stride(aout), ir.Constant(I64, 4))
         out_at = builder.gep(aout.data, [builder.add(builder.mul(t0v, out_stride), r0v)])
@@ -445,13 +607,18 @@ def qdot_tile(typingctx, fmt, nr, nt, w, r0, xq, xd, xa, t0, out):
 
 
 @njit(cache=True, inline="always")
-def _tiled(fmt, w, xq, xd, xa, out):
-    """Run qdot_tile over all rows: 1x1 tiles for T == 1, else NR x NT tiles over chunks of at
-    most TC activation rows (chunks of equal size, a multiple of NT, so threads share evenly)."""
+def _tiled(fmt, path, w, xq, xd, xa, out):
+    """Run qdot_tile of ``path`` over all rows: NR x 1 tiles for T == 1, else NR x NT tiles
+    over chunks of at most TC activation rows (chunks of equal size, a multiple of NT, so
+    threads share evenly); edge rows and columns in 1 x NT, NR x 1 and 1 x 1 tiles."""
     R, T = w.shape[0], xq.shape[0]
     if T == 1:
-        for r in prange(R):
-            qdot_tile(fmt, 1, 1, w, r, xq, xd, xa, 0, out)
+        n_full = R // NR
+        for job in prange(n_full + R % NR):
+            if job < n_full:
+                qdot_tile(fmt, path, NR, 1, w, job * NR, xq, xd, xa, 0, out)
+            else:
+                qdot_tile(fmt, path, 1, 1, w, job - n_full + n_full * NR, xq, xd, xa, 0, out)
     else:
         n_rt = (R + NR - 1) // NR
         n_tc = (T + TC - 1) // TC
@@ -463,19 +630,19 @@ def _tiled(fmt, w, xq, xd, xa, out):
             if r0 + NR <= R:
                 t = t_lo
                 while t + NT <= t_hi:
-                    qdot_tile(fmt, NR, NT, w, r0, xq, xd, xa, t, out)
+                    qdot_tile(fmt, path, NR, NT, w, r0, xq, xd, xa, t, out)
                     t += NT
                 while t < t_hi:
-                    qdot_tile(fmt, NR, 1, w, r0, xq, xd, xa, t, out)
+                    qdot_tile(fmt, path, NR, 1, w, r0, xq, xd, xa, t, out)
                     t += 1
             else:
                 for r in range(r0, R):
                     t = t_lo
                     while t + NT <= t_hi:
-                        qdot_tile(fmt, 1, NT, w, r, xq, xd, xa, t, out)
+                        qdot_tile(fmt, path, 1, NT, w, r, xq, xd, xa, t, out)
                         t += NT
                     while t < t_hi:
-                        qdot_tile(fmt, 1, 1, w, r, xq, xd, xa, t, out)
+                        qdot_tile(fmt, path, 1, 1, w, r, xq, xd, xa, t, out)
                         t += 1
 
 
@@ -490,62 +657,92 @@ _Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K = int(T_.Q2_K), int(T_.Q3_K), int(T_.Q4_K), in
 
 @njit(parallel=True, cache=True)
 def matmul_q4_0_q8_0(w, xqs, xd, out):
-    """Q4_0 weights x Q8_0 activations (ggml_vec_dot_q4_0_q8_0)."""
-    _tiled(_Q4_0, w, xqs, xd, xd, out)
+    """Q4_0 weights x Q8_0 activations (ggml_vec_dot_q4_0_q8_0, tinyBLAS_Q0_AVX)."""
+    _tiled(_Q4_0, VEC_DOT, w, xqs, xd, xd, out)
 
 
 @njit(parallel=True, cache=True)
 def matmul_q5_0_q8_0(w, xqs, xd, out):
-    """Q5_0 weights x Q8_0 activations (ggml_vec_dot_q5_0_q8_0)."""
-    _tiled(_Q5_0, w, xqs, xd, xd, out)
+    """Q5_0 weights x Q8_0 activations (ggml_vec_dot_q5_0_q8_0, tinyBLAS_Q0_AVX)."""
+    _tiled(_Q5_0, VEC_DOT, w, xqs, xd, xd, out)
 
 
 @njit(parallel=True, cache=True)
 def matmul_q8_0_q8_0(w, xqs, xd, out):
-    """Q8_0 weights x Q8_0 activations (ggml_vec_dot_q8_0_q8_0)."""
-    _tiled(_Q8_0, w, xqs, xd, xd, out)
+    """Q8_0 weights x Q8_0 activations (ggml_vec_dot_q8_0_q8_0, tinyBLAS_Q0_AVX)."""
+    _tiled(_Q8_0, VEC_DOT, w, xqs, xd, xd, out)
 
 
 @njit(parallel=True, cache=True)
 def matmul_q4_1_q8_1(w, xqs, xd, xs, out):
     """Q4_1 weights x Q8_1 activations (ggml_vec_dot_q4_1_q8_1)."""
-    _tiled(_Q4_1, w, xqs, xd, xs, out)
+    _tiled(_Q4_1, VEC_DOT, w, xqs, xd, xs, out)
 
 
 @njit(parallel=True, cache=True)
 def matmul_q5_1_q8_1(w, xqs, xd, xs, out):
     """Q5_1 weights x Q8_1 activations (ggml_vec_dot_q5_1_q8_1)."""
-    _tiled(_Q5_1, w, xqs, xd, xs, out)
+    _tiled(_Q5_1, VEC_DOT, w, xqs, xd, xs, out)
+
+
+@njit(cache=True, inline="always")
+def _plain_k(fmt, w, xqs, xd, xbsums, out):
+    """K-quant weights in llama.cpp's plain CPU buffer: the tiled kernel for batches of >= 8
+    rows (ggml_tiled_min_batch), else ggml_vec_dot_<type>_q8_K."""
+    if xqs.shape[0] >= 8:
+        _tiled(fmt, TILED, w, xqs, xd, xbsums, out)
+    else:
+        _tiled(fmt, VEC_DOT, w, xqs, xd, xbsums, out)
+
+
+@njit(cache=True, inline="always")
+def _repacked_k(fmt, w, xqs, xd, xbsums, out):
+    """Q4_K / Q2_K weights with a multiple of 8 rows, which llama.cpp repacks (CPU_REPACK,
+    ggml_repack_get_optimal_repack_type): the first T - T % 4 activation rows (when T > 3) by
+    ggml_gemm_<type>_8x8_q8_K, the others by ggml_gemv_<type>_8x8_q8_K
+    (tensor_traits::forward_mul_mat_one_chunk)."""
+    T = xqs.shape[0]
+    n4 = T - T % 4 if T > 3 else 0
+    if n4 > 0:
+        _tiled(fmt, GEMM, w, xqs[:n4], xd[:n4], xbsums[:n4], out[:n4])
+    if n4 < T:
+        _tiled(fmt, GEMV, w, xqs[n4:], xd[n4:], xbsums[n4:], out[n4:])
 
 
 @njit(parallel=True, cache=True)
 def matmul_q2_k_q8_k(w, xqs, xd, xbsums, out):
-    """Q2_K weights x Q8_K activations (ggml_vec_dot_q2_K_q8_K)."""
-    _tiled(_Q2_K, w, xqs, xd, xbsums, out)
+    """Q2_K weights x Q8_K activations (repacked when R % 8 == 0, see _repacked_k)."""
+    if w.shape[0] % 8 == 0:
+        _repacked_k(_Q2_K, w, xqs, xd, xbsums, out)
+    else:
+        _plain_k(_Q2_K, w, xqs, xd, xbsums, out)
 
 
 @njit(parallel=True, cache=True)
 def matmul_q3_k_q8_k(w, xqs, xd, xbsums, out):
-    """Q3_K weights x Q8_K activations (ggml_vec_dot_q3_K_q8_K)."""
-    _tiled(_Q3_K, w, xqs, xd, xbsums, out)
+    """Q3_K weights x Q8_K activations (see _plain_k)."""
+    _plain_k(_Q3_K, w, xqs, xd, xbsums, out)
 
 
 @njit(parallel=True, cache=True)
 def matmul_q4_k_q8_k(w, xqs, xd, xbsums, out):
-    """Q4_K weights x Q8_K activations (ggml_vec_dot_q4_K_q8_K)."""
-    _tiled(_Q4_K, w, xqs, xd, xbsums, out)
+    """Q4_K weights x Q8_K activations (repacked when R % 8 == 0, see _repacked_k)."""
+    if w.shape[0] % 8 == 0:
+        _repacked_k(_Q4_K, w, xqs, xd, xbsums, out)
+    else:
+        _plain_k(_Q4_K, w, xqs, xd, xbsums, out)
 
 
 @njit(parallel=True, cache=True)
 def matmul_q5_k_q8_k(w, xqs, xd, xbsums, out):
-    """Q5_K weights x Q8_K activations (ggml_vec_dot_q5_K_q8_K)."""
-    _tiled(_Q5_K, w, xqs, xd, xbsums, out)
+    """Q5_K weights x Q8_K activations (see _plain_k)."""
+    _plain_k(_Q5_K, w, xqs, xd, xbsums, out)
 
 
 @njit(parallel=True, cache=True)
 def matmul_q6_k_q8_k(w, xqs, xd, xbsums, out):
-    """Q6_K weights x Q8_K activations (ggml_vec_dot_q6_K_q8_K)."""
-    _tiled(_Q6_K, w, xqs, xd, xbsums, out)
+    """Q6_K weights x Q8_K activations (see _plain_k)."""
+    _plain_k(_Q6_K, w, xqs, xd, xbsums, out)
 
 
 # float weights: ggml_vec_dot_f32 / _f16 / _bf16 (float32 accumulation, any summation order)
@@ -676,6 +873,14 @@ def _check_matmul(w, t: GGMLQuantizationType, x, out):
     return out
 
 
+def repacked_gemm_rows(t: GGMLQuantizationType, R: int, T: int) -> int:
+    """Activation rows llama.cpp multiplies with its repacked gemm (Q4_K / Q2_K with R % 8 == 0):
+    T - T % 4 when T > 3, else 0 (the other rows go through the gemv)."""
+    if t in (T_.Q4_K, T_.Q2_K) and R % 8 == 0 and T > 3:
+        return T - T % 4
+    return 0
+
+
 _TYPES: dict = {}  # the ggml_type argument as given (enum, int or name) -> GGMLQuantizationType
 
 
@@ -713,7 +918,11 @@ def matmul(w: np.ndarray, ggml_type, x: np.ndarray, out: np.ndarray | None = Non
         act = FORMATS[t].act
         if act == ACT_Q8_K:
             d, bsums = buf("d", (T, K // 256), np.float32), buf("bsums", (T, K // 16), np.int16)
-            qa.quantize_q8_k_kernel(x, qs, d, bsums)
+            n4 = repacked_gemm_rows(t, w.shape[0], T)
+            if n4:  # as ggml_quantize_mat_q8_K_4x8 (see quantize_act)
+                qa.quantize_q8_k_kernel(x[:n4], qs[:n4], d[:n4], bsums[:n4], True)
+            if n4 < T:
+                qa.quantize_q8_k_kernel(x[n4:], qs[n4:], d[n4:], bsums[n4:], False)
             QUANT_KERNELS[t](w, qs, d, bsums, out)
         elif act == ACT_Q8_1:
             d, s = buf("d", (T, K // 32), np.float32), buf("s", (T, K // 32), np.float32)
