@@ -24,8 +24,9 @@ TILED    tiled_run_micro_vnni_8x16 (tiled/tiled-kernel.cpp), K-quants with T >= 
 GEMV     ggml_gemv_{q4_K,q2_K}_8x8_q8_K (arch/x86/repack.cpp): Q4_K / Q2_K with R % 8 == 0 are
 GEMM     repacked; activation rows [0, T - T % 4) (T > 3) go through the gemm, the rest through
          the gemv. Per group of values (gemv: 256; gemm: 64 for Q4_K, 128 for Q2_K) acc =
-         fma(I, d_w * d_x, acc) and accm = fma(M, dmin * d_x, accm); out = acc - accm. The gemm
-         rows are quantized as ggml_quantize_mat_q8_K_4x8 (see quantize_act).
+         fma(I, d_w * d_x, acc) and accm = fma(M, dmin * d_x, accm); out = acc - accm. Q4_0 with
+         R % 8 == 0 is repacked too (q4_0_8x8): gemv and gemm both take acc = fma(I, d_w * d_x,
+         acc) per 32-value block (GEMV here).
 
 The kernels are LLVM vector IR generated here and called through a numba intrinsic
 (``qdot_tile``): for a tile of nr weight rows x nt activation rows, each weight block is
@@ -34,11 +35,11 @@ multiplied with the activation segments pairwise into int32 lanes (x86 ``pmaddwd
 integer vectors of the tile's (r, t) pairs are then merged (even + odd lanes of two vectors)
 down to the lanes of the path (8, 4 or 1 per output), which also packs several outputs into
 one float vector, and the float updates run on those packed vectors. Decode (T = 1) runs
-NR x 1 tiles over all rows in parallel; prefill runs NR x NT tiles over chunks of TC
+1 x 1 tiles over all rows in parallel; prefill runs NR x NT tiles over chunks of TC
 activation rows (so the chunk stays in cache).
 
-Not reproduced: llama.cpp repacks Q4_0 (and IQ4_NL) with R % 8 == 0 into q4_0_8x8; edge runs
-the tinyBLAS / vec_dot structure for every Q4_0 matrix. F32/F16/BF16 weights are not exact.
+Not reproduced: F32/F16/BF16 weights (tinyBLAS / ggml_vec_dot_f16 orders); they agree to
+float32 rounding.
 
 Shapes everywhere: w uint8[R, row_bytes] (GGUFFile.tensor_rows), x float32[T, K], out
 float32[T, R]; per-type kernels take the quantized activations (see quantize_act).
@@ -317,57 +318,145 @@ def _groups(fmt: BlockFormat, path: int) -> int:
     return 4 if fmt.ggml_type == T_.Q4_K else 2
 
 
-def _pack(b, vecs: list, w: int) -> list:
-    """Per-input integer vectors -> [(packed <16 x i32>, input ids)] with ``w`` lanes per input.
+class Packed:
+    """Integer or float <16 x T> vectors holding partial sums of several tile inputs ((r, t) pairs).
 
-    ``vecs[i]`` is input i's <16 x i32> of pair sums (lane k: values 2k, 2k+1 of a 32-value
-    segment, summed over segments) or its <8 x i32> of 32-value sums. Merging two vectors adds
-    their even and odd lanes (a, b -> [a0+a1, a2+a3, ..., b0+b1, ...]), so with w = 8 lane j of
-    an input sums values 4j..4j+3 of every segment, with w = 1 it is the input's total. An odd
-    vector out is merged with itself (its ids repeat).
+    ``labels[k][l] = (input, part)``: lane l of vector k holds partial ``part`` of ``input`` (its
+    other lanes may hold copies). Partial j of an input at merge level m is the sum of its pair
+    sums j * 2**m .. (j + 1) * 2**m - 1 (pair sum p: values 2p, 2p + 1 of every 32-value segment).
     """
-    items = [(v, [i]) for i, v in enumerate(vecs)]
-    width = vecs[0].type.count
-    if width == 8:
-        items = [(concat(b, a[0], c[0]), a[1] + c[1]) for a, c in zip(items[::2], items[1::2] + items[-1:] * (len(items) % 2))]
-    width = LANES // len(items[0][1])
-    while width > w:
-        nxt = []
-        for k in range(0, len(items), 2):
-            (va, ia), (vb, ib) = items[k], items[min(k + 1, len(items) - 1)]
-            even = shuffle(b, va, range(0, 2 * LANES, 2), vb)
-            odd = shuffle(b, va, range(1, 2 * LANES, 2), vb)
-            nxt.append((b.add(even, odd), ia + ib))
-        items, width = nxt, width // 2
-    return items
+
+    def __init__(self, vecs: list, labels: list):
+        self.vecs, self.labels = vecs, labels
+
+    def owners(self, k: int) -> list:
+        return [i for i, _ in self.labels[k]]
+
+    def lane_of(self, k: int, i: int, part: int) -> int:
+        return self.labels[k].index((i, part))
+
+    def inputs(self):
+        """(vector index, input) for each input, first occurrence, in lane order."""
+        seen = set()
+        for k, labels in enumerate(self.labels):
+            for i, _ in labels:
+                if i not in seen:
+                    seen.add(i)
+                    yield k, i
 
 
-def _gather(b, items: list, w: int, g: int) -> list:
-    """Packed [(vector, ids)] of ``w`` lanes per input -> [(vector, ids)] of one lane per input
-    holding lane ``g`` of each input's group (inputs in order, first occurrence)."""
-    seen, picks = set(), []
-    for k, (_, ids) in enumerate(items):
-        for n, i in enumerate(ids):
-            if i not in seen:
-                seen.add(i)
-                picks.append((k, n * w + g, i))
+def _pair_masks(kind: str, arg: int = 0):
+    """(lo, hi) shuffle masks of one merge step over two vectors (lanes >= 16: second vector):
+    result lane l = src[lo[l]] + src[hi[l]].
+
+    "lane": within each 128-bit lane k, [a0+a1, a2+a3, b0+b1, b2+b3] of that lane (x86 vshufps);
+    "block": 128-bit lanes 2j, 2j+1 of a, then of b, added (vshufi32x4); "evenodd": even plus
+    odd lanes of a then of b (vpermt2d); "fold": one vector, lane l plus lane l ^ arg.
+    """
+    if kind == "fold":
+        return list(range(LANES)), [lane ^ arg for lane in range(LANES)]
+    lo = []
+    for lane in range(LANES):
+        k, m = divmod(lane, 4)
+        if kind == "lane":
+            lo.append((LANES if m >= 2 else 0) + 4 * k + 2 * (m % 2))
+        elif kind == "block":
+            lo.append((LANES if k >= 2 else 0) + 8 * (k % 2) + m)
+        else:
+            lo.append((LANES if lane >= 8 else 0) + 2 * (lane % 8))
+    step = 4 if kind == "block" else 1
+    return lo, [v + step for v in lo]
+
+
+def _merge_labels(kind, a, c, arg=0):
+    """Labels after a merge step, or None if it would add lanes of different inputs or
+    partials that are not 2j and 2j + 1."""
+    src = a + c
+    lo, hi = _pair_masks(kind, arg)
     out = []
-    for lo in range(0, len(picks), LANES):
-        chunk = picks[lo:lo + LANES]
-        sources = sorted({k for k, _, _ in chunk})
-        vec_ = items[sources[0]][0]
-        mask = [lane if k == sources[0] else 0 for k, lane, _ in chunk]
-        for src in sources[1:] or sources[:1]:
-            mask = [LANES + lane if k == src else m for (k, lane, _), m in zip(chunk, mask)]
-            vec_ = shuffle(b, vec_, mask + [0] * (LANES - len(mask)), items[src][0])
-            mask = list(range(len(chunk)))
-        out.append((vec_, [i for _, _, i in chunk]))
+    for x, y in zip(lo, hi):
+        (i, p), (i2, p2) = src[x], src[y]
+        if i != i2 or {p, p2} != {p & ~1, p | 1}:
+            return None
+        out.append((i, p >> 1))
     return out
 
 
-def _lanes(b, per_input, ids: list, w: int):
-    """<16 x float> with lane l = per_input[ids[l // w]] (per_input: <16 x float> by input id)."""
-    return shuffle(b, per_input, [ids[min(l // w, len(ids) - 1)] for l in range(LANES)])
+def _pack_plan(n: int, w: int):
+    """How _pack merges n per-input vectors of 16 pair sums down to ``w`` partials per input
+    (8: lane j sums values 4j..4j+3 of every segment, as ggml's 8 lanes; 1: the total).
+
+    Two vectors merge with the cheapest valid step ("lane", "block", "evenodd"); a lone vector
+    folds in place. Returns (steps, labels of the resulting vectors)."""
+    labels = [[(i, p) for p in range(LANES)] for i in range(n)]
+    steps, parts = [], LANES
+    while parts > w:
+        if len(labels) > 1:
+            pairs = [(k, min(k + 1, len(labels) - 1)) for k in range(0, len(labels), 2)]
+            for kind in ("lane", "block", "evenodd"):
+                merged = [_merge_labels(kind, labels[a], labels[c]) for a, c in pairs]
+                if all(merged):
+                    break
+            steps.append((kind, pairs))
+        else:
+            for s in (1, 2, 4, 8):
+                merged = [_merge_labels("fold", labels[0], [], s)]
+                if merged[0]:
+                    break
+            steps.append(("fold", s))
+        assert all(merged), "no valid merge"
+        labels, parts = merged, parts // 2
+    return steps, labels
+
+
+def _pack(b, vecs: list, w: int) -> Packed:
+    """Per-input <16 x i32> vectors of pair sums -> Packed with ``w`` partials per input."""
+    steps, labels = _pack_plan(len(vecs), w)
+    for kind, arg in steps:
+        if kind == "fold":
+            lo, hi = _pair_masks(kind, arg)
+            vecs = [b.add(v, shuffle(b, v, hi)) for v in vecs]
+        else:
+            lo, hi = _pair_masks(kind)
+            vecs = [b.add(shuffle(b, vecs[a], lo, vecs[c]), shuffle(b, vecs[a], hi, vecs[c])) for a, c in arg]
+    return Packed(vecs, labels)
+
+
+def _gather(b, p: Packed, g: int) -> Packed:
+    """Partial ``g`` of every input of ``p``, one lane per input, inputs in first-occurrence order."""
+    picks = [(k, p.lane_of(k, i, g), i) for k, i in p.inputs()]
+    vecs, labels = [], []
+    for lo in range(0, len(picks), LANES):
+        chunk = picks[lo:lo + LANES]
+        chunk += chunk[-1:] * (LANES - len(chunk))
+        sources = sorted({k for k, _, _ in chunk})
+        v = p.vecs[sources[0]]
+        mask = [lane if k == sources[0] else 0 for k, lane, _ in chunk]
+        for src in sources[1:] or sources[:1]:
+            mask = [LANES + lane if k == src else m for (k, lane, _), m in zip(chunk, mask)]
+            v = shuffle(b, v, mask, p.vecs[src])
+            mask = list(range(LANES))
+        vecs.append(v)
+        labels.append([(i, 0) for _, _, i in chunk])
+    return Packed(vecs, labels)
+
+
+def _gather_labels(n: int, w: int):
+    """Labels of _gather's result for the inputs 0..n-1 of a _pack(.., w) result."""
+    inputs = list(Packed(None, _pack_plan(n, w)[1]).inputs())
+    order = [i for _, i in inputs]
+    return [[(i, 0) for i in (order[k:k + LANES] + order[-1:] * LANES)[:LANES]] for k in range(0, len(order), LANES)]
+
+
+def _as_pairs(b, v):
+    """<8 x i32> -> <16 x i32> [v0, 0, v1, 0, ...]: pair sums whose pairs add up to v's lanes,
+    so sums over 32-value groups pack like segment products (lane j of v: values 32j..32j+31)."""
+    return b.bitcast(b.zext(v, vec(I64, 8)), vec(I32, LANES))
+
+
+def _lanes(b, per_input, p: Packed, k: int):
+    """<16 x float> with lane l = per_input[input of lane l of p's vector k]."""
+    return shuffle(b, per_input, p.owners(k))
 
 
 def _by_input(b, values: list, index: list):
@@ -382,22 +471,93 @@ def _to_float(b, v):
     return b.sitofp(v, V16F32)
 
 
+def _accumulators(fmt: BlockFormat, path: int, n: int) -> dict:
+    """Accumulator name -> (labels of its packed float vectors, partials per input)."""
+    if path == VEC_DOT:
+        out = {"lanes": (_pack_plan(n, 8)[1], 8)}
+        if fmt.ggml_type in (T_.Q4_K, T_.Q5_K):
+            w = 4 if fmt.ggml_type == T_.Q4_K else 1
+            out["mins"] = (_pack_plan(n, w)[1], w)
+        if fmt.act == ACT_Q8_1:
+            out["sum"] = ([[(i, 0) for i in range(n)] + [(n - 1, 0)] * (LANES - n)], 1)
+        return out
+    if path == TILED:
+        return {"acc": (_pack_plan(n, 1)[1], 1)}
+    out = {"acc": (_pack_plan(n, 1)[1], 1)}
+    if fmt.ggml_type in (T_.Q4_K, T_.Q2_K):
+        n_groups = _groups(fmt, path)
+        out["accm"] = (_pack_plan(n, 1)[1] if n_groups == 1 else _gather_labels(n, n_groups), 1)
+    return out
+
+
 def _emit_block(b, fmt: BlockFormat, path: int, rows: dict, blk, accs: dict) -> dict:
     """IR for block ``blk`` of every (r, t) input of a tile (input i = r * nt + t): the integer
-    sums, then the float updates of ``path``; returns the new accumulators (lists of packed
-    vectors by name, see build_tile)."""
+    sums, then the float updates of ``path``; returns the new accumulators (packed float
+    vectors by name, laid out as _accumulators says)."""
     nr, nt = len(rows["w"]), len(rows["xq"])
     inputs = [(r, t) for r in range(nr) for t in range(nt)]
     r_of, t_of = [r for r, _ in inputs], [t for _, t in inputs]
     blocks = [b.gep(w_row, [b.mul(blk, ir.Constant(I64, fmt.block_bytes))]) for w_row in rows["w"]]
     headers = [fmt.header(b, p) for p in blocks]
     x_at = b.mul(blk, ir.Constant(I64, fmt.block_elems))
-    group = fmt.block_elems // _groups(fmt, path)
-    main = [[None] * len(inputs) for _ in range(_groups(fmt, path))]
+    dw = _by_input(b, [h["d"] for h in headers], r_of)
+    dx = _by_input(b, [load(b, xd, b.mul(blk, ir.Constant(I64, 4)), F32) for xd in rows["xd"]], t_of)
+    if fmt.act == ACT_Q8_K:
+        bsums = [load(b, xa, b.mul(blk, ir.Constant(I64, 32)), V16I16) for xa in rows["xa"]]
+    if "mins" in headers[0]:  # as pair sums: min times the activation sum of values 32j..32j+31
+        mins = [_as_pairs(b, madd_pairs(b, headers[r]["mins"], bsums[t])) for r, t in inputs]
+        dmin = _by_input(b, [h["dmin"] for h in headers], r_of)
+    layout = _accumulators(fmt, path, len(inputs))
+    new = dict(accs)
+
+    def update(name, p: Packed, scale):
+        """acc = fma(float(int), scale, acc) over the packed vectors (scale: by input)."""
+        assert p.labels == layout[name][0], f"{name}: layout differs from the accumulator's"
+        new[name] = [fmuladd(b, _to_float(b, v), _lanes(b, scale, p, k), acc) for k, (v, acc) in enumerate(zip(p.vecs, new[name]))]
+
+    def group_done(g, sums):
+        """Float updates once the integer sums of group g (all values for VEC_DOT / TILED) are complete."""
+        if path == VEC_DOT:
+            lanes = _pack(b, sums, 8)
+            if fmt.ggml_type == T_.Q6_K:  # minus 32 * (scale * bsum) of values 32j..32j+31
+                corr = _pack(b, [_as_pairs(b, madd_pairs(b, headers[r]["scales"], bsums[t])) for r, t in inputs], 8)
+                five = ir.Constant(vec(I32, LANES), [5] * LANES)
+                lanes.vecs = [b.sub(v, b.shl(c, five)) for v, c in zip(lanes.vecs, corr.vecs)]
+            if "mins" in headers[0]:
+                neg_dmin = b.fmul(b.fneg(dx), dmin)
+                if fmt.ggml_type == T_.Q2_K:  # mins first, into the same 8 lanes
+                    update("lanes", _pack(b, mins, 8), neg_dmin)
+                else:  # Q4_K: 4 lanes (sub-block pairs); Q5_K: a scalar chain
+                    update("mins", _pack(b, mins, layout["mins"][1]), neg_dmin)
+            update("lanes", lanes, b.fmul(dx, dw))
+            if fmt.act == ACT_Q8_1:  # + m_w * s_x, a scalar fma chain per output
+                m = _by_input(b, [h["m"] for h in headers], r_of)
+                s = _by_input(b, [load(b, xa, b.mul(blk, ir.Constant(I64, 4)), F32) for xa in rows["xa"]], t_of)
+                p = Packed(None, layout["sum"][0])
+                new["sum"] = [fmuladd(b, _lanes(b, m, p, 0), _lanes(b, s, p, 0), new["sum"][0])]
+        elif path == TILED:
+            s1 = _pack(b, sums, 1)
+            res = [b.fmul(_to_float(b, v), _lanes(b, dw, s1, k)) for k, v in enumerate(s1.vecs)]
+            if "mins" in headers[0]:  # r = -(dmin * S2) + r, fused
+                s2 = _pack(b, mins, 1)
+                res = [fmuladd(b, _lanes(b, b.fneg(dmin), s2, k), _to_float(b, v), r_) for k, (v, r_) in enumerate(zip(s2.vecs, res))]
+            new["acc"] = [fmuladd(b, r_, _lanes(b, dx, s1, k), acc) for k, (r_, acc) in enumerate(zip(res, new["acc"]))]
+        else:  # GEMV / GEMM: acc += I * (d_w * d_x), accm += M * (dmin * d_x), per group of values
+            update("acc", _pack(b, sums, 1), b.fmul(dw, dx))
+            if "mins" in headers[0]:
+                update("accm", packed_mins if n_groups == 1 else _gather(b, packed_mins, g), b.fmul(dmin, dx))
+
+    n_groups = _groups(fmt, path)
+    if path in (GEMV, GEMM) and "mins" in headers[0]:
+        packed_mins = _pack(b, mins, n_groups)
+    group = fmt.block_elems // n_groups
+    sums, g = [None] * len(inputs), 0
     unsigned = path == VEC_DOT  # Q6_K codes 0..63 with a bsums correction (ggml_vec_dot_q6_K_q8_K)
     for segs in zip(*(fmt.segments(b, p, h, unsigned) for p, h in zip(blocks, headers))):
         offset = segs[0][0]
-        sums = main[offset // group]
+        if offset // group != g:
+            group_done(g, sums)
+            sums, g = [None] * len(inputs), offset // group
         for t in range(nt):
             at = b.add(x_at, ir.Constant(I64, offset))
             if rows["x16"]:
@@ -408,104 +568,28 @@ def _emit_block(b, fmt: BlockFormat, path: int, rows: dict, blk, accs: dict) -> 
                 prod = madd_pairs(b, segs[r][1], xv)
                 i = r * nt + t
                 sums[i] = prod if sums[i] is None else b.add(sums[i], prod)
-
-    dw = _by_input(b, [h["d"] for h in headers], r_of)
-    dx = _by_input(b, [load(b, xd, b.mul(blk, ir.Constant(I64, 4)), F32) for xd in rows["xd"]], t_of)
-    if fmt.act == ACT_Q8_K:
-        bsums = [load(b, xa, b.mul(blk, ir.Constant(I64, 32)), V16I16) for xa in rows["xa"]]
-    if "mins" in headers[0]:  # lane j: min times the activation sum of values 32j..32j+31
-        mins = [madd_pairs(b, headers[r]["mins"], bsums[t]) for r, t in inputs]
-        dmin = _by_input(b, [h["dmin"] for h in headers], r_of)
-    new = dict(accs)
-
-    def update(name, items, scale, w):
-        """acc = fma(float(int), scale, acc) for the packed items (scale by input)."""
-        new[name] = [fmuladd(b, _to_float(b, v), _lanes(b, scale, ids, w), acc) for (v, ids), acc in zip(items, new[name])]
-
-    if path == VEC_DOT:
-        d = b.fmul(dx, dw)
-        lanes = _pack(b, main[0], 8)
-        if fmt.ggml_type == T_.Q6_K:  # minus 32 * (scale * bsum) of values 32j..32j+31
-            corr = _pack(b, [madd_pairs(b, headers[r]["scales"], bsums[t]) for r, t in inputs], 8)
-            lanes = [(b.sub(v, b.shl(c, ir.Constant(vec(I32, LANES), [5] * LANES))), ids)
-                     for (v, ids), (c, _) in zip(lanes, corr)]
-        if "mins" in headers[0]:
-            neg_dmin = b.fmul(b.fneg(dx), dmin)
-            if fmt.ggml_type == T_.Q2_K:  # mins first, into the same 8 lanes
-                update("lanes", _pack(b, mins, 8), neg_dmin, 8)
-            elif fmt.ggml_type == T_.Q4_K:  # 4 lanes: sub-block pairs
-                update("mins", _pack(b, mins, 4), neg_dmin, 4)
-            else:  # Q5_K: a scalar chain
-                update("mins", _pack(b, mins, 1), neg_dmin, 1)
-        update("lanes", lanes, d, 8)
-        if fmt.act == ACT_Q8_1:  # + m_w * s_x, a scalar fma chain per output
-            m = _by_input(b, [h["m"] for h in headers], r_of)
-            s = _by_input(b, [load(b, xa, b.mul(blk, ir.Constant(I64, 4)), F32) for xa in rows["xa"]], t_of)
-            ids = list(range(len(inputs)))
-            new["sum"] = [fmuladd(b, _lanes(b, m, ids, 1), _lanes(b, s, ids, 1), new["sum"][0])]
-    elif path == TILED:
-        s1 = _pack(b, main[0], 1)
-        res = [b.fmul(_to_float(b, v), _lanes(b, dw, ids, 1)) for v, ids in s1]
-        if "mins" in headers[0]:
-            s2 = _pack(b, mins, 1)
-            res = [fmuladd(b, _lanes(b, b.fneg(dmin), ids, 1), _to_float(b, v), r_) for (v, ids), r_ in zip(s2, res)]
-        new["acc"] = [fmuladd(b, r_, _lanes(b, dx, ids, 1), acc) for r_, (_, ids), acc in zip(res, s1, new["acc"])]
-    else:  # GEMV / GEMM: acc += I * (d_w * d_x), accm += M * (dmin * d_x), per group of values
-        d, dmin_x = b.fmul(dw, dx), b.fmul(dmin, dx)
-        n_groups = len(main)
-        packed_mins = _pack(b, mins, n_groups)
-        for g in range(n_groups):
-            items = _pack(b, main[g], 1)
-            new["acc"] = [fmuladd(b, _to_float(b, v), _lanes(b, d, ids, 1), acc) for (v, ids), acc in zip(items, new["acc"])]
-            items = _gather(b, packed_mins, n_groups, g) if n_groups > 1 else packed_mins
-            new["accm"] = [fmuladd(b, _to_float(b, v), _lanes(b, dmin_x, ids, 1), acc)
-                           for (v, ids), acc in zip(items, new["accm"])]
+    group_done(g, sums)
     return new
 
 
-def _layout(fmt: BlockFormat, path: int, n_inputs: int) -> dict:
-    """Accumulator name -> (lanes per input, ids of each packed vector), as _emit_block packs them."""
-
-    def ids(w, start_width=16):
-        items = [[i] for i in range(n_inputs)]
-        width = start_width
-        if width == 8:
-            items = [a + c for a, c in zip(items[::2], items[1::2] + items[-1:] * (len(items) % 2))]
-        width = LANES // len(items[0])
-        while width > w:
-            items = [items[k] + items[min(k + 1, len(items) - 1)] for k in range(0, len(items), 2)]
-            width //= 2
-        return items
-
-    if path == VEC_DOT:
-        out = {"lanes": (8, ids(8))}
-        if fmt.ggml_type in (T_.Q4_K, T_.Q5_K):
-            w = 4 if fmt.ggml_type == T_.Q4_K else 1
-            out["mins"] = (w, ids(w, 8))
-        if fmt.act == ACT_Q8_1:
-            out["sum"] = (1, [list(range(n_inputs))])
-        return out
-    if path == TILED:
-        return {"acc": (1, ids(1))}
-    n_groups = _groups(fmt, path)
-    mins = ids(n_groups, 8)
-    if n_groups > 1:
-        flat = []
-        for group in mins:
-            flat += [i for i in group if i not in flat]
-        mins = [flat[k:k + LANES] for k in range(0, len(flat), LANES)]
-    return {"acc": (1, ids(1)), "accm": (1, mins)}
-
-
-def _reduce(b, v, w: int):
-    """Butterfly over each group of ``w`` lanes (lane l += lane l ^ s for s = w/2 .. 1): lane
-    k*w ends with ggml's hsum_float_8 order for w = 8 (((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7))) and
-    (m0+m2)+(m1+m3) for w = 4."""
-    s = w // 2
-    while s:
-        v = b.fadd(v, shuffle(b, v, [l ^ s for l in range(LANES)]))
-        s //= 2
-    return v
+def _reduce(b, p: Packed, w: int) -> dict:
+    """input -> float: the sum of its ``w`` partials in ggml's order (butterflies pairing partial
+    j with j ^ 4, j ^ 2, j ^ 1: hsum_float_8 = ((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7)) for w = 8,
+    (m0+m2)+(m1+m3) for w = 4)."""
+    out = {}
+    for v, labels in zip(p.vecs, p.labels):
+        m = w // 2
+        while m:
+            i0 = labels[0][0]
+            d = labels.index((i0, m)) ^ labels.index((i0, 0))
+            assert all(labels[lane ^ d] == (i, part ^ m) for lane, (i, part) in enumerate(labels))
+            v = b.fadd(v, shuffle(b, v, [lane ^ d for lane in range(LANES)]))
+            labels = [(i, part & ~m) for i, part in labels]
+            m //= 2
+        for lane, (i, _) in enumerate(labels):
+            if i not in out:
+                out[i] = b.extract_element(v, ir.Constant(I32, lane))
+    return out
 
 
 def build_tile(module: ir.Module, fmt: BlockFormat, path: int, nr: int, nt: int, name: str,
@@ -526,13 +610,13 @@ def build_tile(module: ir.Module, fmt: BlockFormat, path: int, nr: int, nt: int,
     rows = {"w": [row(w, w_stride, r) for r in range(nr)], "xq": [row(xq, xq_stride, t) for t in range(nt)],
             "xd": [row(xd, xd_stride, t) for t in range(nt)], "xa": [row(xa, xa_stride, t) for t in range(nt)],
             "x16": x16}
-    layout = _layout(fmt, path, nr * nt)
+    layout = _accumulators(fmt, path, nr * nt)
     b.branch(loop)
 
     b.position_at_end(loop)
     blk = b.phi(I64)
     blk.add_incoming(ir.Constant(I64, 0), entry)
-    accs = {k: [b.phi(V16F32) for _ in ids] for k, (_, ids) in layout.items()}
+    accs = {k: [b.phi(V16F32) for _ in labels] for k, (labels, _) in layout.items()}
     new = _emit_block(b, fmt, path, rows, blk, accs)
     zero = ir.Constant(V16F32, [0.0] * LANES)
     for k, phis in accs.items():
@@ -544,17 +628,11 @@ def build_tile(module: ir.Module, fmt: BlockFormat, path: int, nr: int, nt: int,
     b.cbranch(b.icmp_signed("<", blk_next, nb), loop, done)
 
     b.position_at_end(done)
-    res = {}
-    for k, (width, ids) in layout.items():
-        res[k] = {}
-        for v, group in zip(new[k], ids):
-            v = _reduce(b, v, width)
-            for n, i in enumerate(group):
-                res[k].setdefault(i, b.extract_element(v, ir.Constant(I32, n * width)))
+    res = {k: _reduce(b, Packed(new[k], labels), w) for k, (labels, w) in layout.items()}
     for i in range(nr * nt):
         r, t = divmod(i, nt)
         if path in (GEMV, GEMM):
-            value = b.fsub(res["acc"][i], res["accm"][i])
+            value = b.fsub(res["acc"][i], res["accm"][i]) if "accm" in res else res["acc"][i]
         else:
             value = res["lanes" if path == VEC_DOT else "acc"][i]
             for extra in ("mins", "sum"):
@@ -608,17 +686,13 @@ def qdot_tile(typingctx, fmt, path, nr, nt, w, r0, xq, xd, xa, t0, out):
 
 @njit(cache=True, inline="always")
 def _tiled(fmt, path, w, xq, xd, xa, out):
-    """Run qdot_tile of ``path`` over all rows: NR x 1 tiles for T == 1, else NR x NT tiles
+    """Run qdot_tile of ``path`` over all rows: 1 x 1 tiles for T == 1, else NR x NT tiles
     over chunks of at most TC activation rows (chunks of equal size, a multiple of NT, so
     threads share evenly); edge rows and columns in 1 x NT, NR x 1 and 1 x 1 tiles."""
     R, T = w.shape[0], xq.shape[0]
-    if T == 1:
-        n_full = R // NR
-        for job in prange(n_full + R % NR):
-            if job < n_full:
-                qdot_tile(fmt, path, NR, 1, w, job * NR, xq, xd, xa, 0, out)
-            else:
-                qdot_tile(fmt, path, 1, 1, w, job - n_full + n_full * NR, xq, xd, xa, 0, out)
+    if T == 1:  # one row per tile: several rows at once stream from DRAM at half the speed
+        for r in prange(R):
+            qdot_tile(fmt, path, 1, 1, w, r, xq, xd, xa, 0, out)
     else:
         n_rt = (R + NR - 1) // NR
         n_tc = (T + TC - 1) // TC
@@ -657,8 +731,13 @@ _Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K = int(T_.Q2_K), int(T_.Q3_K), int(T_.Q4_K), in
 
 @njit(parallel=True, cache=True)
 def matmul_q4_0_q8_0(w, xqs, xd, out):
-    """Q4_0 weights x Q8_0 activations (ggml_vec_dot_q4_0_q8_0, tinyBLAS_Q0_AVX)."""
-    _tiled(_Q4_0, VEC_DOT, w, xqs, xd, xd, out)
+    """Q4_0 weights x Q8_0 activations: ggml_vec_dot_q4_0_q8_0 / tinyBLAS_Q0_AVX, or when
+    R % 8 == 0 (repacked to q4_0_8x8) ggml_gemv/gemm_q4_0_8x8_q8_0, which share the GEMV
+    structure (one fma of the block's integer total per 32 values)."""
+    if w.shape[0] % 8 == 0:
+        _tiled(_Q4_0, GEMV, w, xqs, xd, xd, out)
+    else:
+        _tiled(_Q4_0, VEC_DOT, w, xqs, xd, xd, out)
 
 
 @njit(parallel=True, cache=True)
@@ -873,14 +952,6 @@ def _check_matmul(w, t: GGMLQuantizationType, x, out):
     return out
 
 
-def repacked_gemm_rows(t: GGMLQuantizationType, R: int, T: int) -> int:
-    """Activation rows llama.cpp multiplies with its repacked gemm (Q4_K / Q2_K with R % 8 == 0):
-    T - T % 4 when T > 3, else 0 (the other rows go through the gemv)."""
-    if t in (T_.Q4_K, T_.Q2_K) and R % 8 == 0 and T > 3:
-        return T - T % 4
-    return 0
-
-
 _TYPES: dict = {}  # the ggml_type argument as given (enum, int or name) -> GGMLQuantizationType
 
 
@@ -918,11 +989,7 @@ def matmul(w: np.ndarray, ggml_type, x: np.ndarray, out: np.ndarray | None = Non
         act = FORMATS[t].act
         if act == ACT_Q8_K:
             d, bsums = buf("d", (T, K // 256), np.float32), buf("bsums", (T, K // 16), np.int16)
-            n4 = repacked_gemm_rows(t, w.shape[0], T)
-            if n4:  # as ggml_quantize_mat_q8_K_4x8 (see quantize_act)
-                qa.quantize_q8_k_kernel(x[:n4], qs[:n4], d[:n4], bsums[:n4], True)
-            if n4 < T:
-                qa.quantize_q8_k_kernel(x[n4:], qs[n4:], d[n4:], bsums[n4:], False)
+            qa.quantize_q8_k_kernel(x, qs, d, bsums)
             QUANT_KERNELS[t](w, qs, d, bsums, out)
         elif act == ACT_Q8_1:
             d, s = buf("d", (T, K // 32), np.float32), buf("s", (T, K // 32), np.float32)

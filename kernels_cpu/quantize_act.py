@@ -12,9 +12,9 @@ K-quants. These kernels mirror the functions llama.cpp's CPU backend runs on x86
   signed value ``max`` of largest magnitude (the first one on ties); iscale = -127 / max;
   q = min(127, nearest_int(iscale * x)); d = 1 / iscale (float32, not rounded);
   bsums = sums of q over groups of 16. An all-zero block gives d = 0, q = 0, bsums = 0.
-  With ``positive_wins`` a tie between +max and -max picks +max, as
-  arch/x86/repack.cpp ``ggml_quantize_mat_q8_K_4x8`` does for the activations of the repacked
-  Q4_K gemm (the values are otherwise the same).
+  (The repacked Q4_K/Q2_K gemm quantizes with ggml_quantize_mat_q8_K_4x8, which takes +max
+  on a +max/-max tie; that flips the signs of q, d and bsums together, so every matmul result
+  is the same and one quantizer serves both.)
 
 (ggml's portable ``quantize_row_q8_0_ref`` differs slightly: it multiplies by 1/d and rounds
 half away from zero, so a rare tie can differ by one unit.) f16-stored scales are returned as
@@ -74,7 +74,7 @@ def _q8_0_row(x, qs, d, s, with_sum):
 
 
 @njit(cache=True, inline="always")
-def _q8_k_row(x, qs, d, bsums, positive_wins):
+def _q8_k_row(x, qs, d, bsums):
     """One row to Q8_K; see the module docstring."""
     for b in range(x.size // QK_K):
         o = QK_K * b
@@ -82,7 +82,7 @@ def _q8_k_row(x, qs, d, bsums, positive_wins):
         vmax = _ZERO
         for j in range(o, o + QK_K):
             ax = abs(x[j])
-            if ax > amax or (positive_wins and ax == amax and x[j] > _ZERO):
+            if ax > amax:
                 amax = ax
                 vmax = x[j]
         if amax == _ZERO:
@@ -116,10 +116,10 @@ def quantize_q8_1_kernel(x, qs, d, s):
 
 
 @njit(cache=True)
-def quantize_q8_k_kernel(x, qs, d, bsums, positive_wins=False):
+def quantize_q8_k_kernel(x, qs, d, bsums):
     """Q8_K rows. Shapes: x f32[T, K], qs i8[T, K], d f32[T, K/256], bsums i16[T, K/16]."""
     for t in range(x.shape[0]):
-        _q8_k_row(x[t], qs[t], d[t], bsums[t], positive_wins)
+        _q8_k_row(x[t], qs[t], d[t], bsums[t])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,15 +174,14 @@ def quantize_q8_1(x: np.ndarray, qs: np.ndarray | None = None, d: np.ndarray | N
 
 
 def quantize_q8_k(x: np.ndarray, qs: np.ndarray | None = None, d: np.ndarray | None = None,
-                  bsums: np.ndarray | None = None, positive_wins: bool = False):
+                  bsums: np.ndarray | None = None):
     """x float32[T, K] -> (qs int8[T, K], d float32[T, K/256], bsums int16[T, K/16]) as ggml quantize_row_q8_K.
 
-    ``positive_wins``: resolve a +max/-max tie as ggml_quantize_mat_q8_K_4x8 (module docstring).
     Buffers are filled in place when given. Raises QuantFormatError on a bad shape/dtype.
     """
     T, K = _check_x(x, QK_K, "Q8_K")
     qs = _buffer(qs, (T, K), QS_DTYPES, "qs", "Q8_K")
     d = _buffer(d, (T, K // QK_K), _F32, "d", "Q8_K")
     bsums = _buffer(bsums, (T, K // 16), _I16, "bsums", "Q8_K")
-    quantize_q8_k_kernel(x, qs, d, bsums, bool(positive_wins))
+    quantize_q8_k_kernel(x, qs, d, bsums)
     return qs, d, bsums

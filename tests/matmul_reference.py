@@ -73,9 +73,10 @@ def _scale_min_k4(sc: np.ndarray):
 def unpack(w: np.ndarray, t: T) -> dict:
     """Integer quants and scales of weight rows uint8[R, row_bytes] (ggml-common.h layouts).
 
-    q: int64[R, nb, block] as the kernels multiply them (Q4_0/Q5_0 offset removed, Q4_1/Q5_1
-    and the K-quants' codes unsigned, Q6_K unsigned 0..63), d (and m / dmin) float32[R, nb],
-    sub-block scales/mins int64[R, nb, n].
+    q: int64[R, nb, block] as ggml's kernels multiply them (Q4_0/Q5_0 offset removed, Q3_K
+    signed, Q4_1/Q5_1 and the other K-quants unsigned, Q6_K 0..63 with "offset" 32);
+    d (and m / dmin) float32[R, nb]; K-quants: scale and min of each 16 values sc16, min16
+    int64[R, nb, 16] (Q4_K/Q5_K's 32-value ones repeated).
     """
     block, size = GGML_QUANT_SIZES[t]
     raw = w.reshape(w.shape[0], -1, size)
@@ -97,8 +98,8 @@ def unpack(w: np.ndarray, t: T) -> dict:
         if t == T.Q5_K:
             qh = raw[..., 16:48].astype(np.int64)
             q += np.stack([(qh >> j) & 1 for j in range(8)], -2) * 16
-        return {"d": _f16(raw, 0), "dmin": _f16(raw, 2), "scales": scales, "mins": mins,
-                "q": q.reshape(*raw.shape[:2], 256)}
+        return {"d": _f16(raw, 0), "dmin": _f16(raw, 2), "sc16": np.repeat(scales, 2, -1),
+                "min16": np.repeat(mins, 2, -1), "q": q.reshape(*raw.shape[:2], 256)}
     if t == T.Q6_K:
         ql, qh = raw[..., :128].astype(np.int64), raw[..., 128:192].astype(np.int64)
         parts = []
@@ -107,8 +108,19 @@ def unpack(w: np.ndarray, t: T) -> dict:
                 low = ql[..., 64 * h + 32 * (g % 2):64 * h + 32 * (g % 2) + 32]
                 low = low & 0x0F if g < 2 else low >> 4
                 parts.append(low | ((qh[..., 32 * h:32 * h + 32] >> (2 * g)) & 3) << 4)
-        return {"d": _f16(raw, 208), "scales": raw[..., 192:208].view(np.int8).astype(np.int64),
-                "q": np.concatenate(parts, -1)}
+        return {"d": _f16(raw, 208), "sc16": raw[..., 192:208].view(np.int8).astype(np.int64),
+                "q": np.concatenate(parts, -1), "offset": 32}
+    if t in (T.Q2_K, T.Q3_K):
+        qs = raw[..., 16:80] if t == T.Q2_K else raw[..., 32:96]
+        q = np.concatenate([(qs[..., 32 * h:32 * h + 32] >> (2 * g)) & 3 for h in range(2) for g in range(4)], -1)
+        q = q.astype(np.int64)
+        if t == T.Q2_K:
+            sc = raw[..., :16].astype(np.int64)
+            return {"d": _f16(raw, 80), "dmin": _f16(raw, 82), "sc16": sc & 0x0F, "min16": sc >> 4, "q": q}
+        hbits = np.concatenate([(raw[..., :32] >> k) & 1 for k in range(8)], -1).astype(np.int64)
+        low = np.concatenate([raw[..., 96:104] & 0x0F, raw[..., 96:104] >> 4], -1).astype(np.int64)
+        high = np.stack([(raw[..., 104 + i % 4] >> (2 * (i // 4))) & 3 for i in range(16)], -1).astype(np.int64)
+        return {"d": _f16(raw, 108), "sc16": (low | high << 4) - 32, "q": q - 4 + 4 * hbits}
     raise NotImplementedError(f"no reference for {t.name}")
 
 
@@ -139,87 +151,94 @@ def _q0_lanes(u: dict, t: T, x: np.ndarray) -> np.ndarray:
     return out + summs if "m" in u else out
 
 
-def _q8k(x: np.ndarray, positive_wins: bool = False):
-    qs, d, bsums = quantize_q8_k(x, positive_wins=positive_wins)
+def _q8k(x: np.ndarray):
+    """Q8_K activations: quants int64[T, nb, 256], d float32[T, nb], bsums int64[T, nb, 16]."""
+    qs, d, bsums = quantize_q8_k(x)
     return qs.reshape(x.shape[0], -1, 256).astype(np.int64), d, bsums.reshape(x.shape[0], -1, 16).astype(np.int64)
 
 
-def _q6_k_vec_dot(u: dict, x: np.ndarray) -> np.ndarray:
-    """ggml_vec_dot_q6_K_q8_K (AVX2): lane m = sum over 32-value chunks c of sc*q*x over values
-    32c+4m..32c+4m+3 (q unsigned), minus 32*(sc[2m]*bsums[2m] + sc[2m+1]*bsums[2m+1])."""
-    xq, dx, bs = _q8k(x)
-    sc = np.repeat(u["scales"], 16, axis=-1)  # [R, nb, 256]
-    a = _lane_sums(sc * u["q"], xq, 4)  # [T, R, nb, 64]: quads
-    a = a.reshape(*a.shape[:3], 8, 8).sum(-2)  # lane m = quads 8c + m summed over chunks c
-    corr = (u["scales"][None] * bs[:, None]).reshape(*a.shape[:3], 8, 2).sum(-1)
-    lanes = (a - 32 * corr).astype(F32)
-    acc = np.zeros(lanes.shape[:2] + (8,), F32)
-    for b in range(lanes.shape[2]):
-        d = dx[:, None, b] * u["d"][None, :, b]
-        acc = fma32(d[..., None], lanes[:, :, b], acc)
-    return hsum8(acc)
+def _k_lanes(u: dict, xq: np.ndarray) -> np.ndarray:
+    """int64[T, R, nb, 8]: lane m = sum over the 32-value chunks c of scale * q * x over values
+    32c+4m .. 32c+4m+3 (ggml's maddubs / madd lanes), q without any offset."""
+    a = _lane_sums(np.repeat(u["sc16"], 16, axis=-1) * u["q"], xq, 4)
+    return a.reshape(*a.shape[:3], 8, 8).sum(-2)
 
 
-def _q4_k_vec_dot(u: dict, x: np.ndarray) -> np.ndarray:
-    """ggml_vec_dot_q4_K_q8_K (AVX2): 8 lanes (value 32s+4m..+3 of every sub-block s, times its
-    scale) with d = d_x*d_w; 4 lanes of mins*bsums with -d_x*dmin; hsum8 + ((m0+m2)+(m1+m3))."""
+def _pairs16(v16: np.ndarray, bs: np.ndarray) -> np.ndarray:
+    """int64[T, R, nb, 8]: lane j = v[2j]*bsums[2j] + v[2j+1]*bsums[2j+1] (values 32j..32j+31)."""
+    prod = v16[None] * bs[:, None]
+    return prod.reshape(*prod.shape[:3], 8, 2).sum(-1)
+
+
+def _k_vec_dot(u: dict, t: T, x: np.ndarray) -> np.ndarray:
+    """ggml_vec_dot_q{2,3,4,5,6}_K_q8_K (AVX2): 8 lanes (_k_lanes) scaled by d = d_x*d_w per
+    super-block, hsum_float_8. Q6_K: lanes minus 32 * _pairs16(scales); Q2_K: first, into the
+    same lanes, _pairs16(mins) scaled by -d_x*dmin; Q4_K: 4 more lanes of mins (sub-block
+    pairs) with -d_x*dmin, added as (m0+m2)+(m1+m3); Q5_K: a scalar fma chain of the mins total."""
     xq, dx, bs = _q8k(x)
-    sc = np.repeat(u["scales"], 32, axis=-1)
-    a = _lane_sums(sc * u["q"], xq, 4)
-    lanes = a.reshape(*a.shape[:3], 8, 8).sum(-2).astype(F32)
-    bs32 = bs.reshape(*bs.shape[:2], 8, 2).sum(-1)  # [T, nb, 8]
-    pm = (u["mins"][None] * bs32[:, None]).reshape(*lanes.shape[:3], 4, 2).sum(-1).astype(F32)
+    lanes = _k_lanes(u, xq)
+    if t == T.Q6_K:
+        lanes = lanes - 32 * _pairs16(u["sc16"], bs)
+    lanes = lanes.astype(F32)
+    mins = _pairs16(u["min16"], bs) if "min16" in u else None
     acc = np.zeros(lanes.shape[:2] + (8,), F32)
     acc_m = np.zeros(lanes.shape[:2] + (4,), F32)
+    summs = np.zeros(lanes.shape[:2], F32)
     for b in range(lanes.shape[2]):
         d = dx[:, None, b] * u["d"][None, :, b]
-        dmin = -dx[:, None, b] * u["dmin"][None, :, b]
+        if mins is not None:
+            neg_dmin = -dx[:, None, b] * u["dmin"][None, :, b]
+            if t == T.Q2_K:
+                acc = fma32(neg_dmin[..., None], mins[:, :, b].astype(F32), acc)
+            elif t == T.Q4_K:
+                acc_m = fma32(neg_dmin[..., None], mins[:, :, b].reshape(*d.shape, 4, 2).sum(-1).astype(F32), acc_m)
+            else:
+                summs = fma32(mins[:, :, b].sum(-1).astype(F32), neg_dmin, summs)
         acc = fma32(d[..., None], lanes[:, :, b], acc)
-        acc_m = fma32(dmin[..., None], pm[:, :, b], acc_m)
-    return hsum8(acc) + ((acc_m[..., 0] + acc_m[..., 2]) + (acc_m[..., 1] + acc_m[..., 3]))
+    out = hsum8(acc)
+    if t == T.Q4_K:
+        return out + ((acc_m[..., 0] + acc_m[..., 2]) + (acc_m[..., 1] + acc_m[..., 3]))
+    return out + summs if t == T.Q5_K else out
 
 
-def _sub_sums(u: dict, xq: np.ndarray, bs: np.ndarray, group: int):
-    """(scaled quants sum, mins sum) int64[T, R, nb, 256/group]: per ``group`` values (a multiple
-    of 32), sum of scale*q*x and of min*bsum over the 32-value sub-blocks it holds."""
-    sub = _lane_sums(u["q"], xq, 32)  # [T, R, nb, 8]
-    i = (sub * u["scales"][None]).reshape(*sub.shape[:3], -1, group // 32).sum(-1)
-    bs32 = bs.reshape(*bs.shape[:2], 8, 2).sum(-1)
-    m = (u["mins"][None] * bs32[:, None]).reshape(*sub.shape[:3], -1, group // 32).sum(-1)
-    return i, m
+def _group_sums(u: dict, xq: np.ndarray, bs: np.ndarray, group: int):
+    """(I, M) int64[T, R, nb, 256/group]: per ``group`` values, the exact sums of
+    scale*(q - offset)*x and of min*bsum (M: zeros for types without mins)."""
+    s16 = _lane_sums(u["q"] - u.get("offset", 0), xq, 16) * u["sc16"][None]
+    i = s16.reshape(*s16.shape[:3], -1, group // 16).sum(-1)
+    if "min16" not in u:
+        return i, np.zeros_like(i)
+    m = u["min16"][None] * bs[:, None]
+    return i, m.reshape(*m.shape[:3], -1, group // 16).sum(-1)
 
 
-def _q4_k_repack(u: dict, x: np.ndarray, gemm: bool) -> np.ndarray:
-    """ggml_gemv_q4_K_8x8_q8_K (one fma per super-block) or ggml_gemm_q4_K_8x8_q8_K (one per
-    pair of sub-blocks; activations from quantize_mat_q8_K): acc += I*(d_w*d_x),
-    accm += M*(dmin*d_x), out = acc - accm."""
-    xq, dx, bs = _q8k(x, positive_wins=gemm)
-    i, m = _sub_sums(u, xq, bs, 64 if gemm else 256)
+def _repacked(u: dict, x: np.ndarray, group: int) -> np.ndarray:
+    """ggml_gemv_{q4_K,q2_K}_8x8_q8_K (group 256) / ggml_gemm_.. (64 for Q4_K, 128 for Q2_K;
+    its activations come from quantize_mat_q8_K, whose +-max tie rule flips q and d together
+    and so changes nothing): acc += I*(d_w*d_x), accm += M*(dmin*d_x) per group, out = acc - accm."""
+    xq, dx, bs = _q8k(x)
+    i, m = _group_sums(u, xq, bs, group)
     acc = np.zeros(i.shape[:2], F32)
     accm = np.zeros(i.shape[:2], F32)
     for b in range(i.shape[2]):
         d = u["d"][None, :, b] * dx[:, None, b]
         dmin = u["dmin"][None, :, b] * dx[:, None, b]
-        for p in range(i.shape[3]):
-            acc = fma32(i[:, :, b, p].astype(F32), d, acc)
-            accm = fma32(m[:, :, b, p].astype(F32), dmin, accm)
+        for g in range(i.shape[3]):
+            acc = fma32(i[:, :, b, g].astype(F32), d, acc)
+            accm = fma32(m[:, :, b, g].astype(F32), dmin, accm)
     return acc - accm
 
 
-def _tiled(u: dict, t: T, x: np.ndarray) -> np.ndarray:
-    """tiled_run_micro_vnni_8x16 (K-quant batches of >= 8 rows): per super-block exact S1 (and
-    mins sum S2); r = S1*d_w (- dmin*S2, fused); buf = fma(r, d_x, buf)."""
+def _tiled(u: dict, x: np.ndarray) -> np.ndarray:
+    """tiled_run_micro_vnni_8x16 (K-quant batches of >= 8 rows, weights not repacked): per
+    super-block exact totals S1 (and mins S2); r = S1*d_w, r = fma(-dmin, S2, r) when the type
+    has mins; buf = fma(r, d_x, buf)."""
     xq, dx, bs = _q8k(x)
-    if t == T.Q6_K:
-        sc = np.repeat(u["scales"], 16, axis=-1)
-        s1 = _lane_sums(sc * (u["q"] - 32), xq, 256)[..., 0]
-        s2 = None
-    else:
-        s1, s2 = (v[..., 0] for v in _sub_sums(u, xq, bs, 256))
+    s1, s2 = (v[..., 0] for v in _group_sums(u, xq, bs, 256))
     buf = np.zeros(s1.shape[:2], F32)
     for b in range(s1.shape[2]):
         r = s1[:, :, b].astype(F32) * u["d"][None, :, b]
-        if s2 is not None:
+        if "min16" in u:
             r = fma32(-u["dmin"][None, :, b], s2[:, :, b].astype(F32), r)
         buf = fma32(r, dx[:, None, b], buf)
     return buf
@@ -231,20 +250,21 @@ def reference_matmul(w: np.ndarray, t, x: np.ndarray) -> np.ndarray:
     t = T(t)
     u = unpack(w, t)
     R, Tn = w.shape[0], x.shape[0]
+    if t == T.Q4_0 and R % 8 == 0:  # repacked q4_0_8x8: gemv and gemm alike, one fma per block
+        qs, dx = quantize_q8_0(x)
+        tot = _lane_sums(u["q"], qs.reshape(Tn, -1, 32).astype(np.int64), 32)[..., 0].astype(F32)
+        acc = np.zeros((Tn, R), F32)
+        for b in range(tot.shape[2]):
+            acc = fma32(tot[:, :, b], u["d"][None, :, b] * dx[:, None, b], acc)
+        return acc
     if t in (T.Q4_0, T.Q5_0, T.Q8_0, T.Q4_1, T.Q5_1):
         return _q0_lanes(u, t, x)
-    if t == T.Q4_K and R % 8 == 0:
+    if t in (T.Q4_K, T.Q2_K) and R % 8 == 0:
         n4 = Tn - Tn % 4 if Tn > 3 else 0
         out = np.empty((Tn, R), F32)
         if n4:
-            out[:n4] = _q4_k_repack(u, x[:n4], gemm=True)
+            out[:n4] = _repacked(u, x[:n4], 64 if t == T.Q4_K else 128)
         if n4 < Tn:
-            out[n4:] = _q4_k_repack(u, x[n4:], gemm=False)
+            out[n4:] = _repacked(u, x[n4:], 256)
         return out
-    if Tn >= 8:
-        return _tiled(u, t, x)
-    if t == T.Q6_K:
-        return _q6_k_vec_dot(u, x)
-    if t == T.Q4_K:
-        return _q4_k_vec_dot(u, x)
-    raise NotImplementedError(f"no reference for {t.name} with T={Tn}")
+    return _tiled(u, x) if Tn >= 8 else _k_vec_dot(u, t, x)

@@ -1,5 +1,9 @@
-"""Quantized matmul against float64 references, over a grid of shapes and on real model tensors."""
+"""Quantized matmul: bit for bit against llama.cpp's own results (tests/data/llama_matmul.npz)
+and against the numpy model of its arithmetic (tests/matmul_reference.py) over a grid of shapes,
+within float64 error bounds, and on real model tensors."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,6 +13,9 @@ from edge.gguf_file import GGUFFile
 from kernels_cpu.dequant import QuantFormatError, dequantize
 from kernels_cpu.matmul import NR, NT, TC, QUANT_KERNELS, MatmulWorkspace, matmul
 from kernels_cpu.quantize_act import quantize_q8_0, quantize_q8_1, quantize_q8_k
+from tests.matmul_reference import reference_matmul
+
+FIXTURES = Path(__file__).resolve().parent / "data" / "llama_matmul.npz"
 
 Q8_0_TYPES = (T.Q4_0, T.Q5_0, T.Q8_0)
 Q8_1_TYPES = (T.Q4_1, T.Q5_1)
@@ -83,8 +90,10 @@ def activation_bound(w: np.ndarray, t: T, x: np.ndarray) -> np.ndarray:
     return step @ W.T
 
 
-SHAPES = [  # R, K (in blocks of 256), T: R not a multiple of NR, one and several blocks, T over NT/TC
+SHAPES = [  # R, K (in blocks of 256), T: R not a multiple of NR, one and several blocks, T over NT/TC;
+    # R % 8 == 0: llama.cpp's repacked Q4_0/Q4_K/Q2_K (gemm for T - T % 4 rows, gemv for the rest)
     (1, 1, 1), (37, 1, 1), (37, 3, 2), (13, 2, 7), (6, 1, 64), (9, 1, TC + 6), (3, 1, 2 * TC + 1),
+    (16, 2, 1), (16, 2, 3), (8, 1, 13), (24, 2, TC + 7),
 ]
 
 
@@ -105,6 +114,38 @@ def test_matmul_grid(t):
         exact = x.astype(np.float64) @ dequantize(w, t).astype(np.float64).T
         bound = activation_bound(w, t, x)
         assert (np.abs(out - exact) <= bound + 1e-5 * scale).all(), f"{t.name} R={R} K={K} T={Tn}"
+        if t not in FLOAT_TYPES:
+            assert_same_bits(out, reference_matmul(w, t, x), f"{t.name} R={R} K={K} T={Tn}")
+
+
+def assert_same_bits(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype == np.float32, what
+    bad = np.argwhere(got.view(np.uint32) != want.view(np.uint32))
+    assert bad.size == 0, f"{what}: {len(bad)} of {got.size} differ, first at {tuple(bad[0])}: {got[tuple(bad[0])]!r} != {want[tuple(bad[0])]!r}"
+
+
+def _fixture_cases() -> list[str]:
+    return [str(c) for c in np.load(FIXTURES)["cases"]] if FIXTURES.exists() else []
+
+
+@pytest.fixture(scope="module")
+def llama_matmul():
+    if not FIXTURES.exists():
+        pytest.skip(f"{FIXTURES} is missing (tools/make_matmul_fixtures.py makes it)")
+    return np.load(FIXTURES)
+
+
+@pytest.mark.parametrize("case", _fixture_cases())
+def test_llama_cpp_results_bit_for_bit(llama_matmul, case):
+    """llama.cpp's results for every quantized type and kernel it picks (tinyBLAS / vec_dot,
+    tiled, repacked gemm + gemv; T = 1 .. 11), on synthetic weights and on gemma-3-270m's
+    layer 0 with its real activations: edge and the numpy model give the same bits."""
+    z = llama_matmul
+    w, t = z[str(z[f"{case}_w"])], int(z[f"{case}_type"])
+    x = np.ascontiguousarray(z[str(z[f"{case}_x"])][: int(z[f"{case}_T"])])
+    want = z[f"{case}_out"]
+    assert_same_bits(matmul(w, t, x), want, f"{case}: edge")
+    assert_same_bits(reference_matmul(w, t, x), want, f"{case}: numpy model")
 
 
 @pytest.mark.parametrize("t", [T.Q8_0, T.Q4_1, T.Q4_K], ids=lambda t: t.name)

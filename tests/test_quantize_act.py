@@ -117,3 +117,4 @@ def test_errors():
         quantize_q8_0(np.zeros((1, 32), np.float32), d=np.zeros((1, 2), np.float32))
     with pytest.raises(QuantFormatError, match=r"qs must be a writeable C-contiguous int8/int16\[1, 32\]"):
         quantize_q8_0(np.zeros((1, 32), np.float32), qs=np.zeros((1, 32), np.int32))
+
