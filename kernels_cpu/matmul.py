@@ -35,8 +35,9 @@ multiplied with the activation segments pairwise into int32 lanes (x86 ``pmaddwd
 integer vectors of the tile's (r, t) pairs are then merged (even + odd lanes of two vectors)
 down to the lanes of the path (8, 4 or 1 per output), which also packs several outputs into
 one float vector, and the float updates run on those packed vectors. Decode (T = 1) runs
-1 x 1 tiles over all rows in parallel; prefill runs NR x NT tiles over chunks of TC
-activation rows (so the chunk stays in cache).
+tiles of ND rows R // ND apart (ND adjacent rows per tile stream from DRAM at half the speed
+of one row; far-apart ranges do not); prefill runs NR x NT tiles over chunks of TC activation
+rows (so the chunk stays in cache).
 
 Not reproduced: F32/F16/BF16 weights (tinyBLAS / ggml_vec_dot_f16 orders); they agree to
 float32 rounding.
@@ -63,6 +64,7 @@ T_ = GGMLQuantizationType
 LANES = 16  # float32 / int32 lanes per accumulator (32 int16 products pairwise summed)
 NR, NT = 4, 4  # prefill tile: weight rows x activation rows
 TC = 64  # activation rows per prefill chunk
+ND = 4  # decode tile rows, R // ND apart (adjacent rows in one tile stream from DRAM at half speed)
 
 ACT_Q8_0, ACT_Q8_1, ACT_Q8_K = "q8_0", "q8_1", "q8_k"
 
@@ -594,16 +596,16 @@ def _reduce(b, p: Packed, w: int) -> dict:
 
 def build_tile(module: ir.Module, fmt: BlockFormat, path: int, nr: int, nt: int, name: str,
                x16: bool = True) -> ir.Function:
-    """Define ``void name(w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride, nb)``.
+    """Define ``void name(w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride, out_r_stride, nb)``.
 
     Pointers are i8* to the tile's first row (out: float*); strides in bytes (out: in floats);
-    activation quants are int16 (``x16``) or int8. For r < nr, t < nt: out[t*out_stride + r] =
+    activation quants are int16 (``x16``) or int8. For r < nr, t < nt: out[t*out_stride + r*out_r_stride] =
     llama.cpp's ``path`` result for weight row r and activation row t over nb >= 1 blocks.
     """
-    args = [BYTE_PTR, I64] * 4 + [F32.as_pointer(), I64, I64]
+    args = [BYTE_PTR, I64] * 4 + [F32.as_pointer(), I64, I64, I64]
     fn = ir.Function(module, ir.FunctionType(ir.VoidType(), args), name)
     fn.linkage = "internal"
-    w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride, nb = fn.args
+    w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride, out_r_stride, nb = fn.args
     entry, loop, done = (fn.append_basic_block(n) for n in ("entry", "loop", "done"))
     b = ir.IRBuilder(entry)
     row = lambda base, stride, i: b.gep(base, [b.mul(ir.Constant(I64, i), stride)])  # noqa: E731
@@ -638,7 +640,7 @@ def build_tile(module: ir.Module, fmt: BlockFormat, path: int, nr: int, nt: int,
             for extra in ("mins", "sum"):
                 if extra in res:
                     value = b.fadd(value, res[extra][i])
-        at = b.add(b.mul(ir.Constant(I64, t), out_stride), ir.Constant(I64, r))
+        at = b.add(b.mul(ir.Constant(I64, t), out_stride), b.mul(ir.Constant(I64, r), out_r_stride))
         b.store(value, b.gep(out, [at]))
     b.ret_void()
     return fn
@@ -675,10 +677,11 @@ def qdot_tile(typingctx, fmt, path, nr, nt, w, r0, xq, xd, xa, t0, out):
             return builder.gep(ptr, [builder.mul(i, stride(a))])
 
         out_stride = builder.sdiv(stride(aout), ir.Constant(I64, 4))
-        out_at = builder.gep(aout.data, [builder.add(builder.mul(t0v, out_stride), r0v)])
+        out_r_stride = builder.sdiv(cgutils.unpack_tuple(builder, aout.strides)[1], ir.Constant(I64, 4))
+        out_at = builder.gep(aout.data, [builder.add(builder.mul(t0v, out_stride), builder.mul(r0v, out_r_stride))])
         nb = builder.sdiv(cgutils.unpack_tuple(builder, aw.shape)[1], ir.Constant(I64, f.block_bytes))
         builder.call(fn, [base(aw, r0v), stride(aw), base(axq, t0v), stride(axq), base(axd, t0v), stride(axd),
-                          base(axa, t0v), stride(axa), out_at, out_stride, nb])
+                          base(axa, t0v), stride(axa), out_at, out_stride, out_r_stride, nb])
         return context.get_dummy_value()
 
     return sig, codegen
@@ -686,12 +689,16 @@ def qdot_tile(typingctx, fmt, path, nr, nt, w, r0, xq, xd, xa, t0, out):
 
 @njit(cache=True, inline="always")
 def _tiled(fmt, path, w, xq, xd, xa, out):
-    """Run qdot_tile of ``path`` over all rows: 1 x 1 tiles for T == 1, else NR x NT tiles
-    over chunks of at most TC activation rows (chunks of equal size, a multiple of NT, so
-    threads share evenly); edge rows and columns in 1 x NT, NR x 1 and 1 x 1 tiles."""
+    """Run qdot_tile of ``path`` over all rows: for T == 1 tiles of ND rows R // ND apart
+    (rows j, j + R // ND, ...; the R % ND last rows alone), else NR x NT tiles over chunks of
+    at most TC activation rows (chunks of equal size, a multiple of NT, so threads share
+    evenly); edge rows and columns in 1 x NT, NR x 1 and 1 x 1 tiles."""
     R, T = w.shape[0], xq.shape[0]
-    if T == 1:  # one row per tile: several rows at once stream from DRAM at half the speed
-        for r in prange(R):
+    if T == 1:  # tiles of ND rows R // ND apart: each thread streams ND far-apart row ranges
+        part = R // ND
+        for j in prange(part):
+            qdot_tile(fmt, path, ND, 1, w[j::part], 0, xq, xd, xa, 0, out[:, j::part])
+        for r in range(part * ND, R):
             qdot_tile(fmt, path, 1, 1, w, r, xq, xd, xa, 0, out)
     else:
         n_rt = (R + NR - 1) // NR
