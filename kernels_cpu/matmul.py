@@ -424,36 +424,30 @@ def _pack(b, vecs: list, w: int) -> Packed:
     return Packed(vecs, labels)
 
 
-def _gather(b, p: Packed, g: int) -> Packed:
-    """Partial ``g`` of every input of ``p``, one lane per input, inputs in first-occurrence order."""
-    picks = [(k, p.lane_of(k, i, g), i) for k, i in p.inputs()]
-    vecs, labels = [], []
-    for lo in range(0, len(picks), LANES):
-        chunk = picks[lo:lo + LANES]
-        chunk += chunk[-1:] * (LANES - len(chunk))
-        sources = sorted({k for k, _, _ in chunk})
-        v = p.vecs[sources[0]]
-        mask = [lane if k == sources[0] else 0 for k, lane, _ in chunk]
-        for src in sources[1:] or sources[:1]:
-            mask = [LANES + lane if k == src else m for (k, lane, _), m in zip(chunk, mask)]
-            v = shuffle(b, v, mask, p.vecs[src])
-            mask = list(range(LANES))
-        vecs.append(v)
-        labels.append([(i, 0) for _, _, i in chunk])
-    return Packed(vecs, labels)
-
-
-def _gather_labels(n: int, w: int):
-    """Labels of _gather's result for the inputs 0..n-1 of a _pack(.., w) result."""
-    inputs = list(Packed(None, _pack_plan(n, w)[1]).inputs())
-    order = [i for _, i in inputs]
-    return [[(i, 0) for i in (order[k:k + LANES] + order[-1:] * LANES)[:LANES]] for k in range(0, len(order), LANES)]
-
-
 def _as_pairs(b, v):
     """<8 x i32> -> <16 x i32> [v0, 0, v1, 0, ...]: pair sums whose pairs add up to v's lanes,
     so sums over 32-value groups pack like segment products (lane j of v: values 32j..32j+31)."""
     return b.bitcast(b.zext(v, vec(I64, 8)), vec(I32, LANES))
+
+
+def _direct_mins(b, headers: list, bsums: list, nt: int, owners: list, ks: range):
+    """<16 x i32> with lane l = sum over k in ``ks`` (16-value groups, by pairs k, k + 1) of
+    min16[k] * bsums[k] of input owners[l] = r * nt + t: the mins term of a few groups built
+    straight in an accumulator's lane order (one pmaddwd per pair of groups, operands
+    permuted from all rows' mins and all activation rows' bsums)."""
+    all_mins = [h["mins"] for h in headers]
+    while len(all_mins) > 1:  # concat: rows' 16 mins side by side
+        all_mins = [concat(b, all_mins[k], all_mins[k + 1]) for k in range(0, len(all_mins), 2)]
+    all_bs = list(bsums)
+    while len(all_bs) > 1:
+        all_bs = [concat(b, all_bs[k], all_bs[k + 1]) for k in range(0, len(all_bs), 2)]
+    total = None
+    for k in ks[::2]:
+        lanes_m = [16 * (i // nt) + k + j for i in owners for j in (0, 1)]
+        lanes_b = [16 * (i % nt) + k + j for i in owners for j in (0, 1)]
+        term = madd_pairs(b, shuffle(b, all_mins[0], lanes_m), shuffle(b, all_bs[0], lanes_b))
+        total = term if total is None else b.add(total, term)
+    return total
 
 
 def _lanes(b, per_input, p: Packed, k: int):
@@ -487,8 +481,7 @@ def _accumulators(fmt: BlockFormat, path: int, n: int) -> dict:
         return {"acc": (_pack_plan(n, 1)[1], 1)}
     out = {"acc": (_pack_plan(n, 1)[1], 1)}
     if fmt.ggml_type in (T_.Q4_K, T_.Q2_K):
-        n_groups = _groups(fmt, path)
-        out["accm"] = (_pack_plan(n, 1)[1] if n_groups == 1 else _gather_labels(n, n_groups), 1)
+        out["accm"] = out["acc"]
     return out
 
 
@@ -545,13 +538,20 @@ def _emit_block(b, fmt: BlockFormat, path: int, rows: dict, blk, accs: dict) -> 
                 res = [fmuladd(b, _lanes(b, b.fneg(dmin), s2, k), _to_float(b, v), r_) for k, (v, r_) in enumerate(zip(s2.vecs, res))]
             new["acc"] = [fmuladd(b, r_, _lanes(b, dx, s1, k), acc) for k, (r_, acc) in enumerate(zip(res, new["acc"]))]
         else:  # GEMV / GEMM: acc += I * (d_w * d_x), accm += M * (dmin * d_x), per group of values
-            update("acc", _pack(b, sums, 1), b.fmul(dw, dx))
+            acc = _pack(b, sums, 1)
+            update("acc", acc, b.fmul(dw, dx))
             if "mins" in headers[0]:
-                update("accm", packed_mins if n_groups == 1 else _gather(b, packed_mins, g), b.fmul(dmin, dx))
+                if n_groups == 1:
+                    m = packed_mins
+                else:  # one group of 16-value groups per pass
+                    per = 16 // n_groups
+                    m = Packed([_direct_mins(b, headers, bsums, nt, acc.owners(k), range(g * per, (g + 1) * per))
+                                for k in range(len(acc.vecs))], acc.labels)
+                update("accm", m, b.fmul(dmin, dx))
 
     n_groups = _groups(fmt, path)
-    if path in (GEMV, GEMM) and "mins" in headers[0]:
-        packed_mins = _pack(b, mins, n_groups)
+    if path == GEMV and "mins" in headers[0]:
+        packed_mins = _pack(b, mins, 1)
     group = fmt.block_elems // n_groups
     sums, g = [None] * len(inputs), 0
     unsigned = path == VEC_DOT  # Q6_K codes 0..63 with a bsums correction (ggml_vec_dot_q6_K_q8_K)
