@@ -647,12 +647,13 @@ def build_tile(module: ir.Module, fmt: BlockFormat, path: int, nr: int, nt: int,
 
 
 @intrinsic
-def qdot_tile(typingctx, fmt, path, nr, nt, w, r0, xq, xd, xa, t0, out):
-    """out[t0 + t, r0 + r] = llama.cpp's dot(w[r0 + r], x[t0 + t]) for r < nr, t < nt.
+def qdot_tile(typingctx, fmt, path, nr, nt, w, r0, r_step, xq, xd, xa, t0, out):
+    """out[t0 + t, r0 + r * r_step] = llama.cpp's dot(w[r0 + r * r_step], x[t0 + t]) for r < nr, t < nt.
 
     ``fmt`` (GGML type id of w), ``path`` (VEC_DOT, TILED, GEMV, GEMM), nr, nt are literals;
-    xq int8[T, K] or int16[T, K] quants, xd float32[T, K/block] scales, xa the Q8_1 sums float32[T, K/32]
-    or the Q8_K bsums int16[T, K/16] (ignored for Q8_0), out float32[T, R].
+    r_step >= 0 (0: one row nr times); xq int8[T, K] or int16[T, K] quants, xd float32[T, K/block]
+    scales, xa the Q8_1 sums float32[T, K/32] or the Q8_K bsums int16[T, K/16] (ignored for
+    Q8_0), out float32[T, R] C-contiguous.
     """
     if not all(isinstance(a, types.IntegerLiteral) for a in (fmt, path, nr, nt)):
         return None
@@ -660,16 +661,16 @@ def qdot_tile(typingctx, fmt, path, nr, nt, w, r0, xq, xd, xa, t0, out):
         return None
     f = FORMATS[GGMLQuantizationType(fmt.literal_value)]
     p, n_r, n_t = path.literal_value, nr.literal_value, nt.literal_value
-    sig = types.void(fmt, path, nr, nt, w, r0, xq, xd, xa, t0, out)
+    sig = types.void(fmt, path, nr, nt, w, r0, r_step, xq, xd, xa, t0, out)
 
     def codegen(context, builder, signature, args):
-        x16 = signature.args[6].dtype == types.int16
+        x16 = signature.args[7].dtype == types.int16
         name = f"edge_qdot_{f.ggml_type.name.lower()}_{PATH_NAMES[p]}_{n_r}x{n_t}{'_x16' if x16 else ''}"
         fn = builder.module.globals.get(name) or build_tile(builder.module, f, p, n_r, n_t, name, x16)
         arrays = [context.make_array(ty)(context, builder, v) for ty, v in
                   zip(signature.args[4:], args[4:]) if isinstance(ty, types.Array)]
         aw, axq, axd, axa, aout = arrays
-        r0v, t0v = args[5], args[9]
+        r0v, r_stepv, t0v = (builder.sext(v, I64) if v.type != I64 else v for v in (args[5], args[6], args[10]))
         stride = lambda a: cgutils.unpack_tuple(builder, a.strides)[0]  # noqa: E731
 
         def base(a, i):
@@ -677,54 +678,73 @@ def qdot_tile(typingctx, fmt, path, nr, nt, w, r0, xq, xd, xa, t0, out):
             return builder.gep(ptr, [builder.mul(i, stride(a))])
 
         out_stride = builder.sdiv(stride(aout), ir.Constant(I64, 4))
-        out_r_stride = builder.sdiv(cgutils.unpack_tuple(builder, aout.strides)[1], ir.Constant(I64, 4))
-        out_at = builder.gep(aout.data, [builder.add(builder.mul(t0v, out_stride), builder.mul(r0v, out_r_stride))])
+        out_at = builder.gep(aout.data, [builder.add(builder.mul(t0v, out_stride), r0v)])
         nb = builder.sdiv(cgutils.unpack_tuple(builder, aw.shape)[1], ir.Constant(I64, f.block_bytes))
-        builder.call(fn, [base(aw, r0v), stride(aw), base(axq, t0v), stride(axq), base(axd, t0v), stride(axd),
-                          base(axa, t0v), stride(axa), out_at, out_stride, out_r_stride, nb])
+        builder.call(fn, [base(aw, r0v), builder.mul(stride(aw), r_stepv), base(axq, t0v), stride(axq),
+                          base(axd, t0v), stride(axd), base(axa, t0v), stride(axa), out_at, out_stride, r_stepv, nb])
         return context.get_dummy_value()
 
     return sig, codegen
 
 
 @njit(cache=True, inline="always")
-def _tiled(fmt, path, w, xq, xd, xa, out):
-    """Run qdot_tile of ``path`` over all rows: for T == 1 tiles of ND rows R // ND apart
-    (rows j, j + R // ND, ...; the R % ND last rows alone), else NR x NT tiles over chunks of
-    at most TC activation rows (chunks of equal size, a multiple of NT, so threads share
-    evenly); edge rows and columns in 1 x NT, NR x 1 and 1 x 1 tiles."""
+def _rows(fmt, path, w, xq, xd, xa, out):
+    """qdot_tile in ND x 1 tiles only, for few activation rows (decode): a tile takes rows j,
+    j + R // ND, ... (each thread streams ND far-apart row ranges; ND adjacent rows per tile
+    stream from DRAM at half the speed) for every t. The R % ND last rows: one tile over the
+    last ND rows (recomputing some: results do not depend on tiling), or, when R < ND, a tile
+    repeating each row."""
     R, T = w.shape[0], xq.shape[0]
-    if T == 1:  # tiles of ND rows R // ND apart: each thread streams ND far-apart row ranges
-        part = R // ND
-        for j in prange(part):
-            qdot_tile(fmt, path, ND, 1, w[j::part], 0, xq, xd, xa, 0, out[:, j::part])
-        for r in range(part * ND, R):
-            qdot_tile(fmt, path, 1, 1, w, r, xq, xd, xa, 0, out)
-    else:
-        n_rt = (R + NR - 1) // NR
-        n_tc = (T + TC - 1) // TC
-        chunk = ((T + n_tc - 1) // n_tc + NT - 1) // NT * NT
-        for job in prange(n_rt * n_tc):
-            r0 = (job % n_rt) * NR
-            t_lo = (job // n_rt) * chunk
-            t_hi = min(T, t_lo + chunk)
-            if r0 + NR <= R:
-                t = t_lo
-                while t + NT <= t_hi:
-                    qdot_tile(fmt, path, NR, NT, w, r0, xq, xd, xa, t, out)
-                    t += NT
+    part = R // ND
+    for j in prange(part):
+        for t in range(T):
+            qdot_tile(fmt, path, ND, 1, w, j, part, xq, xd, xa, t, out)
+    for t in range(T):
+        if part == 0:
+            for r in range(R):
+                qdot_tile(fmt, path, ND, 1, w, r, 0, xq, xd, xa, t, out)
+        elif R % ND:
+            qdot_tile(fmt, path, ND, 1, w, R - ND, 1, xq, xd, xa, t, out)
+
+
+@njit(cache=True, inline="always")
+def _blocks(fmt, path, tails, w, xq, xd, xa, out):
+    """qdot_tile in NR x NT tiles (T >= NT) over chunks of at most TC activation rows (equal
+    chunks, a multiple of NT, so threads share evenly and a chunk stays in cache); the last
+    NT-tile of a chunk overlaps its neighbour, or with ``tails`` (a literal) the rows left are
+    done in ND x 1 tiles. The last row tile overlaps its neighbour (recomputed values are
+    identical: results do not depend on tiling); with R < NR a tile repeats one row."""
+    R, T = w.shape[0], xq.shape[0]
+    n_rt = (R + NR - 1) // NR
+    n_tc = (T + TC - 1) // TC
+    chunk = ((T + n_tc - 1) // n_tc + NT - 1) // NT * NT
+    for job_ in prange(n_rt * n_tc):
+        job = np.int64(job_)
+        t_lo = (job // n_rt) * chunk
+        t_hi = min(T, t_lo + chunk)
+        for k in range(1 if R >= NR else R):
+            r0 = min((job % n_rt) * NR, R - NR) if R >= NR else k
+            step = 1 if R >= NR else 0
+            t = t_lo
+            while t + NT <= t_hi:
+                qdot_tile(fmt, path, NR, NT, w, r0, step, xq, xd, xa, t, out)
+                t += NT
+            if tails:
                 while t < t_hi:
-                    qdot_tile(fmt, path, NR, 1, w, r0, xq, xd, xa, t, out)
+                    qdot_tile(fmt, path, ND, 1, w, r0, step, xq, xd, xa, t, out)
                     t += 1
-            else:
-                for r in range(r0, R):
-                    t = t_lo
-                    while t + NT <= t_hi:
-                        qdot_tile(fmt, path, 1, NT, w, r, xq, xd, xa, t, out)
-                        t += NT
-                    while t < t_hi:
-                        qdot_tile(fmt, path, 1, 1, w, r, xq, xd, xa, t, out)
-                        t += 1
+            elif t < t_hi:
+                qdot_tile(fmt, path, NR, NT, w, r0, step, xq, xd, xa, t_hi - NT, out)
+
+
+@njit(cache=True, inline="always")
+def _tiled(fmt, path, w, xq, xd, xa, out):
+    """Run qdot_tile of ``path`` over all outputs: ND x 1 tiles (_rows) for T < NT, else
+    NR x NT tiles (_blocks)."""
+    if xq.shape[0] < NT:
+        _rows(fmt, path, w, xq, xd, xa, out)
+    else:
+        _blocks(fmt, path, True, w, xq, xd, xa, out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -738,13 +758,16 @@ _Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K = int(T_.Q2_K), int(T_.Q3_K), int(T_.Q4_K), in
 
 @njit(parallel=True, cache=True)
 def matmul_q4_0_q8_0(w, xqs, xd, out):
-    """Q4_0 weights x Q8_0 activations: ggml_vec_dot_q4_0_q8_0 / tinyBLAS_Q0_AVX, or when
-    R % 8 == 0 (repacked to q4_0_8x8) ggml_gemv/gemm_q4_0_8x8_q8_0, which share the GEMV
-    structure (one fma of the block's integer total per 32 values)."""
-    if w.shape[0] % 8 == 0:
-        _tiled(_Q4_0, GEMV, w, xqs, xd, xd, out)
-    else:
-        _tiled(_Q4_0, VEC_DOT, w, xqs, xd, xd, out)
+    """Q4_0 weights x Q8_0 activations (ggml_vec_dot_q4_0_q8_0, tinyBLAS_Q0_AVX)."""
+    _tiled(_Q4_0, VEC_DOT, w, xqs, xd, xd, out)
+
+
+@njit(parallel=True, cache=True)
+def matmul_q4_0_q8_0_repacked(w, xqs, xd, out):
+    """Q4_0 weights with R % 8 == 0, repacked by llama.cpp to q4_0_8x8: ggml_gemv and
+    ggml_gemm_q4_0_8x8_q8_0 share the GEMV structure (one fma of the block's integer total
+    per 32 values)."""
+    _tiled(_Q4_0, GEMV, w, xqs, xd, xd, out)
 
 
 @njit(parallel=True, cache=True)
@@ -774,11 +797,11 @@ def matmul_q5_1_q8_1(w, xqs, xd, xs, out):
 @njit(cache=True, inline="always")
 def _plain_k(fmt, w, xqs, xd, xbsums, out):
     """K-quant weights in llama.cpp's plain CPU buffer: the tiled kernel for batches of >= 8
-    rows (ggml_tiled_min_batch), else ggml_vec_dot_<type>_q8_K."""
+    rows (ggml_tiled_min_batch), else ggml_vec_dot_<type>_q8_K (in ND x 1 tiles: T <= 7)."""
     if xqs.shape[0] >= 8:
-        _tiled(fmt, TILED, w, xqs, xd, xbsums, out)
+        _blocks(fmt, TILED, True, w, xqs, xd, xbsums, out)
     else:
-        _tiled(fmt, VEC_DOT, w, xqs, xd, xbsums, out)
+        _rows(fmt, VEC_DOT, w, xqs, xd, xbsums, out)
 
 
 @njit(cache=True, inline="always")
@@ -789,19 +812,22 @@ def _repacked_k(fmt, w, xqs, xd, xbsums, out):
     (tensor_traits::forward_mul_mat_one_chunk)."""
     T = xqs.shape[0]
     n4 = T - T % 4 if T > 3 else 0
-    if n4 > 0:
-        _tiled(fmt, GEMM, w, xqs[:n4], xd[:n4], xbsums[:n4], out[:n4])
+    if n4 > 0:  # R % 8 == 0 and n4 % NT == 0: whole NR x NT tiles
+        _blocks(fmt, GEMM, False, w, xqs[:n4], xd[:n4], xbsums[:n4], out[:n4])
     if n4 < T:
-        _tiled(fmt, GEMV, w, xqs[n4:], xd[n4:], xbsums[n4:], out[n4:])
+        _rows(fmt, GEMV, w, xqs[n4:], xd[n4:], xbsums[n4:], out[n4:])
 
 
 @njit(parallel=True, cache=True)
 def matmul_q2_k_q8_k(w, xqs, xd, xbsums, out):
-    """Q2_K weights x Q8_K activations (repacked when R % 8 == 0, see _repacked_k)."""
-    if w.shape[0] % 8 == 0:
-        _repacked_k(_Q2_K, w, xqs, xd, xbsums, out)
-    else:
-        _plain_k(_Q2_K, w, xqs, xd, xbsums, out)
+    """Q2_K weights x Q8_K activations (see _plain_k)."""
+    _plain_k(_Q2_K, w, xqs, xd, xbsums, out)
+
+
+@njit(parallel=True, cache=True)
+def matmul_q2_k_q8_k_repacked(w, xqs, xd, xbsums, out):
+    """Q2_K weights with R % 8 == 0 (see _repacked_k)."""
+    _repacked_k(_Q2_K, w, xqs, xd, xbsums, out)
 
 
 @njit(parallel=True, cache=True)
@@ -812,11 +838,14 @@ def matmul_q3_k_q8_k(w, xqs, xd, xbsums, out):
 
 @njit(parallel=True, cache=True)
 def matmul_q4_k_q8_k(w, xqs, xd, xbsums, out):
-    """Q4_K weights x Q8_K activations (repacked when R % 8 == 0, see _repacked_k)."""
-    if w.shape[0] % 8 == 0:
-        _repacked_k(_Q4_K, w, xqs, xd, xbsums, out)
-    else:
-        _plain_k(_Q4_K, w, xqs, xd, xbsums, out)
+    """Q4_K weights x Q8_K activations (see _plain_k)."""
+    _plain_k(_Q4_K, w, xqs, xd, xbsums, out)
+
+
+@njit(parallel=True, cache=True)
+def matmul_q4_k_q8_k_repacked(w, xqs, xd, xbsums, out):
+    """Q4_K weights with R % 8 == 0 (see _repacked_k)."""
+    _repacked_k(_Q4_K, w, xqs, xd, xbsums, out)
 
 
 @njit(parallel=True, cache=True)
@@ -890,12 +919,24 @@ def round_to_bf16(x, out):
             bits_out[t, k] = (h & np.uint32(0xFFFF)) << np.uint32(16)
 
 
-QUANT_KERNELS = {
+QUANT_KERNELS = {  # llama.cpp's plain CPU buffer
     T_.Q4_0: matmul_q4_0_q8_0, T_.Q5_0: matmul_q5_0_q8_0, T_.Q8_0: matmul_q8_0_q8_0,
     T_.Q4_1: matmul_q4_1_q8_1, T_.Q5_1: matmul_q5_1_q8_1,
     T_.Q2_K: matmul_q2_k_q8_k, T_.Q3_K: matmul_q3_k_q8_k, T_.Q4_K: matmul_q4_k_q8_k,
     T_.Q5_K: matmul_q5_k_q8_k, T_.Q6_K: matmul_q6_k_q8_k,
 }
+REPACKED_KERNELS = {  # weights llama.cpp repacks on x86 (ggml_repack_get_optimal_repack_type), R % 8 == 0
+    T_.Q4_0: matmul_q4_0_q8_0_repacked, T_.Q2_K: matmul_q2_k_q8_k_repacked, T_.Q4_K: matmul_q4_k_q8_k_repacked,
+}
+
+
+def quant_kernel(t: GGMLQuantizationType, n_rows: int):
+    """The per-type kernel llama.cpp's choice calls for: REPACKED_KERNELS[t] when t is repacked
+    and n_rows % 8 == 0, else QUANT_KERNELS[t] (separate functions, so that a process compiles
+    only the paths its matrices take)."""
+    if n_rows % 8 == 0 and t in REPACKED_KERNELS:
+        return REPACKED_KERNELS[t]
+    return QUANT_KERNELS[t]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -997,13 +1038,13 @@ def matmul(w: np.ndarray, ggml_type, x: np.ndarray, out: np.ndarray | None = Non
         if act == ACT_Q8_K:
             d, bsums = buf("d", (T, K // 256), np.float32), buf("bsums", (T, K // 16), np.int16)
             qa.quantize_q8_k_kernel(x, qs, d, bsums)
-            QUANT_KERNELS[t](w, qs, d, bsums, out)
+            quant_kernel(t, w.shape[0])(w, qs, d, bsums, out)
         elif act == ACT_Q8_1:
             d, s = buf("d", (T, K // 32), np.float32), buf("s", (T, K // 32), np.float32)
             qa.quantize_q8_1_kernel(x, qs, d, s)
-            QUANT_KERNELS[t](w, qs, d, s, out)
+            quant_kernel(t, w.shape[0])(w, qs, d, s, out)
         else:
             d = buf("d", (T, K // 32), np.float32)
             qa.quantize_q8_0_kernel(x, qs, d)
-            QUANT_KERNELS[t](w, qs, d, out)
+            quant_kernel(t, w.shape[0])(w, qs, d, out)
     return out

@@ -11,7 +11,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from edge.gguf_file import GGUFFile
 from kernels_cpu.dequant import QuantFormatError, dequantize
-from kernels_cpu.matmul import NR, NT, TC, QUANT_KERNELS, MatmulWorkspace, matmul
+from kernels_cpu.matmul import NR, NT, TC, MatmulWorkspace, matmul, quant_kernel
 from kernels_cpu.quantize_act import quantize_q8_0, quantize_q8_1, quantize_q8_k
 from tests.matmul_reference import reference_matmul
 
@@ -171,7 +171,7 @@ def test_kernels_take_int8_or_int16_quants(t, n_tokens):
     outs = []
     for quants in (qs, qs.astype(np.int16)):
         out = np.empty((n_tokens, 11), np.float32)
-        QUANT_KERNELS[t](w, quants, *scales, out)
+        quant_kernel(t, w.shape[0])(w, quants, *scales, out)
         outs.append(out)
     np.testing.assert_array_equal(outs[0], outs[1])
     np.testing.assert_array_equal(outs[0], matmul(w, t, x))
