@@ -32,12 +32,14 @@ The kernels are LLVM vector IR generated here and called through a numba intrins
 (``qdot_tile``): for a tile of nr weight rows x nt activation rows, each weight block is
 unpacked once into 32-lane int16 "segments" (weights times their integer sub-block scale) and
 multiplied with the activation segments pairwise into int32 lanes (x86 ``pmaddwd``). The
-integer vectors of the tile's (r, t) pairs are then merged (even + odd lanes of two vectors)
-down to the lanes of the path (8, 4 or 1 per output), which also packs several outputs into
-one float vector, and the float updates run on those packed vectors. Decode (T = 1) runs
-tiles of ND rows R // ND apart (ND adjacent rows per tile stream from DRAM at half the speed
-of one row; far-apart ranges do not); prefill runs NR x NT tiles over chunks of TC activation
-rows (so the chunk stays in cache).
+integer vectors of the tile's (r, t) pairs are then merged two by two, adding lanes that hold
+partial sums of the same output (_pack_plan), down to the lanes of the path (8, 4 or 1 per
+output); this also packs several outputs into one vector, and the float updates run on those
+packed vectors. Only two tile shapes exist: NR x NT for T >= NT, over chunks of TC activation
+rows (so the chunk stays in cache), and ND x 1 for fewer rows (decode), with the ND rows
+R // ND apart (adjacent rows in one tile stream from DRAM at half the speed of one row).
+Results do not depend on the tiling, so edge tiles overlap their neighbours instead of being
+smaller.
 
 Not reproduced: F32/F16/BF16 weights (tinyBLAS / ggml_vec_dot_f16 orders); they agree to
 float32 rounding.
@@ -280,7 +282,8 @@ class Q6_K(BlockFormat):
     """block_q6_K: ``u8 ql[128] | u8 qh[64] | i8 scales[16] | f16 d``; ggml_vec_dot_q6_K_q8_K.
 
     Value 128h + 32g + i: low 4 bits from ql[64h + 32(g%2) + i] (low nibble if g < 2),
-    bits 4-5 = (qh[32h + i] >> 2g) & 3; q - 32, times scales[(128h + 32g + i) // 16].
+    bits 4-5 = (qh[32h + i] >> 2g) & 3; q - 32 (q itself when ``unsigned``), times
+    scales[(128h + 32g + i) // 16].
     """
 
     ggml_type, act, block_elems, block_bytes = T_.Q6_K, ACT_Q8_K, 256, 210
@@ -333,18 +336,6 @@ class Packed:
 
     def owners(self, k: int) -> list:
         return [i for i, _ in self.labels[k]]
-
-    def lane_of(self, k: int, i: int, part: int) -> int:
-        return self.labels[k].index((i, part))
-
-    def inputs(self):
-        """(vector index, input) for each input, first occurrence, in lane order."""
-        seen = set()
-        for k, labels in enumerate(self.labels):
-            for i, _ in labels:
-                if i not in seen:
-                    seen.add(i)
-                    yield k, i
 
 
 def _pair_masks(kind: str, arg: int = 0):
@@ -434,7 +425,7 @@ def _direct_mins(b, headers: list, bsums: list, nt: int, owners: list, ks: range
     """<16 x i32> with lane l = sum over k in ``ks`` (16-value groups, by pairs k, k + 1) of
     min16[k] * bsums[k] of input owners[l] = r * nt + t: the mins term of a few groups built
     straight in an accumulator's lane order (one pmaddwd per pair of groups, operands
-    permuted from all rows' mins and all activation rows' bsums)."""
+    permuted from all rows' mins and all activation rows' bsums; nr and nt powers of two)."""
     all_mins = [h["mins"] for h in headers]
     while len(all_mins) > 1:  # concat: rows' 16 mins side by side
         all_mins = [concat(b, all_mins[k], all_mins[k + 1]) for k in range(0, len(all_mins), 2)]
@@ -477,10 +468,8 @@ def _accumulators(fmt: BlockFormat, path: int, n: int) -> dict:
         if fmt.act == ACT_Q8_1:
             out["sum"] = ([[(i, 0) for i in range(n)] + [(n - 1, 0)] * (LANES - n)], 1)
         return out
-    if path == TILED:
-        return {"acc": (_pack_plan(n, 1)[1], 1)}
     out = {"acc": (_pack_plan(n, 1)[1], 1)}
-    if fmt.ggml_type in (T_.Q4_K, T_.Q2_K):
+    if path != TILED and fmt.ggml_type in (T_.Q4_K, T_.Q2_K):  # GEMV / GEMM: the mins apart
         out["accm"] = out["acc"]
     return out
 
@@ -508,7 +497,8 @@ def _emit_block(b, fmt: BlockFormat, path: int, rows: dict, blk, accs: dict) -> 
     def update(name, p: Packed, scale):
         """acc = fma(float(int), scale, acc) over the packed vectors (scale: by input)."""
         assert p.labels == layout[name][0], f"{name}: layout differs from the accumulator's"
-        new[name] = [fmuladd(b, _to_float(b, v), _lanes(b, scale, p, k), acc) for k, (v, acc) in enumerate(zip(p.vecs, new[name]))]
+        new[name] = [fmuladd(b, _to_float(b, v), _lanes(b, scale, p, k), acc)
+                     for k, (v, acc) in enumerate(zip(p.vecs, new[name]))]
 
     def group_done(g, sums):
         """Float updates once the integer sums of group g (all values for VEC_DOT / TILED) are complete."""
@@ -535,7 +525,9 @@ def _emit_block(b, fmt: BlockFormat, path: int, rows: dict, blk, accs: dict) -> 
             res = [b.fmul(_to_float(b, v), _lanes(b, dw, s1, k)) for k, v in enumerate(s1.vecs)]
             if "mins" in headers[0]:  # r = -(dmin * S2) + r, fused
                 s2 = _pack(b, mins, 1)
-                res = [fmuladd(b, _lanes(b, b.fneg(dmin), s2, k), _to_float(b, v), r_) for k, (v, r_) in enumerate(zip(s2.vecs, res))]
+                assert s2.labels == s1.labels
+                res = [fmuladd(b, _lanes(b, b.fneg(dmin), s2, k), _to_float(b, v), r_)
+                       for k, (v, r_) in enumerate(zip(s2.vecs, res))]
             new["acc"] = [fmuladd(b, r_, _lanes(b, dx, s1, k), acc) for k, (r_, acc) in enumerate(zip(res, new["acc"]))]
         else:  # GEMV / GEMM: acc += I * (d_w * d_x), accm += M * (dmin * d_x), per group of values
             acc = _pack(b, sums, 1)
@@ -596,7 +588,8 @@ def _reduce(b, p: Packed, w: int) -> dict:
 
 def build_tile(module: ir.Module, fmt: BlockFormat, path: int, nr: int, nt: int, name: str,
                x16: bool = True) -> ir.Function:
-    """Define ``void name(w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride, out_r_stride, nb)``.
+    """Define ``void name(w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride,
+    out_r_stride, nb)``.
 
     Pointers are i8* to the tile's first row (out: float*); strides in bytes (out: in floats);
     activation quants are int16 (``x16``) or int8. For r < nr, t < nt: out[t*out_stride + r*out_r_stride] =

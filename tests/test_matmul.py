@@ -121,7 +121,9 @@ def test_matmul_grid(t):
 def assert_same_bits(got: np.ndarray, want: np.ndarray, what: str) -> None:
     assert got.shape == want.shape and got.dtype == want.dtype == np.float32, what
     bad = np.argwhere(got.view(np.uint32) != want.view(np.uint32))
-    assert bad.size == 0, f"{what}: {len(bad)} of {got.size} differ, first at {tuple(bad[0])}: {got[tuple(bad[0])]!r} != {want[tuple(bad[0])]!r}"
+    if bad.size:
+        at = tuple(bad[0])
+        raise AssertionError(f"{what}: {len(bad)} of {got.size} differ, first at {at}: {got[at]!r} != {want[at]!r}")
 
 
 def _fixture_cases() -> list[str]:

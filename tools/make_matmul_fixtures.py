@@ -96,7 +96,8 @@ def random_rows(name: str, R: int, K: int, rng) -> np.ndarray:
     _, block, size, f16 = TYPES[name]
     raw = rng.integers(0, 256, (R, K // block, size), dtype=np.uint8)
     for off in f16:
-        raw[..., off:off + 2] = rng.normal(0, 0.02, raw.shape[:2]).astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+        scale = rng.normal(0, 0.02, raw.shape[:2]).astype(np.float16)
+        raw[..., off:off + 2] = scale.view(np.uint8).reshape(*raw.shape[:2], 2)
     return raw.reshape(R, -1)
 
 
@@ -186,9 +187,10 @@ def gguf_rows(path: Path, name: str, n_rows: int) -> tuple[np.ndarray, int]:
 
     base = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
     vp, sz, i64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64
-    for fn, res, args in (("gguf_init_from_file", vp, [ctypes.c_char_p, _GgufParams]), ("gguf_find_tensor", i64, [vp, ctypes.c_char_p]),
-                          ("gguf_get_data_offset", sz, [vp]), ("gguf_get_tensor_offset", sz, [vp, i64]),
-                          ("gguf_get_tensor_size", sz, [vp, i64]), ("gguf_get_tensor_type", ctypes.c_int, [vp, i64])):
+    for fn, res, args in (("gguf_init_from_file", vp, [ctypes.c_char_p, _GgufParams]),
+                          ("gguf_find_tensor", i64, [vp, ctypes.c_char_p]), ("gguf_get_data_offset", sz, [vp]),
+                          ("gguf_get_tensor_offset", sz, [vp, i64]), ("gguf_get_tensor_size", sz, [vp, i64]),
+                          ("gguf_get_tensor_type", ctypes.c_int, [vp, i64])):
         getattr(base, fn).restype, getattr(base, fn).argtypes = res, args
     base.gguf_free.argtypes = [vp]
     ctx = base.gguf_init_from_file(str(path).encode(), _GgufParams(True, None))
