@@ -790,11 +790,11 @@ def matmul_q5_1_q8_1(w, xqs, xd, xs, out):
 @njit(cache=True, inline="always")
 def _plain_k(fmt, w, xqs, xd, xbsums, out):
     """K-quant weights in llama.cpp's plain CPU buffer: the tiled kernel for batches of >= 8
-    rows (ggml_tiled_min_batch), else ggml_vec_dot_<type>_q8_K (in ND x 1 tiles: T <= 7)."""
+    rows (ggml_tiled_min_batch), else ggml_vec_dot_<type>_q8_K."""
     if xqs.shape[0] >= 8:
         _blocks(fmt, TILED, True, w, xqs, xd, xbsums, out)
     else:
-        _rows(fmt, VEC_DOT, w, xqs, xd, xbsums, out)
+        _tiled(fmt, VEC_DOT, w, xqs, xd, xbsums, out)
 
 
 @njit(cache=True, inline="always")
