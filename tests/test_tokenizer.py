@@ -362,6 +362,7 @@ def test_tiny_spm_unknown_bytes_use_unk_id(tmp_path):
     ("gpt-2", "12345 apples", ["12345", " apples"]),
     ("gpt-2", "I'M here, you're", ["I", "'", "M", " here", ",", " you", "'re"]),
     ("gpt-2", "x\t\ty", ["x", "\t", "\t", "y"]),
+    ("gpt2", "12345 apples", ["12345", " apples"]),
     ("qwen2", "12345 apples", ["1", "2", "3", "4", "5", " apples"]),
     ("default", "1234567", ["123", "456", "7"]),
     ("default", "don't 3.14", ["don", "'", "t", " ", "3", ".", "14"]),

@@ -121,7 +121,8 @@ PRE_TOKENIZERS: dict[str, PreTokenizerSpec] = {
         _LLAMA3,
     ),
     **dict.fromkeys(("dbrx", "smaug-bpe"), PreTokenizerSpec((REGEX_LLAMA3,))),
-    **dict.fromkeys(("gpt-2", "phi-2", "gigachat", "a.x-4.0", "mellum", "exaone4", "mpt", "olmo"), _GPT2),
+    # "gpt2" is not a value llama.cpp knows (it writes "gpt-2"), but it names the same thing
+    **dict.fromkeys(("gpt-2", "gpt2", "phi-2", "gigachat", "a.x-4.0", "mellum", "exaone4", "mpt", "olmo"), _GPT2),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2"), _QWEN2),
     **dict.fromkeys(("megrez", "stablelm2"), PreTokenizerSpec((REGEX_QWEN2,))),
 }
