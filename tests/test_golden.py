@@ -150,7 +150,7 @@ def test_edge_run_streams_greedy_answer():
     eng = _engine(gid)
     stats = GenerationStats()
     toks = list(eng.generate(eng.chat_prompt([{"role": "user", "content": prompt}]), GREEDY, 12, stats))
-    assert proc.stdout.decode() == eng.tokenizer.decode(toks).decode() + "\n"
+    assert proc.stdout.decode() == eng.tokenizer.decode(toks).decode()  # piped: the text alone
     err = proc.stderr.decode()
     assert re.search(rf"prompt: {stats.n_prompt} tokens, TTFT \d+ ms, [0-9.]+ tokens/s", err), err
     assert "generated: 12 tokens" in err and "finish: length" in err
