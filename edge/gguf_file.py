@@ -281,7 +281,7 @@ class GGUFFile:
             rel = c.u64(f"tensor {name!r} offset")
             if rel % self.alignment:
                 raise GGUFError(
-                    f"tensor {name!r} offset at offset {o_offset}: {rel} is not a multiple of "
+                    f"tensor {name!r} data offset (at file offset {o_offset}): {rel} is not a multiple of "
                     f"the alignment {self.alignment}"
                 )
             infos.append((name, gtype, shape, rel, n_el // block * type_size, o_offset))
@@ -293,7 +293,7 @@ class GGUFFile:
             start = self.data_offset + rel
             if start + n_bytes > self.file_size:
                 raise GGUFError(
-                    f"tensor {name!r} offset at offset {o_offset}: data [{start}, {start + n_bytes}) "
+                    f"tensor {name!r} data offset (at file offset {o_offset}): data [{start}, {start + n_bytes}) "
                     f"runs past the end of the file ({self.file_size} bytes)"
                 )
             tensors[name] = TensorInfo(name, gtype, shape, start, n_bytes)

@@ -160,9 +160,9 @@ def test_zero_and_overflowing_dims(tmp_path):
 
 def test_tensor_past_end_of_file(tmp_path):
     _refused(_file(tmp_path, tensors=[_tensor_info("w", (32, 4))], data=b"\0" * 100),
-             "'w' offset", "runs past the end of the file")
+             "'w' data offset", "runs past the end of the file")
     _refused(_file(tmp_path, tensors=[_tensor_info("w", (32,), offset=2**63)], data=b"\0" * 128),
-             "'w' offset", "runs past the end")
+             "'w' data offset", "runs past the end")
 
 
 def test_unaligned_offset_unknown_type_duplicate_tensor(tmp_path):
