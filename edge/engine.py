@@ -116,13 +116,17 @@ class Engine:
     def new_cache(self):
         return self.model.new_cache(self.n_ctx)
 
-    def prefill(self, ids: Sequence[int], cache) -> np.ndarray:
-        """Run ``ids`` through the model in chunks of n_batch; returns the last logits f32[n_vocab]."""
-        if cache.n_past + len(ids) > cache.n_ctx:
-            raise ContextLengthExceeded(cache.n_past + len(ids), cache.n_ctx)
+    def prefill(self, ids: Sequence[int], cache, seq: int = 0) -> np.ndarray:
+        """Append ``ids`` to sequence slot ``seq`` of ``cache`` in chunks of n_batch; returns the
+        last logits f32[n_vocab]. Raises ContextLengthExceeded when they do not fit in n_ctx."""
+        n_past = int(cache.pos[seq])
+        if n_past + len(ids) > cache.n_ctx:
+            raise ContextLengthExceeded(n_past + len(ids), cache.n_ctx)
         logits = None
+        seq_ids = None if cache.n_seq == 1 else np.full(min(len(ids), self.n_batch), seq, np.int32)
         for i in range(0, len(ids), self.n_batch):
-            logits = self.model.forward(ids[i : i + self.n_batch], cache)
+            chunk = ids[i : i + self.n_batch]
+            logits = self.model.forward(chunk, cache, seq_ids=None if seq_ids is None else seq_ids[: len(chunk)])
         return logits[-1]
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,

@@ -19,9 +19,10 @@ decides the rounding. ggml's x86 AVX-512 build (the one the goldens come from) u
 llama.cpp pads the KV view to a multiple of 256 cells; padding, future and out-of-window cells
 are masked to -inf, get probability exactly 0 and add exact zeros to every lane, so the
 kernels here visit only the cells a query can see and keep llama.cpp's lane of each cell
-(its index modulo 16 or 64). KV cells are positions: cell j holds position j (one sequence,
-unified cache, no wrap-around of llama.cpp's sliding-window cache, which is full-size for
-n_ctx <= the window).
+(its index modulo 16 or 64). KV cells are positions: cell j of a sequence's slot holds
+position j (as llama.cpp's cache for one sequence, without the wrap-around of its
+sliding-window cache, which is full-size for n_ctx <= the window). Several sequences decoded
+together each read their own slot; their rows choose the kernel lanes as one batch of T rows.
 """
 import numpy as np
 from llvmlite import ir
@@ -172,36 +173,84 @@ def _q16(q, t, h):
     return out
 
 
-@njit(parallel=True, cache=True)
-def attention_f16(q, k_cache, v_cache, positions, window, scale, out):
-    """Multi-head causal attention with GQA, bit-exact with llama.cpp's non-flash CPU path.
-
-    Shapes: q f32[T, H, hd] (already multiplied by any query scale the model applies, e.g.
-    Gemma's f_attention_scale); k_cache uint16[n_ctx, H_kv, hd] and v_cache
-    uint16[n_ctx, H_kv, hd_v] (f16 bits, cell j = position j, holding this chunk's K/V
-    already); positions int32[T]; out f32[T, H, hd_v]. ``scale`` (float32) multiplies the
-    scores before the softmax (ggml_soft_max_ext's scale; 1.0 for Gemma). Query head h reads
-    KV head h // (H / H_kv). A query at position p sees cells j <= p, and with ``window`` > 0
-    only j > p - window. The T rows pick the kernel lanes as llama.cpp does for a batch of T
-    tokens (module docstring).
-    """
+@njit(cache=True)
+def _attention_rows(q, k_cache, v_cache, seq_ids, positions, window, scale, out, first, step):
+    """attention_f16 for the (row, head) pairs first, first + step, ... (pair th = row th // H,
+    head th % H)."""
     T, H, hd = q.shape
-    H_kv = k_cache.shape[1]
-    hd_v = v_cache.shape[2]
+    S, n_ctx, H_kv = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+    hd_v = v_cache.shape[3]
     group = H // H_kv
-    kflat = k_cache.reshape(k_cache.shape[0], -1)
-    vflat = v_cache.reshape(v_cache.shape[0], -1)
+    kflat = k_cache.reshape(S, n_ctx, -1)
+    vflat = v_cache.reshape(S, n_ctx, -1)
     tiny_kq, tiny_kqv = _paths(T, hd, hd_v)
-    for th in prange(T * H):
+    block = np.empty(16, np.float32)
+    acc = np.empty((_VEC_STEP, hd_v), np.float32)
+    for th in range(first, T * H, step):
         t = th // H
         h = th % H
         kh = h // group
+        s = seq_ids[t]
         p = positions[t]
         start = _visible(p, window)
         row = np.empty(p + 1, np.float32)
-        _kq_row(_q16(q, t, h), kflat, kh * hd, hd, start, p + 1, tiny_kq, row)
-        _softmax_row(row, start, p + 1, scale, np.empty(16, np.float32), row)
-        _kqv_row(row, vflat, kh * hd_v, hd_v, start, p + 1, tiny_kqv, np.empty((_VEC_STEP, hd_v), np.float32), out[t, h])
+        _kq_row(_q16(q, t, h), kflat[s], kh * hd, hd, start, p + 1, tiny_kq, row)
+        _softmax_row(row, start, p + 1, scale, block, row)
+        _kqv_row(row, vflat[s], kh * hd_v, hd_v, start, p + 1, tiny_kqv, acc, out[t, h])
+
+
+@njit(parallel=True, cache=True)
+def _attention_par(q, k_cache, v_cache, seq_ids, positions, window, scale, out):
+    # interleaved pairs: numba splits a prange into contiguous ranges, and causal rows grow
+    n_chunks = min(q.shape[0] * q.shape[1], 64)
+    for c in prange(n_chunks):
+        _attention_rows(q, k_cache, v_cache, seq_ids, positions, window, scale, out, c, n_chunks)
+
+
+# Below this many multiply-adds (rows x heads x visible cells x head_dim) attention runs on the
+# calling thread: waking the worker threads costs more (a decode step at a short context).
+PARALLEL_MIN_MACS = 1 << 18
+
+
+def attention_f16(q, k_cache, v_cache, seq_ids, positions, window, scale, out):
+    """Multi-head causal attention with GQA, bit-exact with llama.cpp's non-flash CPU path.
+
+    Shapes: q f32[T, H, hd] (already multiplied by any query scale the model applies, e.g.
+    Gemma's f_attention_scale); k_cache uint16[S, n_ctx, H_kv, hd] and v_cache
+    uint16[S, n_ctx, H_kv, hd_v] (f16 bits; S sequence slots, cell j of a slot = position j,
+    holding this chunk's K/V already); seq_ids and positions int32[T] (row t is the query of
+    slot seq_ids[t] at positions[t]); out f32[T, H, hd_v]. ``scale`` (float32) multiplies the
+    scores before the softmax (ggml_soft_max_ext's scale; 1.0 for Gemma). Query head h reads
+    KV head h // (H / H_kv). A query at position p sees the cells j <= p of its own slot, and
+    with ``window`` > 0 only j > p - window. The T rows pick the kernel lanes as llama.cpp does
+    for a batch of T tokens (module docstring).
+    """
+    T, H, hd = q.shape
+    cells = int(positions.max()) + 1 if window <= 0 else min(int(positions.max()) + 1, window)
+    if T * H * cells * hd >= PARALLEL_MIN_MACS:
+        _attention_par(q, k_cache, v_cache, seq_ids, positions, window, scale, out)
+    else:
+        _attention_rows(q, k_cache, v_cache, seq_ids, positions, window, scale, out, 0, 1)
+
+
+@njit(cache=True)
+def _store_kv_rows(src, cache, seq_ids, positions):
+    S, n_ctx = cache.shape[0], cache.shape[1]
+    flat = cache.reshape(S, n_ctx, -1)
+    for t in range(src.shape[0]):
+        dst = flat[seq_ids[t], positions[t]]
+        for j in range(src.shape[1]):
+            dst[j] = f32_to_f16(src[t, j])
+
+
+def store_kv(src, cache, seq_ids, positions):
+    """Write this chunk's K or V rows into the cache as f16: cache[seq_ids[t], positions[t]] =
+    f16(src[t]) (round to nearest even, ggml_cpy f32 -> f16).
+
+    Shapes: src f32[T, n] (n = H_kv * head_dim), cache uint16[S, n_ctx, H_kv, head_dim],
+    seq_ids and positions int32[T] (checked by the caller).
+    """
+    _store_kv_rows(src, cache, seq_ids, positions)
 
 
 @njit(parallel=True, cache=True)

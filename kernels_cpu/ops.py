@@ -13,20 +13,19 @@ from numba import njit, prange
 from kernels_cpu.f16 import f16_to_f32, f32_to_f16
 from kernels_cpu.fmath import fma, v_expf
 
+# Below this many elements a kernel runs on the calling thread: waking numba's worker threads
+# for a decode-sized row costs more than the row (a few microseconds on an idle machine, far
+# more when the cores are busy). Results do not depend on the choice.
+PARALLEL_MIN = 1 << 15
+
 _SQRT_2_OVER_PI = np.float32(0.79788456080286535587989211986876)  # ggml's SQRT_2_OVER_PI
 _GELU_COEF_A = np.float32(0.044715)
 
 
-@njit(parallel=True, cache=True)
-def rms_norm(x, weight, eps, out):
-    """RMSNorm over the last axis, then scale by ``weight`` (ggml_rms_norm + ggml_mul).
-
-    Shapes: x f32[T, n], weight f32[n], out f32[T, n] (may alias x). As in ggml, each square
-    is rounded to float32 and summed in order in float64 (ggml_float); mean = float32(sum / n);
-    scale = 1 / sqrt(mean + eps) in float32; y = (x * scale) * weight.
-    """
-    T, n = x.shape
-    for t in prange(T):
+@njit(cache=True)
+def _rms_norm_rows(x, weight, eps, out, r0, r1):
+    n = x.shape[1]
+    for t in range(r0, r1):
         s = 0.0
         for i in range(n):
             v = x[t, i]
@@ -37,22 +36,32 @@ def rms_norm(x, weight, eps, out):
 
 
 @njit(parallel=True, cache=True)
+def _rms_norm_par(x, weight, eps, out):
+    for t in prange(x.shape[0]):
+        _rms_norm_rows(x, weight, eps, out, t, t + 1)
+
+
+def rms_norm(x, weight, eps, out):
+    """RMSNorm over the last axis, then scale by ``weight`` (ggml_rms_norm + ggml_mul).
+
+    Shapes: x f32[T, n], weight f32[n], out f32[T, n] (may alias x). As in ggml, each square
+    is rounded to float32 and summed in order in float64 (ggml_float); mean = float32(sum / n);
+    scale = 1 / sqrt(mean + eps) in float32; y = (x * scale) * weight. Rows of a 3-D x[T, H, hd]
+    viewed as [T*H, hd] give Gemma 3's per-head q/k norms (ggml_rms_norm on [hd, H, T]).
+    """
+    if x.size >= PARALLEL_MIN:
+        _rms_norm_par(x, weight, eps, out)
+    else:
+        _rms_norm_rows(x, weight, eps, out, 0, x.shape[0])
+
+
 def rms_norm_heads(x, weight, eps):
     """In-place RMSNorm of every head vector (Gemma 3's q/k norms, ggml_rms_norm on [hd, H, T]).
 
-    Shapes: x f32[T, H, hd], weight f32[hd].
+    Shapes: x f32[T, H, hd] (C-contiguous), weight f32[hd].
     """
-    T, H, hd = x.shape
-    for th in prange(T * H):
-        t = th // H
-        h = th % H
-        s = 0.0
-        for i in range(hd):
-            v = x[t, h, i]
-            s += np.float64(v * v)
-        scale = np.float32(1.0) / np.sqrt(np.float32(s / hd) + np.float32(eps))
-        for i in range(hd):
-            x[t, h, i] = (x[t, h, i] * scale) * weight[i]
+    flat = x.reshape(-1, x.shape[-1])
+    rms_norm(flat, weight, eps, flat)
 
 
 def rope_cos_sin(positions, n_rot, freq_base, freq_scale=1.0, freq_factors=None):
@@ -84,19 +93,11 @@ def _rope_cache(positions, freq_base, freq_scale, freq_factors, cos, sin):
             theta *= theta_scale
 
 
-@njit(parallel=True, cache=True)
-def rope(x, cos, sin, neox):
-    """Rotary position embedding in place (ggml_rope_ext, modes NORM and NEOX), bit-exact.
-
-    Shapes: x f32[T, H, hd], cos/sin f32[T, n_rot/2] (from :func:`rope_cos_sin`) with
-    n_rot <= hd (the first n_rot dimensions rotate, the rest pass through). NEOX pairs
-    dimension i with i + n_rot/2 (GPT-NeoX, Qwen2, Gemma); NORM pairs 2i with 2i+1 (LLaMA).
-    ggml's rotate_pairs computes x0*c - x1*s and x0*s + x1*c, which GCC contracts to
-    fma(x0, c, -(x1*s)) and fma(x0, s, x1*c).
-    """
-    T, H, hd = x.shape
+@njit(cache=True)
+def _rope_rows(x, cos, sin, neox, r0, r1):
+    H = x.shape[1]
     half = cos.shape[1]
-    for th in prange(T * H):
+    for th in range(r0, r1):
         t = th // H
         h = th % H
         for i in range(half):
@@ -110,6 +111,43 @@ def rope(x, cos, sin, neox):
 
 
 @njit(parallel=True, cache=True)
+def _rope_par(x, cos, sin, neox):
+    for th in prange(x.shape[0] * x.shape[1]):
+        _rope_rows(x, cos, sin, neox, th, th + 1)
+
+
+def rope(x, cos, sin, neox):
+    """Rotary position embedding in place (ggml_rope_ext, modes NORM and NEOX), bit-exact.
+
+    Shapes: x f32[T, H, hd], cos/sin f32[T, n_rot/2] (from :func:`rope_cos_sin`) with
+    n_rot <= hd (the first n_rot dimensions rotate, the rest pass through). NEOX pairs
+    dimension i with i + n_rot/2 (GPT-NeoX, Qwen2, Gemma); NORM pairs 2i with 2i+1 (LLaMA).
+    ggml's rotate_pairs computes x0*c - x1*s and x0*s + x1*c, which GCC contracts to
+    fma(x0, c, -(x1*s)) and fma(x0, s, x1*c).
+    """
+    if x.size >= PARALLEL_MIN:
+        _rope_par(x, cos, sin, neox)
+    else:
+        _rope_rows(x, cos, sin, neox, 0, x.shape[0] * x.shape[1])
+
+
+@njit(cache=True)
+def _silu_mul_rows(gate, up, out, r0, r1):
+    n = gate.shape[1]
+    n16 = n - n % 16
+    for t in range(r0, r1):
+        for i in range(n):
+            x = gate[t, i]
+            e = v_expf(np.float32(0.0) - x) if i < n16 else np.float32(math.exp(-x))
+            out[t, i] = (x / (np.float32(1.0) + e)) * up[t, i]
+
+
+@njit(parallel=True, cache=True)
+def _silu_mul_par(gate, up, out):
+    for t in prange(gate.shape[0]):
+        _silu_mul_rows(gate, up, out, t, t + 1)
+
+
 def silu_mul(gate, up, out):
     """out = silu(gate) * up, bit-exact with ggml_vec_swiglu_f32 (ggml_swiglu_split; LLM_FFN_SILU
     + LLM_FFN_PAR). Shapes f32[T, n_ff]; out may alias gate.
@@ -118,13 +156,10 @@ def silu_mul(gate, up, out):
     (:func:`kernels_cpu.fmath.v_expf`); the last n_ff % 16 elements take ggml_silu_f32,
     x / (1 + expf(-x)) with the C library's expf.
     """
-    T, n = gate.shape
-    n16 = n - n % 16
-    for t in prange(T):
-        for i in range(n):
-            x = gate[t, i]
-            e = v_expf(np.float32(0.0) - x) if i < n16 else np.float32(math.exp(-x))
-            out[t, i] = (x / (np.float32(1.0) + e)) * up[t, i]
+    if gate.size >= PARALLEL_MIN:
+        _silu_mul_par(gate, up, out)
+    else:
+        _silu_mul_rows(gate, up, out, 0, gate.shape[0])
 
 
 @njit(cache=True)
@@ -146,10 +181,10 @@ def _gelu_table():
 GELU_TABLE = _gelu_table()
 
 
-@njit(parallel=True, cache=True)
-def _gelu_mul(gate, up, out, table):
-    T, n = gate.shape
-    for t in prange(T):
+@njit(cache=True)
+def _gelu_mul_rows(gate, up, out, table, r0, r1):
+    n = gate.shape[1]
+    for t in range(r0, r1):
         for i in range(n):
             g = gate[t, i]
             if g <= np.float32(-10.0):
@@ -160,6 +195,12 @@ def _gelu_mul(gate, up, out, table):
                 out[t, i] = f16_to_f32(table[f32_to_f16(g)]) * up[t, i]
 
 
+@njit(parallel=True, cache=True)
+def _gelu_mul_par(gate, up, out, table):
+    for t in prange(gate.shape[0]):
+        _gelu_mul_rows(gate, up, out, table, t, t + 1)
+
+
 def gelu_mul(gate, up, out):
     """out = gelu(gate) * up, bit-exact with ggml_vec_geglu_f32 (ggml_geglu_split; LLM_FFN_GELU
     + LLM_FFN_PAR) in ggml's CPU build (GGML_GELU_FP16). Shapes f32[T, n_ff]; out may alias gate.
@@ -167,7 +208,10 @@ def gelu_mul(gate, up, out):
     x <= -10 gives 0, x >= 10 gives x * up; otherwise x is rounded to f16 and looked up in
     :data:`GELU_TABLE` (ggml_table_gelu_f16, f16 results).
     """
-    _gelu_mul(gate, up, out, GELU_TABLE)
+    if gate.size >= PARALLEL_MIN:
+        _gelu_mul_par(gate, up, out, GELU_TABLE)
+    else:
+        _gelu_mul_rows(gate, up, out, GELU_TABLE, 0, gate.shape[0])
 
 
 @njit(cache=True)
@@ -180,11 +224,10 @@ def store_f16(src, dst):
 
 @njit(parallel=True, cache=True)
 def softcap(x, cap):
-    """In place x = cap * tanh(x * (1/cap)) on f32[T, n] (llama.cpp's final logit soft-capping:
-    ggml_scale by 1.0f/cap, ggml_tanh with the C library's tanhf, ggml_scale by cap)."""
+    """In place x = cap * tanh(x * (1/cap)) on f32[T, n] (C-contiguous; llama.cpp's final logit
+    soft-capping: ggml_scale by 1.0f/cap, ggml_tanh with the C library's tanhf, ggml_scale by cap)."""
     cap = np.float32(cap)
     inv = np.float32(1.0) / cap
-    T, n = x.shape
-    for t in prange(T):
-        for i in range(n):
-            x[t, i] = math.tanh(x[t, i] * inv) * cap
+    flat = x.reshape(-1)
+    for i in prange(flat.shape[0]):
+        flat[i] = math.tanh(flat[i] * inv) * cap

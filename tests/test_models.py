@@ -131,3 +131,42 @@ def test_forward_refuses_overflow_and_bad_ids(tmp_path):
     with pytest.raises(ValueError, match="token id out of range"):
         model.forward([96], cache)
     assert cache.n_past == 0
+
+
+def test_batched_sequences_match_each_alone(tiny):
+    """Three sequences in one cache: prefilled in one mixed batch, then decoded together one
+    row each. Each must give its own single-sequence logits (to the tolerance of other batch
+    sizes' kernels, as above); a row reading another slot's K/V would be far off."""
+    name, _, model = tiny
+    prompts = [TOKENS[:5], TOKENS[5:12], TOKENS[2:4]]
+    follow = [[9, 4, 11], [23, 8, 50], [70, 1, 2]]
+    alone = [_all_logits(model, p + f, [len(p)] + [1] * len(f)) for p, f in zip(prompts, follow)]
+    cache = model.new_cache(64, n_seq=3)
+    seq_ids = np.repeat(np.arange(3), [len(p) for p in prompts])
+    got = model.forward(sum(prompts, []), cache, seq_ids=seq_ids)     # last row of each sequence
+    assert got.shape == (3, model.args.n_vocab)
+    assert list(cache.pos) == [len(p) for p in prompts]
+    steps = [got]
+    for i in range(len(follow[0])):
+        steps.append(model.forward([f[i] for f in follow], cache, seq_ids=np.arange(3)))
+    tol = 3e-2 if "quant" in name else 2e-4
+    for s in range(3):
+        want = alone[s][len(prompts[s]) - 1 :]                          # last prompt row, then decode rows
+        have = np.stack([step[s] for step in steps])
+        np.testing.assert_allclose(have, want, rtol=0, atol=tol * np.abs(want).max())
+    assert list(cache.pos) == [len(p) + 3 for p in prompts]
+
+
+def test_batch_rejects_bad_sequence_rows(tmp_path):
+    model = load_model(GGUFFile(write_tiny_model(tmp_path / "b.gguf", arch="llama")))
+    cache = model.new_cache(4, n_seq=2)
+    with pytest.raises(ValueError, match=r"sequence id out of range \[0, 2\)"):
+        model.forward([1, 2], cache, seq_ids=[0, 2])
+    with pytest.raises(ValueError, match="rows of one sequence must be consecutive"):
+        model.forward([1, 2, 3], cache, seq_ids=[0, 1, 0])
+    with pytest.raises(ValueError, match="seq_ids must be 2 integers"):
+        model.forward([1, 2], cache, seq_ids=[0])
+    model.forward([1, 2, 3], cache, seq_ids=[1, 1, 1])
+    with pytest.raises(ValueError, match="sequence 1 at 3 \\+ 2 tokens exceeds n_ctx = 4"):
+        model.forward([1, 2, 3], cache, seq_ids=[0, 1, 1])
+    assert list(cache.pos) == [0, 3]

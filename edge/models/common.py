@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType, GGUFValueType
 
 from edge.gguf_file import GGUFError, GGUFFile
 from kernels_cpu import ops
-from kernels_cpu.attention import attention_f16
+from kernels_cpu.attention import attention_f16, store_kv
 from kernels_cpu.dequant import dequantize, dequantize_rows
 from kernels_cpu.matmul import matmul
 
@@ -186,18 +186,34 @@ class TensorLoader:
 
 
 class KVCache:
-    """A contiguous f16 KV cache for one sequence.
+    """A contiguous f16 KV cache with ``n_seq`` sequence slots.
 
-    k[l], v[l]: uint16[n_ctx, n_head_kv, head_dim] (f16 bits); row j holds position j.
-    ``n_past`` counts the positions filled. Memory comes from np.zeros, so pages that are
-    never written cost no RAM.
+    k[l], v[l]: uint16[n_seq, n_ctx, n_head_kv, head_dim] (f16 bits); cell j of slot s holds
+    position j of sequence s. ``pos`` int64[n_seq] counts the positions each slot has filled.
+    Memory comes from np.zeros, so pages that are never written cost no RAM.
     """
 
-    def __init__(self, args: ModelArgs, n_ctx: int):
-        self.n_ctx = n_ctx
-        self.k = [np.zeros((n_ctx, args.n_head_kv, args.head_dim), np.uint16) for _ in range(args.n_layer)]
-        self.v = [np.zeros((n_ctx, args.n_head_kv, args.head_dim_v), np.uint16) for _ in range(args.n_layer)]
-        self.n_past = 0
+    def __init__(self, args: ModelArgs, n_ctx: int, n_seq: int = 1):
+        if n_ctx < 1 or n_seq < 1:
+            raise ValueError(f"a KV cache needs n_ctx >= 1 and n_seq >= 1, got {n_ctx}, {n_seq}")
+        self.n_ctx, self.n_seq = n_ctx, n_seq
+        self.k = [np.zeros((n_seq, n_ctx, args.n_head_kv, args.head_dim), np.uint16) for _ in range(args.n_layer)]
+        self.v = [np.zeros((n_seq, n_ctx, args.n_head_kv, args.head_dim_v), np.uint16) for _ in range(args.n_layer)]
+        self.pos = np.zeros(n_seq, np.int64)
+
+    @property
+    def n_past(self) -> int:
+        """Positions filled in slot 0 (the only slot of a single-sequence cache)."""
+        return int(self.pos[0])
+
+    @n_past.setter
+    def n_past(self, n: int) -> None:
+        self.pos[0] = n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes reserved for K and V (all layers and slots)."""
+        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
 
 
 class Block:
@@ -242,9 +258,10 @@ class Block:
         self.window = a.sliding_window if self.is_swa else 0
         self.args = a
 
-    def __call__(self, x: np.ndarray, positions: np.ndarray, rope_cs, k_cache, v_cache,
+    def __call__(self, x: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray, rope_cs, k_cache, v_cache,
                  out_rows=None) -> np.ndarray:
-        """Run the block on x f32[T, n_embd]; write this chunk's K/V at ``positions``.
+        """Run the block on x f32[T, n_embd]; write row t's K/V into slot seq_ids[t] at
+        positions[t] (int32[T] each) of k_cache/v_cache (KVCache.k[l] / .v[l]).
 
         Returns the block output f32[T, n_embd] (x, updated in place), or only the rows
         ``out_rows`` when given: as llama.cpp's last layer (inp_out_ids), attention runs on
@@ -271,12 +288,11 @@ class Block:
         ops.rope(k, cos, sin, a.rope_neox)
         if a.query_scale:
             q *= np.float32(a.query_scale)
-        p0 = int(positions[0])
-        ops.store_f16(k.reshape(T, -1), k_cache[p0 : p0 + T].reshape(T, -1))
-        ops.store_f16(v.reshape(T, -1), v_cache[p0 : p0 + T].reshape(T, -1))
+        store_kv(k.reshape(T, -1), k_cache, seq_ids, positions)
+        store_kv(v.reshape(T, -1), v_cache, seq_ids, positions)
         attn = np.empty((T, a.n_head, a.head_dim_v), dtype=np.float32)
         scale = np.float32(a.attention_scale) if a.attention_scale else np.float32(1) / np.sqrt(np.float32(a.head_dim))
-        attention_f16(q, k_cache, v_cache, positions, self.window, scale, attn)
+        attention_f16(q, k_cache, v_cache, seq_ids, positions, self.window, scale, attn)
         o = self.attn_output(attn.reshape(T, -1))                          # [T, n_embd]
         if out_rows is not None:
             o = np.ascontiguousarray(o[out_rows])                          # [rows, n_embd]
@@ -320,8 +336,9 @@ class Transformer:
         self.rope_freqs = ld.vector("rope_freqs.weight", args.n_rot // 2, required=False)  # [n_rot/2]
         ld.check_all_used(args.arch)
 
-    def new_cache(self, n_ctx: int) -> KVCache:
-        return KVCache(self.args, n_ctx)
+    def new_cache(self, n_ctx: int, n_seq: int = 1) -> KVCache:
+        """An empty KV cache of n_ctx positions for each of n_seq sequences."""
+        return KVCache(self.args, n_ctx, n_seq)
 
     def _rope_tables(self, positions: np.ndarray):
         a = self.args
@@ -331,33 +348,37 @@ class Transformer:
             local = ops.rope_cos_sin(positions, a.n_rot, a.rope_freq_base_swa, a.rope_freq_scale_swa)
         return glob, local
 
-    def forward(self, tokens, cache: KVCache, logits_rows=None) -> np.ndarray:
-        """Process ``tokens`` (int[T]) at positions cache.n_past .. n_past+T-1.
+    def forward(self, tokens, cache: KVCache, logits_rows=None, seq_ids=None) -> np.ndarray:
+        """Process ``tokens`` (int[T]) and append them to their sequences in ``cache``.
 
-        Returns logits f32[len(rows), n_vocab] for the chunk rows ``logits_rows`` (default: the
-        last row only; ``slice(None)`` for all). Raises ValueError if the cache is too small.
+        ``seq_ids`` (int[T], default all 0) gives each row's sequence slot; the rows of one
+        sequence must be consecutive and continue it at positions cache.pos[s], cache.pos[s]+1,
+        ... So a prefill chunk is (tokens, cache) and one decode step of B sequences is
+        (next_tokens[B], cache, seq_ids=[0..B-1]); both kinds of rows may share a batch.
+
+        Returns logits f32[len(rows), n_vocab] for the batch rows ``logits_rows`` (default: the
+        last row of each sequence in the batch, in order of appearance; ``slice(None)`` for
+        all). Raises ValueError for an empty batch, a token id outside the vocabulary, a bad or
+        interleaved sequence id, or rows that do not fit in n_ctx.
         """
         tokens = np.asarray(tokens, dtype=np.int64)
         T = len(tokens)
-        p0 = cache.n_past
-        if p0 + T > cache.n_ctx:
-            raise ValueError(f"context full: {p0} + {T} tokens exceed n_ctx = {cache.n_ctx}")
         if T == 0:
             raise ValueError("forward needs at least one token")
         if tokens.min() < 0 or tokens.max() >= self.args.n_vocab:
             raise ValueError(f"token id out of range [0, {self.args.n_vocab})")
-        positions = np.arange(p0, p0 + T, dtype=np.int32)
+        seq_ids, positions, last_rows = _batch_positions(cache, T, seq_ids)
         x = self.token_embd.get_rows(tokens)                               # [T, n_embd]
         if self.args.embed_scale != 1.0:
             x *= np.float32(self.args.embed_scale)
         if logits_rows is None:
-            logits_rows = slice(T - 1, T)
+            logits_rows = last_rows
         glob, local = self._rope_tables(positions)
         last = len(self.blocks) - 1
         for il, blk in enumerate(self.blocks):
-            x = blk(x, positions, local if blk.is_swa else glob, cache.k[il], cache.v[il],
+            x = blk(x, seq_ids, positions, local if blk.is_swa else glob, cache.k[il], cache.v[il],
                     logits_rows if il == last else None)
-        cache.n_past = p0 + T
+        np.add.at(cache.pos, seq_ids, 1)
         h = x                                                              # [rows, n_embd]
         ops.rms_norm(h, self.output_norm, self.args.rms_eps, h)
         logits = self.output(h)                                            # [rows, n_vocab]
@@ -366,3 +387,30 @@ class Transformer:
             ops.softcap(logits, cap)
         return logits
 
+
+def _batch_positions(cache: KVCache, T: int, seq_ids):
+    """(seq_ids int32[T], positions int32[T], last row of each sequence int64[n]) of a batch
+    whose rows continue their sequences in ``cache`` (see Transformer.forward)."""
+    if seq_ids is None:
+        p0 = cache.n_past
+        if p0 + T > cache.n_ctx:
+            raise ValueError(f"context full: {p0} + {T} tokens exceed n_ctx = {cache.n_ctx}")
+        return np.zeros(T, np.int32), np.arange(p0, p0 + T, dtype=np.int32), np.array([T - 1])
+    seq_ids = np.asarray(seq_ids)
+    if seq_ids.shape != (T,) or seq_ids.dtype.kind not in "iu":
+        raise ValueError(f"seq_ids must be {T} integers, one per token")
+    if seq_ids.min() < 0 or seq_ids.max() >= cache.n_seq:
+        raise ValueError(f"sequence id out of range [0, {cache.n_seq})")
+    seq_ids = seq_ids.astype(np.int32)
+    starts = np.flatnonzero(np.r_[True, seq_ids[1:] != seq_ids[:-1]])      # first row of each run
+    runs = seq_ids[starts]
+    if len(np.unique(runs)) != len(runs):
+        raise ValueError("the rows of one sequence must be consecutive in a batch")
+    lengths = np.diff(np.r_[starts, T])
+    ends = cache.pos[runs] + lengths
+    if (ends > cache.n_ctx).any():
+        s = int(runs[np.argmax(ends > cache.n_ctx)])
+        raise ValueError(f"context full: sequence {s} at {int(cache.pos[s])} + "
+                         f"{int(lengths[runs == s][0])} tokens exceeds n_ctx = {cache.n_ctx}")
+    positions = (np.arange(T) - np.repeat(starts, lengths) + np.repeat(cache.pos[runs], lengths)).astype(np.int32)
+    return seq_ids, positions, starts + lengths - 1
