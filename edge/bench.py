@@ -1,0 +1,420 @@
+"""``edge bench``: throughput in the manner of llama-bench, optionally beside llama.cpp.
+
+Tests (each the median of ``reps`` timed repetitions after one short untimed warm-up):
+
+- ``ppN``: prefill of N random token ids (fixed seed; the first is BOS when the model adds
+  BOS, as llama-bench does) in chunks of n_batch into an empty KV cache of n_ctx tokens;
+  tokens/s = N / seconds.
+- ``tgN``: N greedy tokens decoded one forward pass at a time after the short prompt
+  FIRST_PROMPT; tokens/s = N / seconds of those N passes (the prompt is not timed).
+- ``tgN xB``: B sequences (distinct random prompts of BATCH_PROMPT_LEN ids) decoding together,
+  each step one forward pass of B rows (one token per sequence); tokens/s = B * N / seconds;
+  ``vs_1_seq`` divides it by the B = 1 result (by tgN when 1 is not among the B values).
+  Each sequence has a KV cache of n_ctx_seq = BATCH_PROMPT_LEN + N rounded up to 256 rows.
+
+Also: peak RSS (getrusage ru_maxrss, mmapped weight pages included) after the pp and tg tests
+(KV cache of n_ctx), load-to-first-token (Engine construction, or llama.cpp's model load and
+context creation, to the first greedy token of FIRST_PROMPT; in a fresh process), and the
+wall time of a fresh ``edge run -n 1`` process (interpreter start to exit), for llama.cpp the
+child process's start to its first token.
+
+With a llama.cpp interpreter (``--vs-llama-cpp``), edge.bench_llama_cpp runs the same tests
+with the same token ids, threads (n_threads and n_threads_batch), n_batch (= n_ubatch) and
+n_ctx in a child process; flash attention is off (edge computes attention as llama.cpp does
+without it).
+
+JSON (``edge bench --json``), one object:
+    model, model_path, model_bytes, threads, n_ctx, n_batch, reps, seed
+    tests: list of {test, kind ("pp" | "tg" | "batched"), n_seq, n_tokens_asked,
+                    edge: RESULT, llama_cpp: RESULT | null, edge_over_llama_cpp: float | null}
+        RESULT = {tps (median tokens/s), tps_min, tps_max, samples (tokens/s per rep),
+                  n_tokens (tokens the engine processed or generated in one rep),
+                  vs_1_seq (batched rows only)}
+    peak_rss_mb, load_to_first_token_s, process_first_token_wall_s: {edge, llama_cpp}
+    tg_tokens_equal: whether both engines' tgN greedy tokens are identical (null without llama.cpp)
+    llama_cpp: null when not asked, else {python, version, error}; error (str | null) says why
+        llama.cpp's numbers are missing (not importable, failed test: that test's RESULT is null).
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+FIRST_PROMPT = "The capital of France is"
+BATCH_PROMPT_LEN = 8
+SEED = 1234
+_LLAMA_CHILD = Path(__file__).with_name("bench_llama_cpp.py")
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process in MB (ru_maxrss: kB on Linux, bytes on macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 1e6 if sys.platform == "darwin" else rss * 1024 / 1e6
+
+
+@dataclass
+class BenchConfig:
+    """What to measure. Sizes in tokens; batch_sizes are the B values of the batched test."""
+
+    model: Path
+    n_prompt: int = 512
+    n_gen: int = 128
+    n_batch: int = 512
+    n_ctx: int = 4096
+    batch_sizes: tuple[int, ...] = (1, 4, 8)
+    reps: int = 3
+    threads: int = 1
+    llama_python: str | None = None   # interpreter with llama-cpp-python; None = edge only
+
+    def check(self) -> None:
+        """Raise ValueError for sizes that cannot be run."""
+        for name, v in (("n_prompt", self.n_prompt), ("n_gen", self.n_gen), ("n_batch", self.n_batch),
+                        ("n_ctx", self.n_ctx), ("reps", self.reps)):
+            if v < 1:
+                raise ValueError(f"{name} must be at least 1, got {v}")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"batch sizes must be at least 1, got {list(self.batch_sizes)}")
+        if self.n_prompt > self.n_ctx:
+            raise ValueError(f"-p {self.n_prompt} does not fit the context size -c {self.n_ctx}")
+        if 32 + self.n_gen > self.n_ctx:
+            raise ValueError(f"-n {self.n_gen} plus a short prompt does not fit the context size -c {self.n_ctx}")
+
+
+class EdgeRunner:
+    """edge's side of the benchmark. Constructing it loads the model and times load-to-first-token.
+
+    Methods return plain dicts, as the llama.cpp child (edge.bench_llama_cpp) does:
+    pp -> {s, n_tokens}; tg -> {s, tokens}; batched -> {s, tokens per sequence}; rss -> {peak_rss_mb}.
+    """
+
+    def __init__(self, cfg: BenchConfig):
+        from edge.engine import Engine
+
+        t0 = time.perf_counter()
+        self.engine = Engine(cfg.model, n_ctx=cfg.n_ctx, n_batch=cfg.n_batch)
+        self.first_ids = self.engine.raw_prompt(FIRST_PROMPT)
+        self.first_token(self.first_ids)
+        self.load_to_first_token_s = time.perf_counter() - t0
+        self.model = self.engine.model
+
+    def first_token(self, ids) -> int:
+        return int(np.argmax(self.engine.prefill(ids, self.engine.new_cache())))
+
+    def pp(self, ids) -> dict:
+        cache = self.engine.new_cache()
+        t0 = time.perf_counter()
+        self.engine.prefill(ids, cache)
+        return {"s": time.perf_counter() - t0, "n_tokens": int(cache.pos[0])}
+
+    def tg(self, ids, n: int) -> dict:
+        cache = self.engine.new_cache()
+        tok = int(np.argmax(self.engine.prefill(ids, cache)))
+        out = []
+        t0 = time.perf_counter()
+        for _ in range(n):
+            tok = int(np.argmax(self.model.forward([tok], cache)[0]))
+            out.append(tok)
+        return {"s": time.perf_counter() - t0, "tokens": out}
+
+    def batched(self, prompts, n: int, n_ctx_seq: int) -> dict:
+        B = len(prompts)
+        cache = self.model.new_cache(n_ctx_seq, n_seq=B)
+        toks = np.array([np.argmax(self.engine.prefill(p, cache, seq=s)) for s, p in enumerate(prompts)])
+        seq_ids = np.arange(B)
+        out = np.empty((n, B), dtype=np.int64)
+        t0 = time.perf_counter()
+        for k in range(n):
+            toks = np.argmax(self.model.forward(toks, cache, seq_ids=seq_ids), axis=1)
+            out[k] = toks
+        return {"s": time.perf_counter() - t0, "tokens": out.T.tolist()}
+
+    def rss(self) -> dict:
+        return {"peak_rss_mb": peak_rss_mb()}
+
+
+class LlamaUnavailable(RuntimeError):
+    """llama.cpp's side cannot run (interpreter missing, llama_cpp not importable, load failed)."""
+
+
+class LlamaRunner:
+    """The llama.cpp child process (edge.bench_llama_cpp) behind EdgeRunner's methods.
+
+    Raises LlamaUnavailable from the constructor, RuntimeError from a failed request.
+    """
+
+    def __init__(self, python: str, cfg: BenchConfig, first_ids: list[int]):
+        import tempfile
+
+        args = {"model": str(cfg.model), "n_ctx": cfg.n_ctx, "threads": cfg.threads,
+                "n_batch": cfg.n_batch, "first_ids": [int(t) for t in first_ids]}
+        self._stderr = tempfile.TemporaryFile(mode="w+")
+        t0 = time.perf_counter()
+        try:
+            self.proc = subprocess.Popen([python, str(_LLAMA_CHILD), json.dumps(args)], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=self._stderr, text=True)
+        except OSError as e:
+            raise LlamaUnavailable(f"cannot start {python}: {e}") from None
+        try:
+            hello = self._read()
+        except RuntimeError as e:
+            self.close()
+            raise LlamaUnavailable(str(e)) from None
+        self.process_first_token_wall_s = time.perf_counter() - t0
+        self.load_to_first_token_s = hello["load_to_first_token_s"]
+        self.version = hello["version"]
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            self._stderr.seek(0)
+            tail = self._stderr.read().strip().splitlines()[-3:]
+            raise RuntimeError(f"the llama.cpp process ended (status {self.proc.returncode}): {' | '.join(tail)}")
+        res = json.loads(line)
+        if "error" in res:
+            raise RuntimeError(res["error"])
+        return res
+
+    def _call(self, op: str, **kw) -> dict:
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def pp(self, ids) -> dict:
+        return self._call("pp", ids=[int(t) for t in ids])
+
+    def tg(self, ids, n: int) -> dict:
+        return self._call("tg", ids=[int(t) for t in ids], n=n)
+
+    def batched(self, prompts, n: int, n_ctx_seq: int) -> dict:
+        return self._call("batched", prompts=[[int(t) for t in p] for p in prompts], n=n, n_ctx_seq=n_ctx_seq)
+
+    def rss(self) -> dict:
+        return self._call("rss")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write('{"op": "quit"}\n')
+                self.proc.stdin.close()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self._stderr.close()
+
+
+def _stats(samples: list[float], n_tokens: int) -> dict:
+    return {"tps": statistics.median(samples), "tps_min": min(samples), "tps_max": max(samples),
+            "samples": samples, "n_tokens": n_tokens}
+
+
+def _count(res: dict) -> int:
+    """Tokens one result covers: positions filled (pp) or tokens generated over all sequences."""
+    if "n_tokens" in res:
+        return res["n_tokens"]
+    toks = res["tokens"]
+    return sum(len(t) for t in toks) if toks and isinstance(toks[0], list) else len(toks)
+
+
+class _Bench:
+    """Runs each test on every runner, recording results into one JSON-ready dict;
+    ``last[test][runner name]`` keeps each runner's last raw result."""
+
+    def __init__(self, cfg: BenchConfig, runners: dict, result: dict, log):
+        self.cfg, self.runners, self.result, self.log = cfg, runners, result, log
+        self.last: dict[str, dict] = {}
+
+    def llama_failed(self, what: str, e: Exception) -> None:
+        """Record llama.cpp's first failure; its numbers for ``what`` stay null."""
+        self.log(f"llama.cpp: {what} failed: {e}")
+        if not self.result["llama_cpp"]["error"]:
+            self.result["llama_cpp"]["error"] = f"{what}: {e}"
+
+    def measure(self, test: str, kind: str, n_seq: int, n_asked: int, warmup, call) -> dict:
+        """Run ``warmup(runner)`` once, then ``call(runner)`` reps times on every runner."""
+        row = {"test": test, "kind": kind, "n_seq": n_seq, "n_tokens_asked": n_asked,
+               "edge": None, "llama_cpp": None, "edge_over_llama_cpp": None}
+        self.last[test] = {}
+        for name, runner in self.runners.items():
+            if runner is None:
+                continue
+            self.log(f"{name}: {test}")
+            try:
+                warmup(runner)
+                results = [call(runner) for _ in range(self.cfg.reps)]
+            except RuntimeError as e:
+                if name == "edge":
+                    raise
+                self.llama_failed(test, e)
+                continue
+            self.last[test][name] = results[-1]
+            row[name] = _stats([_count(r) / r["s"] for r in results], _count(results[-1]))
+        if row["edge"] and row["llama_cpp"]:
+            row["edge_over_llama_cpp"] = row["edge"]["tps"] / row["llama_cpp"]["tps"]
+        self.result["tests"].append(row)
+        return row
+
+
+def _random_ids(rng: np.random.Generator, shape, n_vocab: int, bos: int | None) -> np.ndarray:
+    """Token ids uniform in [0, n_vocab) with BOS first in each row when the model adds BOS."""
+    ids = rng.integers(0, n_vocab, shape)
+    if bos is not None:
+        ids[..., 0] = bos
+    return ids
+
+
+def _process_wall(cfg: BenchConfig) -> float | None:
+    """Wall seconds of a fresh ``edge run -n 1`` (greedy, raw FIRST_PROMPT); None if it failed."""
+    cmd = [sys.executable, "-m", "edge.cli", "run", "-m", str(cfg.model), "-n", "1", "--temp", "0", "--raw",
+           "-t", str(cfg.threads), "-c", str(cfg.n_ctx), "-b", str(cfg.n_batch), FIRST_PROMPT]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    return time.perf_counter() - t0 if proc.returncode == 0 else None
+
+
+def run_bench(cfg: BenchConfig, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> dict:
+    """Run every test of ``cfg``; returns the JSON-ready result described in the module docstring.
+
+    Raises ValueError for a bad config, GGUFError for a bad model file. llama.cpp's failures
+    do not raise: they leave its numbers null and say why in result["llama_cpp"]["error"].
+    """
+    cfg.check()
+    log(f"edge: fresh process, run -n 1 on {cfg.model.name}")
+    wall = _process_wall(cfg)
+    edge = EdgeRunner(cfg)
+    result = {"model": edge.engine.name, "model_path": str(cfg.model), "model_bytes": cfg.model.stat().st_size,
+              "threads": cfg.threads, "n_ctx": cfg.n_ctx, "n_batch": cfg.n_batch, "reps": cfg.reps,
+              "seed": SEED, "tests": [],
+              "peak_rss_mb": {"edge": None, "llama_cpp": None},
+              "load_to_first_token_s": {"edge": edge.load_to_first_token_s, "llama_cpp": None},
+              "process_first_token_wall_s": {"edge": wall, "llama_cpp": None},
+              "tg_tokens_equal": None,
+              "llama_cpp": None}
+    llama = None
+    if cfg.llama_python:
+        result["llama_cpp"] = {"python": cfg.llama_python, "version": None, "error": None}
+        log(f"llama.cpp: loading {cfg.model.name} with {cfg.llama_python}")
+        try:
+            llama = LlamaRunner(cfg.llama_python, cfg, edge.first_ids)
+            result["load_to_first_token_s"]["llama_cpp"] = llama.load_to_first_token_s
+            result["process_first_token_wall_s"]["llama_cpp"] = llama.process_first_token_wall_s
+            result["llama_cpp"]["version"] = llama.version
+        except LlamaUnavailable as e:
+            log(f"llama.cpp: not available, edge only: {e}")
+            result["llama_cpp"]["error"] = str(e)
+    try:
+        _run_tests(cfg, _Bench(cfg, {"edge": edge, "llama_cpp": llama}, result, log), edge)
+    finally:
+        if llama is not None:
+            llama.close()
+    return result
+
+
+def _run_tests(cfg: BenchConfig, b: _Bench, edge: EdgeRunner) -> None:
+    tok = edge.engine.tokenizer
+    bos = tok.bos_id if tok.add_bos else None
+    n_vocab = edge.model.args.n_vocab
+    rng = np.random.default_rng(SEED)
+    pp_ids = _random_ids(rng, cfg.n_prompt, n_vocab, bos)
+    prompts = _random_ids(rng, (max(cfg.batch_sizes), BATCH_PROMPT_LEN), n_vocab, bos)
+    first = edge.first_ids
+    n = cfg.n_gen
+
+    b.measure(f"pp{cfg.n_prompt}", "pp", 1, cfg.n_prompt,
+              lambda r: r.pp(pp_ids[: min(cfg.n_prompt, 16)]), lambda r: r.pp(pp_ids))
+    tg = b.measure(f"tg{n}", "tg", 1, n, lambda r: r.tg(first, 2), lambda r: r.tg(first, n))
+    last = b.last[tg["test"]]
+    if "llama_cpp" in last:
+        b.result["tg_tokens_equal"] = last["edge"]["tokens"] == last["llama_cpp"]["tokens"]
+    for name, runner in b.runners.items():
+        if runner is not None:
+            try:
+                b.result["peak_rss_mb"][name] = runner.rss()["peak_rss_mb"]
+            except RuntimeError as e:
+                b.llama_failed("rss", e)
+    n_ctx_seq = -(-(BATCH_PROMPT_LEN + n) // 256) * 256
+    rows = {}
+    for B in cfg.batch_sizes:
+        ps = prompts[:B]
+        rows[B] = b.measure(f"tg{n} x{B}", "batched", B, B * n, lambda r: r.batched(ps, 2, n_ctx_seq),
+                            lambda r: r.batched(ps, n, n_ctx_seq))
+    ref = rows.get(1, tg)
+    for row in rows.values():
+        for name in ("edge", "llama_cpp"):
+            if row[name] and ref[name]:
+                row[name]["vs_1_seq"] = row[name]["tps"] / ref[name]["tps"]
+
+
+def _size(n_bytes: int) -> str:
+    return f"{n_bytes / 2**30:.2f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:.0f} MiB"
+
+
+def _num(x: float | None, fmt: str = "{:.1f}") -> str:
+    return "n/a" if x is None else fmt.format(x)
+
+
+def _spread(r: dict | None) -> str:
+    """Half the min..max range relative to the median, e.g. "±3%"."""
+    return "n/a" if r is None else f"±{50 * (r['tps_max'] - r['tps_min']) / r['tps']:.0f}%"
+
+
+def print_result(result: dict, console=None) -> None:
+    """Print ``run_bench``'s result as rich tables: throughput per test, then memory and start-up."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    vs = result["llama_cpp"] is not None
+    batched = any(row["kind"] == "batched" for row in result["tests"])
+    t = Table(title=f"edge bench: {result['model']}, {_size(result['model_bytes'])}, {result['threads']} threads, "
+                    f"n_ctx {result['n_ctx']}, n_batch {result['n_batch']}; tokens/s, median of {result['reps']}")
+    engines = ("edge", "llama_cpp") if vs else ("edge",)
+    t.add_column("test")
+    for name in engines:
+        t.add_column("edge t/s" if name == "edge" else "llama.cpp t/s", justify="right")
+        t.add_column("spread", justify="right")
+        if batched:
+            t.add_column("vs 1 seq", justify="right")
+    if vs:
+        t.add_column("edge / llama.cpp", justify="right")
+    for row in result["tests"]:
+        cells = [row["test"]]
+        for name in engines:
+            r = row[name]
+            cells += [_num(r and r["tps"]), _spread(r)]
+            if batched:
+                cells.append(_num(r and r.get("vs_1_seq"), "{:.2f}x") if row["kind"] == "batched" else "")
+        if vs:
+            cells.append(_num(row["edge_over_llama_cpp"], "{:.2f}"))
+        t.add_row(*cells)
+    console.print(t)
+
+    m = Table(title="memory and start-up")
+    for col in ["", "edge"] + (["llama.cpp", "edge / llama.cpp"] if vs else []):
+        m.add_column(col, justify="left" if not col else "right")
+    for key, label, fmt in (("peak_rss_mb", f"peak RSS, MB (n_ctx {result['n_ctx']})", "{:.0f}"),
+                            ("load_to_first_token_s", "load to first token, s", "{:.2f}"),
+                            ("process_first_token_wall_s", "fresh process to first token, s", "{:.2f}")):
+        e, lc = result[key]["edge"], result[key]["llama_cpp"]
+        cells = [label, _num(e, fmt)]
+        if vs:
+            cells += [_num(lc, fmt), _num(e / lc if e and lc else None, "{:.2f}")]
+        m.add_row(*cells)
+    console.print(m)
+    if vs:
+        lc = result["llama_cpp"]
+        if lc["error"]:
+            console.print(f"llama.cpp ({lc['python']}): {lc['error']}")
+        else:
+            console.print(f"llama-cpp-python {lc['version']} ({lc['python']}); flash attention off; "
+                          f"greedy tg tokens identical: {'yes' if result['tg_tokens_equal'] else 'no'}")

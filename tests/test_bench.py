@@ -1,0 +1,100 @@
+"""edge bench: the JSON's keys and values on the real gemma-3-270m model with tiny sizes, token
+counts, option errors. Values are checked, not speeds."""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from edge.bench import FIRST_PROMPT, BenchConfig, EdgeRunner
+from edge.cli import main
+
+P, N, BATCHED = 16, 4, (1, 2)
+RESULT_KEYS = {"tps", "tps_min", "tps_max", "samples", "n_tokens"}
+HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
+
+
+@pytest.fixture(scope="module")
+def bench_json(gemma_path):
+    """`edge bench --json` on gemma; --vs-llama-cpp with this interpreter (llama.cpp's side
+    runs only if this interpreter has llama-cpp-python)."""
+    argv = ["bench", "-m", str(gemma_path), "-p", str(P), "-n", str(N), "-r", "2", "-t", "2",
+            "-B", ",".join(map(str, BATCHED)), "--json", "--vs-llama-cpp", "--llama-python", sys.executable]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    return json.loads(out.getvalue())
+
+
+def test_json_keys_and_counts(bench_json, gemma_path):
+    r = bench_json
+    assert {"model", "model_path", "model_bytes", "threads", "n_ctx", "n_batch", "reps", "seed", "tests",
+            "peak_rss_mb", "load_to_first_token_s", "process_first_token_wall_s", "tg_tokens_equal",
+            "llama_cpp"} <= set(r)
+    assert r["model"] == "Gemma 3 270m"
+    assert r["model_bytes"] == gemma_path.stat().st_size
+    assert (r["n_ctx"], r["n_batch"], r["reps"]) == (4096, 512, 2)
+    assert [t["test"] for t in r["tests"]] == [f"pp{P}", f"tg{N}"] + [f"tg{N} x{b}" for b in BATCHED]
+    asked = [P, N] + [b * N for b in BATCHED]
+    for row, n_asked in zip(r["tests"], asked):
+        e = row["edge"]
+        assert RESULT_KEYS <= set(e)
+        assert row["n_tokens_asked"] == n_asked
+        assert e["n_tokens"] == n_asked, row["test"]          # positions filled / tokens generated
+        assert len(e["samples"]) == 2
+        assert 0 < e["tps_min"] <= e["tps"] <= e["tps_max"]
+    batched = [row for row in r["tests"] if row["kind"] == "batched"]
+    assert [row["n_seq"] for row in batched] == list(BATCHED)
+    assert batched[0]["edge"]["vs_1_seq"] == 1.0
+    assert batched[1]["edge"]["vs_1_seq"] == batched[1]["edge"]["tps"] / batched[0]["edge"]["tps"]
+    # every weight page is read by a forward pass (the output matmul reads all of token_embd)
+    assert r["peak_rss_mb"]["edge"] > 0.9 * r["model_bytes"] / 1e6
+    assert 0 < r["load_to_first_token_s"]["edge"] < r["process_first_token_wall_s"]["edge"]
+
+
+def test_llama_cpp_missing_is_reported(bench_json):
+    lc = bench_json["llama_cpp"]
+    assert lc["python"] == sys.executable
+    if HAS_LLAMA_CPP:
+        pytest.skip("this interpreter has llama-cpp-python")
+    assert "cannot import llama_cpp" in lc["error"]
+    assert all(row["llama_cpp"] is None and row["edge_over_llama_cpp"] is None for row in bench_json["tests"])
+    assert bench_json["tg_tokens_equal"] is None
+
+
+def test_runner_tokens_are_greedy(gemma_path):
+    """tg's N timed forward passes give edge's greedy continuation after the first token (the
+    prefill's); batched produces B x N valid token ids."""
+    from edge.sampling import SamplingParams
+
+    runner = EdgeRunner(BenchConfig(model=gemma_path))
+    ids = runner.engine.raw_prompt(FIRST_PROMPT)
+    want = list(runner.engine.generate(ids, SamplingParams(temperature=0.0), N + 1))
+    assert runner.tg(ids, N)["tokens"] == want[1:]
+    out = runner.batched([ids[:3], ids, ids[:4]], N, 256)["tokens"]
+    assert np.asarray(out).shape == (3, N)
+    assert out[1] == want[1:]
+
+
+@pytest.mark.parametrize("opt, value, message", [
+    ("-B", "0", "-B/--batched: must be at least 1, got 0"),
+    ("-B", "1,,2", "-B/--batched: not an integer: ''"),
+    ("-p", "0", "-p/--n-prompt: must be at least 1, got 0"),
+    ("-n", "-1", "-n/--n-gen: must be at least 1, got -1"),
+    ("-r", "0", "-r/--repetitions: must be at least 1, got 0"),
+])
+def test_bad_option_is_usage_error(opt, value, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", opt, value])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_prompt_larger_than_context(gemma_path, capsys):
+    assert main(["bench", "-m", str(gemma_path), "-c", "64", "-p", "128"]) == 1
+    assert "edge bench: error: -p 128 does not fit the context size -c 64" in capsys.readouterr().err
