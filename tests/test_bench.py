@@ -7,6 +7,7 @@ import importlib.util
 import io
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -98,3 +99,24 @@ def test_bad_option_is_usage_error(opt, value, message, capsys):
 def test_prompt_larger_than_context(gemma_path, capsys):
     assert main(["bench", "-m", str(gemma_path), "-c", "64", "-p", "128"]) == 1
     assert "edge bench: error: -p 128 does not fit the context size -c 64" in capsys.readouterr().err
+
+
+def _bench_table():
+    spec = importlib.util.spec_from_file_location("bench_table", Path(__file__).parents[1] / "tools" / "bench_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_table_markdown_and_readme_markers(bench_json):
+    bt = _bench_table()
+    md = bt.markdown([bench_json])
+    rows = [line for line in md.splitlines() if line.startswith("| gemma-3-270m | ")]
+    assert [row.split(" | ")[1] for row in rows[:4]] == [f"pp{P}", f"tg{N}"] + [f"tg{N} x{b}" for b in BATCHED]
+    assert f"{bench_json['tests'][0]['edge']['tps']:.1f} ±" in rows[0]
+    assert len(rows) == 5  # four tests, one memory and start-up row
+    readme = f"intro\n{bt.START}\nold table\n{bt.END}\nrest\n"
+    assert bt.replace_between_markers(readme, md) == f"intro\n{bt.START}\n{md}{bt.END}\nrest\n"
+    with pytest.raises(ValueError, match="needs the markers"):
+        bt.replace_between_markers(f"{bt.END}\n{bt.START}\n", md)
+    assert bt.START in (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
