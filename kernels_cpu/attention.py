@@ -80,13 +80,20 @@ def _dot_f16_lanes(typingctx, k, q, n, lanes):
     return sig, codegen
 
 
+@njit(cache=True, inline="always")
+def _cell(pool, table, j, base, n):
+    """The n values at ``base`` of position j's K or V row: pool[table[j // bs], j % bs]."""
+    bs = pool.shape[1]
+    return pool[table[j // bs], j % bs, base:base + n]
+
+
 @njit(cache=True)
-def _kq_row(q16, kflat, base, hd, start, end, tiny, kq):
+def _kq_row(q16, pool, table, base, hd, start, end, tiny, kq):
     """kq[j] = K[j] . q16 for cells start..end-1 in tinyBLAS (16 lanes) or ggml_vec_dot_f16
-    order (64 lanes, then the hd % 64 leftover products added in float64). K rows:
-    kflat[j, base:base+hd]."""
+    order (64 lanes, then the hd % 64 leftover products added in float64). K rows: through
+    the block table, pool[table[j // bs], j % bs, base:base+hd] (pool uint16[n_blocks, bs, n])."""
     for j in range(start, end):
-        row = kflat[j, base:base + hd]
+        row = _cell(pool, table, j, base, hd)
         if tiny:
             kq[j] = _dot_f16_lanes(row, q16, hd, 16)
             continue
@@ -126,16 +133,16 @@ def _softmax_row(kq, start, end, scale, block, probs):
 
 
 @njit(cache=True)
-def _kqv_row(probs, vflat, base, hd_v, start, end, tiny, acc, out):
+def _kqv_row(probs, pool, table, base, hd_v, start, end, tiny, acc, out):
     """out[d] = sum over cells j of V[j, d] * f16(probs[j]), cell j in lane j % 16 (tinyBLAS)
     or j % 64 (ggml_vec_dot_f16, lanes then combined as in _kq_row), lanes reduced by hsum16.
-    V rows: vflat[j, base:base+hd_v]. acc: float32[64, hd_v] scratch."""
+    V rows through the block table as in _kq_row. acc: float32[64, hd_v] scratch."""
     lanes = _TINY_LANES if tiny else _VEC_STEP
     acc[:lanes, :] = 0.0
     for j in range(start, end):
         p = f16_to_f32(f32_to_f16(probs[j]))
         a = acc[j % lanes]
-        row = vflat[j, base:base + hd_v]
+        row = _cell(pool, table, j, base, hd_v)
         for d in range(hd_v):
             a[d] += f16_to_f32(row[d]) * p
     if not tiny:
@@ -174,15 +181,15 @@ def _q16(q, t, h):
 
 
 @njit(cache=True)
-def _attention_rows(q, k_cache, v_cache, seq_ids, positions, window, scale, out, first, step):
+def _attention_rows(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out, first, step):
     """attention_f16 for the (row, head) pairs first, first + step, ... (pair th = row th // H,
     head th % H)."""
     T, H, hd = q.shape
-    S, n_ctx, H_kv = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
-    hd_v = v_cache.shape[3]
+    n_blocks, bs, H_kv = k_pool.shape[0], k_pool.shape[1], k_pool.shape[2]
+    hd_v = v_pool.shape[3]
     group = H // H_kv
-    kflat = k_cache.reshape(S, n_ctx, -1)
-    vflat = v_cache.reshape(S, n_ctx, -1)
+    kflat = k_pool.reshape(n_blocks, bs, -1)
+    vflat = v_pool.reshape(n_blocks, bs, -1)
     tiny_kq, tiny_kqv = _paths(T, hd, hd_v)
     block = np.empty(16, np.float32)
     acc = np.empty((_VEC_STEP, hd_v), np.float32)
@@ -190,21 +197,21 @@ def _attention_rows(q, k_cache, v_cache, seq_ids, positions, window, scale, out,
         t = th // H
         h = th % H
         kh = h // group
-        s = seq_ids[t]
+        table = tables[seq_ids[t]]
         p = positions[t]
         start = _visible(p, window)
         row = np.empty(p + 1, np.float32)
-        _kq_row(_q16(q, t, h), kflat[s], kh * hd, hd, start, p + 1, tiny_kq, row)
+        _kq_row(_q16(q, t, h), kflat, table, kh * hd, hd, start, p + 1, tiny_kq, row)
         _softmax_row(row, start, p + 1, scale, block, row)
-        _kqv_row(row, vflat[s], kh * hd_v, hd_v, start, p + 1, tiny_kqv, acc, out[t, h])
+        _kqv_row(row, vflat, table, kh * hd_v, hd_v, start, p + 1, tiny_kqv, acc, out[t, h])
 
 
 @njit(parallel=True, cache=True)
-def _attention_par(q, k_cache, v_cache, seq_ids, positions, window, scale, out):
+def _attention_par(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out):
     # interleaved pairs: numba splits a prange into contiguous ranges, and causal rows grow
     n_chunks = min(q.shape[0] * q.shape[1], 64)
     for c in prange(n_chunks):
-        _attention_rows(q, k_cache, v_cache, seq_ids, positions, window, scale, out, c, n_chunks)
+        _attention_rows(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out, c, n_chunks)
 
 
 # Below this many multiply-adds (rows x heads x visible cells x head_dim) attention runs on the
@@ -212,45 +219,47 @@ def _attention_par(q, k_cache, v_cache, seq_ids, positions, window, scale, out):
 PARALLEL_MIN_MACS = 1 << 18
 
 
-def attention_f16(q, k_cache, v_cache, seq_ids, positions, window, scale, out):
-    """Multi-head causal attention with GQA, bit-exact with llama.cpp's non-flash CPU path.
+def attention_f16(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out):
+    """Multi-head causal attention with GQA over a paged f16 KV cache, bit-exact with
+    llama.cpp's non-flash CPU path.
 
     Shapes: q f32[T, H, hd] (already multiplied by any query scale the model applies, e.g.
-    Gemma's f_attention_scale); k_cache uint16[S, n_ctx, H_kv, hd] and v_cache
-    uint16[S, n_ctx, H_kv, hd_v] (f16 bits; S sequence slots, cell j of a slot = position j,
-    holding this chunk's K/V already); seq_ids and positions int32[T] (row t is the query of
-    slot seq_ids[t] at positions[t]); out f32[T, H, hd_v]. ``scale`` (float32) multiplies the
-    scores before the softmax (ggml_soft_max_ext's scale; 1.0 for Gemma). Query head h reads
-    KV head h // (H / H_kv). A query at position p sees the cells j <= p of its own slot, and
-    with ``window`` > 0 only j > p - window. The T rows pick the kernel lanes as llama.cpp does
-    for a batch of T tokens (module docstring).
+    Gemma's f_attention_scale); k_pool uint16[n_blocks, bs, H_kv, hd] and v_pool
+    uint16[n_blocks, bs, H_kv, hd_v] (f16 bits, holding this chunk's K/V already); tables
+    int32[S, max_blocks]: position j of sequence s is in block tables[s, j // bs], slot
+    j % bs (a contiguous cache is one block of n_ctx per sequence); seq_ids and positions
+    int32[T] (row t is the query of sequence seq_ids[t] at positions[t]); out f32[T, H, hd_v].
+    ``scale`` (float32) multiplies the scores before the softmax (ggml_soft_max_ext's scale;
+    1.0 for Gemma). Query head h reads KV head h // (H / H_kv). A query at position p sees
+    the cells j <= p of its own sequence, and with ``window`` > 0 only j > p - window (blocks
+    wholly before that may be holes). The T rows pick the kernel lanes as llama.cpp does for a
+    batch of T tokens (module docstring). Callers check the tables; a wrong block id is an
+    out-of-bounds read.
     """
     T, H, hd = q.shape
     cells = int(positions.max()) + 1 if window <= 0 else min(int(positions.max()) + 1, window)
     if T * H * cells * hd >= PARALLEL_MIN_MACS:
-        _attention_par(q, k_cache, v_cache, seq_ids, positions, window, scale, out)
+        _attention_par(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out)
     else:
-        _attention_rows(q, k_cache, v_cache, seq_ids, positions, window, scale, out, 0, 1)
+        _attention_rows(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out, 0, 1)
 
 
 @njit(cache=True)
-def _store_kv_rows(src, cache, seq_ids, positions):
-    S, n_ctx = cache.shape[0], cache.shape[1]
-    flat = cache.reshape(S, n_ctx, -1)
+def store_kv(src, pool, tables, seq_ids, positions):
+    """Write this chunk's K or V rows into the paged cache as f16 (round to nearest even,
+    ggml_cpy f32 -> f16): row t goes to position positions[t] of sequence seq_ids[t], i.e.
+    block tables[seq, pos // bs], slot pos % bs.
+
+    Shapes: src f32[T, n] (n = H_kv * head_dim), pool uint16[n_blocks, bs, H_kv, head_dim],
+    tables int32[S, max_blocks], seq_ids and positions int32[T] (checked by the caller).
+    """
+    n_blocks, bs = pool.shape[0], pool.shape[1]
+    flat = pool.reshape(n_blocks, bs, -1)
     for t in range(src.shape[0]):
-        dst = flat[seq_ids[t], positions[t]]
+        p = positions[t]
+        dst = flat[tables[seq_ids[t], p // bs], p % bs]
         for j in range(src.shape[1]):
             dst[j] = f32_to_f16(src[t, j])
-
-
-def store_kv(src, cache, seq_ids, positions):
-    """Write this chunk's K or V rows into the cache as f16: cache[seq_ids[t], positions[t]] =
-    f16(src[t]) (round to nearest even, ggml_cpy f32 -> f16).
-
-    Shapes: src f32[T, n] (n = H_kv * head_dim), cache uint16[S, n_ctx, H_kv, head_dim],
-    seq_ids and positions int32[T] (checked by the caller).
-    """
-    _store_kv_rows(src, cache, seq_ids, positions)
 
 
 @njit(parallel=True, cache=True)
@@ -265,7 +274,8 @@ def attention_scores(q, k_cache, positions, window, scale, kq_out, probs_out):
     """
     T, H, hd = q.shape
     group = H // k_cache.shape[1]
-    kflat = k_cache.reshape(k_cache.shape[0], -1)
+    kflat = k_cache.reshape(1, k_cache.shape[0], -1)       # one block of n_ctx cells
+    table = np.zeros(1, np.int32)
     tiny_kq = _paths(T, hd, 4)[0]
     for th in prange(T * H):
         t = th // H
@@ -274,5 +284,5 @@ def attention_scores(q, k_cache, positions, window, scale, kq_out, probs_out):
         start = _visible(p, window)
         kq_out[t, h, :] = 0.0
         probs_out[t, h, :] = 0.0
-        _kq_row(_q16(q, t, h), kflat, (h // group) * hd, hd, start, p + 1, tiny_kq, kq_out[t, h])
+        _kq_row(_q16(q, t, h), kflat, table, (h // group) * hd, hd, start, p + 1, tiny_kq, kq_out[t, h])
         _softmax_row(kq_out[t, h], start, p + 1, scale, np.empty(16, np.float32), probs_out[t, h])

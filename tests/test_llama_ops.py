@@ -76,7 +76,8 @@ def test_attention_output(fx, path):
     q, pos = fx[f"{path}_q"], fx[f"{path}_pos"]
     k, v = fx[f"{path}_k_cache"].view(np.uint16), fx[f"{path}_v_cache"].view(np.uint16)
     out = np.empty((len(pos), q.shape[1], v.shape[2]), np.float32)
-    attention_f16(q, k[None], v[None], np.zeros_like(pos), pos, 0, np.float32(fx["kq_scale"]), out)
+    attention_f16(q, k[None], v[None], np.zeros((1, 1), np.int32), np.zeros_like(pos), pos, 0,
+                  np.float32(fx["kq_scale"]), out)
     _bits_equal(out, fx[f"{path}_kqv"])
 
 
@@ -131,3 +132,26 @@ def test_glu_rows_with_scalar_tail(ggml_fx, act):
     out = np.empty_like(gate)
     (ops.silu_mul if act == "swiglu" else ops.gelu_mul)(gate, up, out)
     _bits_equal(out, ggml_fx[f"{act}_out"])
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_attention_through_block_table(fx, path, block_size):
+    """The same K/V scattered over a pool of blocks in a shuffled order, read through a block
+    table: bit for bit the output of the contiguous cache (and so llama.cpp's)."""
+    q, pos = fx[f"{path}_q"], fx[f"{path}_pos"]
+    k, v = fx[f"{path}_k_cache"].view(np.uint16), fx[f"{path}_v_cache"].view(np.uint16)
+    n = k.shape[0]
+    n_used = -(-n // block_size)
+    order = np.random.default_rng(block_size).permutation(n_used + 3).astype(np.int32)[:n_used]
+    pools = []
+    for cache in (k, v):
+        pool = np.full((n_used + 3, block_size) + cache.shape[1:], 0x7E00, np.uint16)  # NaN where unused
+        for b in range(n_used):
+            part = cache[b * block_size : (b + 1) * block_size]
+            pool[order[b], : len(part)] = part
+        pools.append(pool)
+    out = np.empty((len(pos), q.shape[1], v.shape[2]), np.float32)
+    attention_f16(q, pools[0], pools[1], order[None, :], np.zeros_like(pos), pos, 0,
+                  np.float32(fx["kq_scale"]), out)
+    _bits_equal(out, fx[f"{path}_kqv"])

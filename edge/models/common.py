@@ -200,6 +200,11 @@ class KVCache:
         self.k = [np.zeros((n_seq, n_ctx, args.n_head_kv, args.head_dim), np.uint16) for _ in range(args.n_layer)]
         self.v = [np.zeros((n_seq, n_ctx, args.n_head_kv, args.head_dim_v), np.uint16) for _ in range(args.n_layer)]
         self.pos = np.zeros(n_seq, np.int64)
+        self.tables = np.arange(n_seq, dtype=np.int32).reshape(n_seq, 1)  # slot s = block s of n_ctx cells
+
+    def layer_tables(self, il: int) -> np.ndarray:
+        """Block tables int32[n_seq, max_blocks] of layer il's K/V pools (attention_f16)."""
+        return self.tables
 
     @property
     def n_past(self) -> int:
@@ -258,10 +263,11 @@ class Block:
         self.window = a.sliding_window if self.is_swa else 0
         self.args = a
 
-    def __call__(self, x: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray, rope_cs, k_cache, v_cache,
-                 out_rows=None) -> np.ndarray:
-        """Run the block on x f32[T, n_embd]; write row t's K/V into slot seq_ids[t] at
-        positions[t] (int32[T] each) of k_cache/v_cache (KVCache.k[l] / .v[l]).
+    def __call__(self, x: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray, rope_cs, k_pool, v_pool,
+                 tables, out_rows=None) -> np.ndarray:
+        """Run the block on x f32[T, n_embd]; write row t's K/V at position positions[t] of
+        sequence seq_ids[t] (int32[T] each) into the pools k_pool/v_pool through the block
+        tables (kernels_cpu.attention.attention_f16 gives the layouts).
 
         Returns the block output f32[T, n_embd] (x, updated in place), or only the rows
         ``out_rows`` when given: as llama.cpp's last layer (inp_out_ids), attention runs on
@@ -288,11 +294,11 @@ class Block:
         ops.rope(k, cos, sin, a.rope_neox)
         if a.query_scale:
             q *= np.float32(a.query_scale)
-        store_kv(k.reshape(T, -1), k_cache, seq_ids, positions)
-        store_kv(v.reshape(T, -1), v_cache, seq_ids, positions)
+        store_kv(k.reshape(T, -1), k_pool, tables, seq_ids, positions)
+        store_kv(v.reshape(T, -1), v_pool, tables, seq_ids, positions)
         attn = np.empty((T, a.n_head, a.head_dim_v), dtype=np.float32)
         scale = np.float32(a.attention_scale) if a.attention_scale else np.float32(1) / np.sqrt(np.float32(a.head_dim))
-        attention_f16(q, k_cache, v_cache, seq_ids, positions, self.window, scale, attn)
+        attention_f16(q, k_pool, v_pool, tables, seq_ids, positions, self.window, scale, attn)
         o = self.attn_output(attn.reshape(T, -1))                          # [T, n_embd]
         if out_rows is not None:
             o = np.ascontiguousarray(o[out_rows])                          # [rows, n_embd]
@@ -377,7 +383,7 @@ class Transformer:
         last = len(self.blocks) - 1
         for il, blk in enumerate(self.blocks):
             x = blk(x, seq_ids, positions, local if blk.is_swa else glob, cache.k[il], cache.v[il],
-                    logits_rows if il == last else None)
+                    cache.layer_tables(il), logits_rows if il == last else None)
         np.add.at(cache.pos, seq_ids, 1)
         h = x                                                              # [rows, n_embd]
         ops.rms_norm(h, self.output_norm, self.args.rms_eps, h)
