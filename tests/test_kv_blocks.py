@@ -84,8 +84,14 @@ def test_append_tokens_grows_the_table_one_block_when_the_last_is_full():
         assert m.block_table("a").tolist() == table
         m.mark_computed("a", 1)
     assert m.token_ids("a").tolist() == list(range(1, 10))
+    table = m.block_table("a")
+    m.append_tokens("a", [10, 11, 12, 13])   # a new block: a new array, the old one unchanged
+    assert (table.tolist(), m.block_table("a").tolist()) == ([0, 1, 2], [0, 1, 2, 3])
+    assert not table.flags.writeable
     assert sorted(m.cached_blocks().values()) == [0, 1]
     assert m.block_hash(0, 2) is None
+    m.mark_computed("a", 4)                  # 13 tokens: block 2 full
+    assert sorted(m.cached_blocks().values()) == [0, 1, 2]
 
 
 def test_slots_of_positions_across_blocks():

@@ -176,7 +176,7 @@ class _BlockPool:
 
 
 class _Sequence:
-    __slots__ = ("token_ids", "num_computed", "tables", "holes", "block_hashes")
+    __slots__ = ("token_ids", "num_computed", "tables", "holes", "block_hashes", "arrays")
 
     def __init__(self, token_ids: list[int], n_groups: int):
         self.token_ids = token_ids
@@ -184,6 +184,7 @@ class _Sequence:
         self.tables: list[list[int]] = [[] for _ in range(n_groups)]
         self.holes = [0] * n_groups        # leading HOLE entries of each table
         self.block_hashes: list[bytes] = []  # chain over the full blocks of token_ids, a prefix
+        self.arrays: list[np.ndarray | None] = [None] * n_groups  # tables as int32, when built
 
 
 @dataclass
@@ -306,8 +307,10 @@ class KVBlockManager:
         needed = [n_blocks - len(t) for t in seq.tables]
         self._check_free(needed)
         seq.token_ids.extend(tokens)
-        for pool, table, n in zip(self._pools, seq.tables, needed):
-            table.extend(pool.take_fresh() for _ in range(n))
+        for g, (pool, table, n) in enumerate(zip(self._pools, seq.tables, needed)):
+            if n:
+                table.extend(pool.take_fresh() for _ in range(n))
+                seq.arrays[g] = None
 
     def mark_computed(self, seq_id: Hashable, n_tokens: int) -> None:
         """Record that the K/V of the next ``n_tokens`` known positions has been written:
@@ -335,6 +338,7 @@ class KVBlockManager:
                 pool.release(table[k])
                 table[k] = HOLE
                 seq.holes[g] = k + 1
+                seq.arrays[g] = None
         seq.num_computed = end
 
     def free(self, seq_id: Hashable) -> None:
@@ -354,8 +358,9 @@ class KVBlockManager:
 
     def block_table(self, seq_id: Hashable, group: int = 0) -> np.ndarray:
         """int32[ceil(num_tokens / block_size)] block ids of a sequence in ``group``, HOLE (-1)
-        for blocks released out of the window. Raises KeyError for an unknown ``seq_id``."""
-        return np.array(self._seq(seq_id).tables[group], dtype=np.int32)
+        for blocks released out of the window; read-only, never changed afterwards (a table
+        change builds a new array). Raises KeyError for an unknown ``seq_id``."""
+        return self._table_array(self._seq(seq_id), group)
 
     def slots(self, seq_id: Hashable, group: int, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Where positions ``start .. start+n-1`` of a sequence live in ``group``.
@@ -371,7 +376,7 @@ class KVBlockManager:
             raise ValueError(f"slots: positions {start}..{start + n - 1} outside the "
                              f"{len(seq.token_ids)} known tokens of sequence {seq_id!r}")
         positions = np.arange(start, start + n, dtype=np.int64)
-        block_ids = np.array(seq.tables[group], dtype=np.int32)[positions // self.block_size]
+        block_ids = self._table_array(seq, group)[positions // self.block_size]
         if (block_ids == HOLE).any():
             raise ValueError(f"slots: positions from {start} reach blocks of group {group} "
                              f"released out of the window (sequence {seq_id!r})")
@@ -425,6 +430,14 @@ class KVBlockManager:
         except KeyError:
             raise KeyError(f"KV cache: unknown sequence {seq_id!r}") from None
 
+    @staticmethod
+    def _table_array(seq: _Sequence, group: int) -> np.ndarray:
+        arr = seq.arrays[group]
+        if arr is None:
+            arr = seq.arrays[group] = np.array(seq.tables[group], dtype=np.int32)
+            arr.flags.writeable = False
+        return arr
+
     def _new_tokens(self, seq_id: Hashable, token_ids, what: str) -> list[int]:
         if seq_id in self._seqs:
             raise ValueError(f"{what}: sequence {seq_id!r} already exists")
@@ -433,10 +446,14 @@ class KVBlockManager:
     def _block_hashes(self, seq: _Sequence, n_blocks: int) -> list[bytes]:
         """The hash chain over the first ``n_blocks`` (full) blocks of ``seq.token_ids``."""
         hashes, bs = seq.block_hashes, self.block_size
-        for k in range(len(hashes), n_blocks):
+        first = len(hashes)
+        if n_blocks > first:
+            data = np.asarray(seq.token_ids[first * bs:n_blocks * bs], dtype="<i4").tobytes()
+            step = 4 * bs
             parent = hashes[-1] if hashes else self._root
-            data = np.asarray(seq.token_ids[k * bs:(k + 1) * bs], dtype="<i4").tobytes()
-            hashes.append(hashlib.blake2b(parent + data, digest_size=_HASH_BYTES).digest())
+            for i in range(0, len(data), step):
+                parent = hashlib.blake2b(parent + data[i:i + step], digest_size=_HASH_BYTES).digest()
+                hashes.append(parent)
         return hashes
 
     def _plan(self, seq: _Sequence, max_hit_blocks: int, query: int | None, end: int) -> _Plan:
