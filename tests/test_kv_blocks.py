@@ -79,7 +79,8 @@ def test_free_returns_every_block_last_block_first():
 def test_append_tokens_grows_the_table_one_block_when_the_last_is_full():
     m = _manager()
     _computed(m, "a", [1, 2, 3])
-    for token, table in [(4, [0]), (5, [0, 1]), (6, [0, 1]), (7, [0, 1]), (8, [0, 1]), (9, [0, 1, 2])]:
+    steps = [(4, [0]), (5, [0, 1]), (6, [0, 1]), (7, [0, 1]), (8, [0, 1]), (9, [0, 1, 2])]
+    for token, table in steps:
         m.append_tokens("a", [token])
         assert m.block_table("a").tolist() == table
         m.mark_computed("a", 1)
@@ -250,6 +251,8 @@ def test_bad_input_is_a_clear_error():
         KVGroup(0)
     with pytest.raises(ValueError, match="block_size must be >= 1"):
         KVBlockManager([KVGroup(4)], block_size=0)
+    with pytest.raises(TypeError, match="extra_key must be bytes, got str"):
+        KVBlockManager([KVGroup(4)], extra_key="qwen")
 
 
 # ---- sliding windows ----------------------------------------------------------------------

@@ -26,8 +26,14 @@ Token states of a sequence
        forward that writes its K/V, then ``mark_computed(seq_id, 1)``.
     4. ``free(seq_id)`` when the sequence ends (or is preempted).
 
+    A scheduler admits a waiting prompt when ``can_allocate(prompt_ids, reserve_tokens)``;
+    ``append_tokens`` raising :class:`NoFreeBlocks` (nothing changed) is its cue to preempt.
+    Window groups also reserve every prompt position at ``allocate``; blocks leave the window
+    only as ``mark_computed`` advances, so a long prompt's peak is its whole length.
+
 Prefix hashes
-    Only full, computed blocks are hashed and registered. ``hash(block k) = blake2b-256(
+    Only full, computed blocks are hashed and registered (at ``mark_computed``, so a hit never
+    reaches a block whose K/V is not yet written). ``hash(block k) = blake2b-256(
     hash(block k-1) || token ids of block k as little-endian int32)``, with ``hash(block -1) =
     blake2b-256(b"edge.kv.root" || len(extra_key) as little-endian uint64 || extra_key ||
     block_size as little-endian uint32)``. ``extra_key`` names the model (file hash, size,
@@ -125,10 +131,9 @@ class KVStats:
 
 
 class _Block:
-    __slots__ = ("block_id", "ref_count", "block_hash")
+    __slots__ = ("ref_count", "block_hash")
 
-    def __init__(self, block_id: int):
-        self.block_id = block_id
+    def __init__(self):
         self.ref_count = 0
         self.block_hash: bytes | None = None
 
@@ -138,7 +143,7 @@ class _BlockPool:
 
     def __init__(self, group: KVGroup):
         self.window = group.window
-        self.blocks = [_Block(i) for i in range(group.n_blocks)]
+        self.blocks = [_Block() for _ in range(group.n_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(group.n_blocks))
         self.cached: dict[bytes, int] = {}
 
@@ -220,7 +225,7 @@ class KVBlockManager:
         block_size: token slots per block (>= 1).
         extra_key: bytes naming the model and KV type, mixed into the root of every hash chain.
     Raises:
-        ValueError: no groups, or block_size < 1.
+        ValueError: no groups, or block_size < 1. TypeError: extra_key is not bytes.
     """
 
     def __init__(self, groups: Sequence[KVGroup], block_size: int = 16, extra_key: bytes = b""):
@@ -228,6 +233,8 @@ class KVBlockManager:
             raise ValueError("KVBlockManager: at least one KVGroup is needed")
         if block_size < 1:
             raise ValueError(f"KVBlockManager: block_size must be >= 1, got {block_size}")
+        if not isinstance(extra_key, (bytes, bytearray)):
+            raise TypeError(f"KVBlockManager: extra_key must be bytes, got {type(extra_key).__name__}")
         self.block_size = block_size
         self.groups = tuple(groups)
         self._pools = [_BlockPool(g) for g in self.groups]
@@ -362,7 +369,8 @@ class KVBlockManager:
         change builds a new array). Raises KeyError for an unknown ``seq_id``."""
         return self._table_array(self._seq(seq_id), group)
 
-    def slots(self, seq_id: Hashable, group: int, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    def slots(self, seq_id: Hashable, group: int, start: int,
+              n: int) -> tuple[np.ndarray, np.ndarray]:
         """Where positions ``start .. start+n-1`` of a sequence live in ``group``.
 
         Returns:
@@ -449,11 +457,11 @@ class KVBlockManager:
         first = len(hashes)
         if n_blocks > first:
             data = np.asarray(seq.token_ids[first * bs:n_blocks * bs], dtype="<i4").tobytes()
-            step = 4 * bs
-            parent = hashes[-1] if hashes else self._root
+            step = 4 * bs  # bytes of one block's int32 token ids
+            h = hashes[-1] if hashes else self._root
             for i in range(0, len(data), step):
-                parent = hashlib.blake2b(parent + data[i:i + step], digest_size=_HASH_BYTES).digest()
-                hashes.append(parent)
+                h = hashlib.blake2b(h + data[i:i + step], digest_size=_HASH_BYTES).digest()
+                hashes.append(h)
         return hashes
 
     def _plan(self, seq: _Sequence, max_hit_blocks: int, query: int | None, end: int) -> _Plan:
