@@ -234,7 +234,8 @@ class KVBlockManager:
         if block_size < 1:
             raise ValueError(f"KVBlockManager: block_size must be >= 1, got {block_size}")
         if not isinstance(extra_key, (bytes, bytearray)):
-            raise TypeError(f"KVBlockManager: extra_key must be bytes, got {type(extra_key).__name__}")
+            raise TypeError("KVBlockManager: extra_key must be bytes, got "
+                            f"{type(extra_key).__name__}")
         self.block_size = block_size
         self.groups = tuple(groups)
         self._pools = [_BlockPool(g) for g in self.groups]
