@@ -28,14 +28,16 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from kernels_cpu.f16 import f16_to_f32, f32_to_f16
 from kernels_cpu.fmath import hsum16, v_expf
+from kernels_cpu.quantize_act import _q8_0_row
 from kernels_cpu.simd import BYTE_PTR, F32, I64, hsum_f32, load, vec
 
 _TINY_LANES = 16   # tinyBLAS<16, __m512>: KN
 _VEC_STEP = 64     # GGML_F16_STEP on AVX-512 (4 x 16 lanes)
+_QK8_0, _Q8_0_BYTES = 32, 34  # q8_0 KV: blocks of 32 values, f16 scale + 32 int8
 
 # Products of two f16 values are exact in float32, so ggml's fused multiply-adds of f16 data
 # equal the plain multiply-then-add used below (which also vectorizes without FMA hardware).
@@ -87,24 +89,122 @@ def _cell(pool, table, j, base, n):
     return pool[table[j // bs], j % bs, base:base + n]
 
 
+def _kdot(row, qv, hd, tiny):
+    """K row . query (typed by the pool: see the overload below)."""
+
+
+@overload(_kdot, jit_options={"cache": True})
+def _kdot_impl(row, qv, hd, tiny):
+    """f16 K (uint16 bits): tinyBLAS (16 lanes) or ggml_vec_dot_f16 order (64 lanes, then the
+    hd % 64 leftover products added in float64), qv the query rounded to f16. f32 K: 16 float32
+    lanes in order. q8_0 K (uint8 rows of hd/32 blocks: f16 scale, 32 int8): per block the exact
+    integer dot with qv's Q8_0 quants (qv[:hd], integers stored as float32) times both scales
+    (qv[hd + b]), summed in order (ggml_vec_dot_q8_0_q8_0's arithmetic in plain order)."""
+    if row.dtype == types.uint16:
+        def f16(row, qv, hd, tiny):
+            if tiny:
+                return _dot_f16_lanes(row, qv, hd, 16)
+            nb = hd - hd % _VEC_STEP
+            s = _dot_f16_lanes(row, qv, nb, 64)
+            if nb < hd:
+                d = np.float64(s)
+                for e in range(nb, hd):
+                    d += np.float64(f16_to_f32(row[e]) * qv[e])
+                s = np.float32(d)
+            return s
+        return f16
+    if row.dtype == types.float32:
+        def f32(row, qv, hd, tiny):
+            lanes = np.zeros(_TINY_LANES, np.float32)
+            for e in range(hd):
+                lanes[e % _TINY_LANES] += row[e] * qv[e]
+            return hsum16(lanes, 0)
+        return f32
+    if row.dtype == types.uint8:
+        def q8_0(row, qv, hd, tiny):
+            s = np.float32(0.0)
+            for b in range(hd // _QK8_0):
+                o = b * _Q8_0_BYTES
+                dk = f16_to_f32(np.uint16(row[o]) | (np.uint16(row[o + 1]) << np.uint16(8)))
+                isum = np.float32(0.0)
+                for e in range(_QK8_0):
+                    isum += np.float32(np.int8(row[o + 2 + e])) * qv[b * _QK8_0 + e]
+                s += isum * (dk * qv[hd + b])
+            return s
+        return q8_0
+    return None
+
+
+def _prep_q(q, t, h, pool):
+    """The query row in the form _kdot takes for ``pool``'s K type."""
+
+
+@overload(_prep_q, jit_options={"cache": True})
+def _prep_q_impl(q, t, h, pool):
+    """f16 K: q rounded to f16 (ggml converts src1 to the F16 vec_dot_type); f32 K: q as is;
+    q8_0 K: q quantized to Q8_0 (quantize_row_q8_0: quants as float32, then the block scales)."""
+    if pool.dtype == types.uint16:
+        def f16(q, t, h, pool):
+            hd = q.shape[2]
+            out = np.empty(hd, np.float32)
+            for i in range(hd):
+                out[i] = f16_to_f32(f32_to_f16(q[t, h, i]))
+            return out
+        return f16
+    if pool.dtype == types.float32:
+        return lambda q, t, h, pool: q[t, h].copy()
+    if pool.dtype == types.uint8:
+        def q8_0(q, t, h, pool):
+            hd = q.shape[2]
+            nb = hd // _QK8_0
+            qs = np.empty(hd, np.int16)
+            d = np.empty(nb, np.float32)
+            _q8_0_row(q[t, h], qs, d, d, False)
+            out = np.empty(hd + nb, np.float32)
+            for i in range(hd):
+                out[i] = np.float32(qs[i])
+            out[hd:] = d
+            return out
+        return q8_0
+    return None
+
+
+def _vacc(acc, row, p, hd_v):
+    """acc[d] += V row value d * p (typed by the pool: see the overload below)."""
+
+
+@overload(_vacc, jit_options={"cache": True})
+def _vacc_impl(acc, row, p, hd_v):
+    """f16 V: p rounded to f16 first (ggml converts kq to V's F16 vec_dot_type); f32 V: p as is;
+    q8_0 V: the dequantized value (int8 * f16 scale) times p."""
+    if row.dtype == types.uint16:
+        def f16(acc, row, p, hd_v):
+            p16 = f16_to_f32(f32_to_f16(p))
+            for d in range(hd_v):
+                acc[d] += f16_to_f32(row[d]) * p16
+        return f16
+    if row.dtype == types.float32:
+        def f32(acc, row, p, hd_v):
+            for d in range(hd_v):
+                acc[d] += row[d] * p
+        return f32
+    if row.dtype == types.uint8:
+        def q8_0(acc, row, p, hd_v):
+            for b in range(hd_v // _QK8_0):
+                o = b * _Q8_0_BYTES
+                dv = f16_to_f32(np.uint16(row[o]) | (np.uint16(row[o + 1]) << np.uint16(8)))
+                for e in range(_QK8_0):
+                    acc[b * _QK8_0 + e] += (np.float32(np.int8(row[o + 2 + e])) * dv) * p
+        return q8_0
+    return None
+
+
 @njit(cache=True)
-def _kq_row(q16, pool, table, base, hd, start, end, tiny, kq):
-    """kq[j] = K[j] . q16 for cells start..end-1 in tinyBLAS (16 lanes) or ggml_vec_dot_f16
-    order (64 lanes, then the hd % 64 leftover products added in float64). K rows: through
-    the block table, pool[table[j // bs], j % bs, base:base+hd] (pool uint16[n_blocks, bs, n])."""
+def _kq_row(qv, pool, table, base, n, hd, start, end, tiny, kq):
+    """kq[j] = K[j] . q for cells start..end-1 (see _kdot for the lane orders). K rows of n
+    pool elements through the block table: pool[table[j // bs], j % bs, base:base+n]."""
     for j in range(start, end):
-        row = _cell(pool, table, j, base, hd)
-        if tiny:
-            kq[j] = _dot_f16_lanes(row, q16, hd, 16)
-            continue
-        nb = hd - hd % _VEC_STEP
-        s = _dot_f16_lanes(row, q16, nb, 64)
-        if nb < hd:
-            d = np.float64(s)
-            for e in range(nb, hd):
-                d += np.float64(f16_to_f32(row[e]) * q16[e])
-            s = np.float32(d)
-        kq[j] = s
+        kq[j] = _kdot(_cell(pool, table, j, base, n), qv, hd, tiny)
 
 
 @njit(cache=True)
@@ -133,18 +233,15 @@ def _softmax_row(kq, start, end, scale, block, probs):
 
 
 @njit(cache=True)
-def _kqv_row(probs, pool, table, base, hd_v, start, end, tiny, acc, out):
-    """out[d] = sum over cells j of V[j, d] * f16(probs[j]), cell j in lane j % 16 (tinyBLAS)
-    or j % 64 (ggml_vec_dot_f16, lanes then combined as in _kq_row), lanes reduced by hsum16.
-    V rows through the block table as in _kq_row. acc: float32[64, hd_v] scratch."""
+def _kqv_row(probs, pool, table, base, n, hd_v, start, end, tiny, acc, out):
+    """out[d] = sum over cells j of V[j, d] * probs[j] (f16-rounded for f16 V), cell j in lane
+    j % 16 (tinyBLAS) or j % 64 (ggml_vec_dot_f16, lanes then combined as in _kq_row), lanes
+    reduced by hsum16. V rows of n pool elements through the block table as in _kq_row.
+    acc: float32[64, hd_v] scratch."""
     lanes = _TINY_LANES if tiny else _VEC_STEP
     acc[:lanes, :] = 0.0
     for j in range(start, end):
-        p = f16_to_f32(f32_to_f16(probs[j]))
-        a = acc[j % lanes]
-        row = _cell(pool, table, j, base, hd_v)
-        for d in range(hd_v):
-            a[d] += f16_to_f32(row[d]) * p
+        _vacc(acc[j % lanes], _cell(pool, table, j, base, n), probs[j], hd_v)
     if not tiny:
         for j in range(16):
             acc[j] = (acc[j] + acc[j + 32]) + (acc[j + 16] + acc[j + 48])
@@ -170,23 +267,14 @@ def _paths(T, hd, hd_v):
     return T >= 2 and hd % _TINY_LANES == 0, T >= 2 and hd_v % 4 == 0
 
 
-@njit(cache=True, inline="always")
-def _q16(q, t, h):
-    """The query row rounded to f16 (ggml converts src1 to the F16 vec_dot_type)."""
-    hd = q.shape[2]
-    out = np.empty(hd, np.float32)
-    for i in range(hd):
-        out[i] = f16_to_f32(f32_to_f16(q[t, h, i]))
-    return out
-
-
 @njit(cache=True)
 def _attention_rows(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out, first, step):
     """attention_f16 for the (row, head) pairs first, first + step, ... (pair th = row th // H,
     head th % H)."""
     T, H, hd = q.shape
     n_blocks, bs, H_kv = k_pool.shape[0], k_pool.shape[1], k_pool.shape[2]
-    hd_v = v_pool.shape[3]
+    hd_v = out.shape[2]
+    nk, nv = k_pool.shape[3], v_pool.shape[3]  # pool elements per head row
     group = H // H_kv
     kflat = k_pool.reshape(n_blocks, bs, -1)
     vflat = v_pool.reshape(n_blocks, bs, -1)
@@ -201,9 +289,9 @@ def _attention_rows(q, k_pool, v_pool, tables, seq_ids, positions, window, scale
         p = positions[t]
         start = _visible(p, window)
         row = np.empty(p + 1, np.float32)
-        _kq_row(_q16(q, t, h), kflat, table, kh * hd, hd, start, p + 1, tiny_kq, row)
+        _kq_row(_prep_q(q, t, h, k_pool), kflat, table, kh * nk, nk, hd, start, p + 1, tiny_kq, row)
         _softmax_row(row, start, p + 1, scale, block, row)
-        _kqv_row(row, vflat, table, kh * hd_v, hd_v, start, p + 1, tiny_kqv, acc, out[t, h])
+        _kqv_row(row, vflat, table, kh * nv, nv, hd_v, start, p + 1, tiny_kqv, acc, out[t, h])
 
 
 @njit(parallel=True, cache=True)
@@ -244,22 +332,57 @@ def attention_f16(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, 
         _attention_rows(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out, 0, 1)
 
 
+def _store_row(dst, src):
+    """Write one token's K or V (src f32[n_head * head_dim]) into a pool row (typed by the pool)."""
+
+
+@overload(_store_row, jit_options={"cache": True})
+def _store_row_impl(dst, src):
+    """f16: round to nearest even (ggml_cpy f32 -> f16); f32: copy; q8_0: each head's values
+    quantized by quantize_row_q8_0 into hd/32 blocks of (f16 scale, 32 int8)."""
+    if dst.dtype == types.uint16:
+        def f16(dst, src):
+            for j in range(src.shape[0]):
+                dst[j] = f32_to_f16(src[j])
+        return f16
+    if dst.dtype == types.float32:
+        def f32(dst, src):
+            dst[:] = src
+        return f32
+    if dst.dtype == types.uint8:
+        def q8_0(dst, src):
+            n = src.shape[0]
+            nb = n // _QK8_0
+            qs = np.empty(n, np.int16)
+            d = np.empty(nb, np.float32)
+            _q8_0_row(src, qs, d, d, False)
+            for b in range(nb):
+                o = b * _Q8_0_BYTES
+                bits = f32_to_f16(d[b])
+                dst[o] = np.uint8(bits & np.uint16(0xFF))
+                dst[o + 1] = np.uint8(bits >> np.uint16(8))
+                for e in range(_QK8_0):
+                    dst[o + 2 + e] = np.uint8(qs[b * _QK8_0 + e] & 0xFF)  # two's complement byte
+        return q8_0
+    return None
+
+
 @njit(cache=True)
 def store_kv(src, pool, tables, seq_ids, positions):
-    """Write this chunk's K or V rows into the paged cache as f16 (round to nearest even,
-    ggml_cpy f32 -> f16): row t goes to position positions[t] of sequence seq_ids[t], i.e.
-    block tables[seq, pos // bs], slot pos % bs.
+    """Write this chunk's K or V rows into the paged cache in the pool's type (f16: round to
+    nearest even as ggml_cpy f32 -> f16; f32: as is; q8_0: quantize_row_q8_0 per 32 values):
+    row t goes to position positions[t] of sequence seq_ids[t], i.e. block
+    tables[seq, pos // bs], slot pos % bs.
 
-    Shapes: src f32[T, n] (n = H_kv * head_dim), pool uint16[n_blocks, bs, H_kv, head_dim],
-    tables int32[S, max_blocks], seq_ids and positions int32[T] (checked by the caller).
+    Shapes: src f32[T, H_kv * head_dim]; pool uint16 (f16) or float32 [n_blocks, bs, H_kv,
+    head_dim], or uint8 [n_blocks, bs, H_kv, head_dim / 32 * 34] (q8_0); tables
+    int32[S, max_blocks], seq_ids and positions int32[T] (checked by the caller).
     """
     n_blocks, bs = pool.shape[0], pool.shape[1]
     flat = pool.reshape(n_blocks, bs, -1)
     for t in range(src.shape[0]):
         p = positions[t]
-        dst = flat[tables[seq_ids[t], p // bs], p % bs]
-        for j in range(src.shape[1]):
-            dst[j] = f32_to_f16(src[t, j])
+        _store_row(flat[tables[seq_ids[t], p // bs], p % bs], src[t])
 
 
 @njit(parallel=True, cache=True)
@@ -284,5 +407,5 @@ def attention_scores(q, k_cache, positions, window, scale, kq_out, probs_out):
         start = _visible(p, window)
         kq_out[t, h, :] = 0.0
         probs_out[t, h, :] = 0.0
-        _kq_row(_q16(q, t, h), kflat, table, (h // group) * hd, hd, start, p + 1, tiny_kq, kq_out[t, h])
+        _kq_row(_prep_q(q, t, h, k_cache), kflat, table, (h // group) * hd, hd, hd, start, p + 1, tiny_kq, kq_out[t, h])
         _softmax_row(kq_out[t, h], start, p + 1, scale, np.empty(16, np.float32), probs_out[t, h])
