@@ -59,14 +59,17 @@ from numba.extending import intrinsic
 from kernels_cpu import quantize_act as qa
 from kernels_cpu.dequant import QuantFormatError, as_ggml_type
 from kernels_cpu.f16 import f16_to_f32, f32_to_f16
-from kernels_cpu.simd import (BYTE_PTR, F32, I8, I16, I32, I64, bit_lanes, concat, const_vec, f32_from_bits,
-                              fmuladd, lanes_i8, load, load_half, madd_pairs, shuffle, splat, vec)
+from kernels_cpu.matmul_rows import ROWS, build_rows_tile
+from kernels_cpu.simd import (BYTE_PTR, F32, HAS_VNNI, I8, I16, I32, I64, bit_lanes, concat, const_vec,
+                              f32_from_bits, fmuladd, lanes_i8, load, load_half, madd_pairs, shuffle, splat, tile_function, vec)
 
 T_ = GGMLQuantizationType
 LANES = 16  # float32 / int32 lanes per accumulator (32 int16 products pairwise summed)
 NR, NT = 4, 4  # prefill tile: weight rows x activation rows
 TC = 64  # activation rows per prefill chunk
 ND = 4  # decode tile rows, R // ND apart (adjacent rows in one tile stream from DRAM at half speed)
+# Q4_K (repacked) and Q6_K with AVX-512 VNNI: tiles of 8 rows, one per lane (kernels_cpu.matmul_rows)
+NR_ROWS = ROWS if HAS_VNNI else NR
 
 ACT_Q8_0, ACT_Q8_1, ACT_Q8_K = "q8_0", "q8_1", "q8_k"
 
@@ -595,48 +598,28 @@ def build_tile(module: ir.Module, fmt: BlockFormat, path: int, nr: int, nt: int,
     activation quants are int16 (``x16``) or int8. For r < nr, t < nt: out[t*out_stride + r*out_r_stride] =
     llama.cpp's ``path`` result for weight row r and activation row t over nb >= 1 blocks.
     """
-    args = [BYTE_PTR, I64] * 4 + [F32.as_pointer(), I64, I64, I64]
-    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), args), name)
-    fn.linkage = "internal"
-    w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride, out_r_stride, nb = fn.args
-    entry, loop, done = (fn.append_basic_block(n) for n in ("entry", "loop", "done"))
-    b = ir.IRBuilder(entry)
-    row = lambda base, stride, i: b.gep(base, [b.mul(ir.Constant(I64, i), stride)])  # noqa: E731
-    rows = {"w": [row(w, w_stride, r) for r in range(nr)], "xq": [row(xq, xq_stride, t) for t in range(nt)],
-            "xd": [row(xd, xd_stride, t) for t in range(nt)], "xa": [row(xa, xa_stride, t) for t in range(nt)],
-            "x16": x16}
     layout = _accumulators(fmt, path, nr * nt)
-    b.branch(loop)
-
-    b.position_at_end(loop)
-    blk = b.phi(I64)
-    blk.add_incoming(ir.Constant(I64, 0), entry)
-    accs = {k: [b.phi(V16F32) for _ in labels] for k, (labels, _) in layout.items()}
-    new = _emit_block(b, fmt, path, rows, blk, accs)
     zero = ir.Constant(V16F32, [0.0] * LANES)
-    for k, phis in accs.items():
-        for phi, v in zip(phis, new[k]):
-            phi.add_incoming(zero, entry)
-            phi.add_incoming(v, b.block)
-    blk_next = b.add(blk, ir.Constant(I64, 1))
-    blk.add_incoming(blk_next, b.block)
-    b.cbranch(b.icmp_signed("<", blk_next, nb), loop, done)
 
-    b.position_at_end(done)
-    res = {k: _reduce(b, Packed(new[k], labels), w) for k, (labels, w) in layout.items()}
-    for i in range(nr * nt):
-        r, t = divmod(i, nt)
-        if path in (GEMV, GEMM):
-            value = b.fsub(res["acc"][i], res["accm"][i]) if "accm" in res else res["acc"][i]
-        else:
-            value = res["lanes" if path == VEC_DOT else "acc"][i]
-            for extra in ("mins", "sum"):
-                if extra in res:
-                    value = b.fadd(value, res[extra][i])
-        at = b.add(b.mul(ir.Constant(I64, t), out_stride), b.mul(ir.Constant(I64, r), out_r_stride))
-        b.store(value, b.gep(out, [at]))
-    b.ret_void()
-    return fn
+    def body(b, rows, blk, accs):
+        return _emit_block(b, fmt, path, dict(rows, x16=x16), blk, accs)
+
+    def finish(b, new):
+        res = {k: _reduce(b, Packed(new[k], labels), w) for k, (labels, w) in layout.items()}
+        values = {}
+        for i in range(nr * nt):
+            if path in (GEMV, GEMM):
+                value = b.fsub(res["acc"][i], res["accm"][i]) if "accm" in res else res["acc"][i]
+            else:
+                value = res["lanes" if path == VEC_DOT else "acc"][i]
+                for extra in ("mins", "sum"):
+                    if extra in res:
+                        value = b.fadd(value, res[extra][i])
+            values[divmod(i, nt)] = value
+        return values
+
+    return tile_function(module, name, nr, nt, {k: [zero] * len(labels) for k, (labels, _) in layout.items()},
+                         body, finish)
 
 
 @intrinsic
@@ -659,7 +642,12 @@ def qdot_tile(typingctx, fmt, path, nr, nt, w, r0, r_step, xq, xd, xa, t0, out):
     def codegen(context, builder, signature, args):
         x16 = signature.args[7].dtype == types.int16
         name = f"edge_qdot_{f.ggml_type.name.lower()}_{PATH_NAMES[p]}_{n_r}x{n_t}{'_x16' if x16 else ''}"
-        fn = builder.module.globals.get(name) or build_tile(builder.module, f, p, n_r, n_t, name, x16)
+        if builder.module.globals.get(name):
+            fn = builder.module.globals.get(name)
+        elif n_r == ROWS and HAS_VNNI and f.ggml_type in (T_.Q4_K, T_.Q6_K):
+            fn = build_rows_tile(builder.module, f.ggml_type.name, PATH_NAMES[p], n_t, name, x16)
+        else:
+            fn = build_tile(builder.module, f, p, n_r, n_t, name, x16)
         arrays = [context.make_array(ty)(context, builder, v) for ty, v in
                   zip(signature.args[4:], args[4:]) if isinstance(ty, types.Array)]
         aw, axq, axd, axa, aout = arrays
@@ -681,63 +669,63 @@ def qdot_tile(typingctx, fmt, path, nr, nt, w, r0, r_step, xq, xd, xa, t0, out):
 
 
 @njit(cache=True, inline="always")
-def _rows(fmt, path, w, xq, xd, xa, out):
+def _rows(fmt, path, nd, w, xq, xd, xa, out):
     """qdot_tile in ND x 1 tiles only, for few activation rows (decode): a tile takes rows j,
     j + R // ND, ... (each thread streams ND far-apart row ranges; ND adjacent rows per tile
     stream from DRAM at half the speed) for every t. The R % ND last rows: one tile over the
     last ND rows (recomputing some: results do not depend on tiling), or, when R < ND, a tile
     repeating each row."""
     R, T = w.shape[0], xq.shape[0]
-    part = R // ND
+    part = R // nd
     for j in prange(part):
         for t in range(T):
-            qdot_tile(fmt, path, ND, 1, w, j, part, xq, xd, xa, t, out)
+            qdot_tile(fmt, path, nd, 1, w, j, part, xq, xd, xa, t, out)
     for t in range(T):
         if part == 0:
             for r in range(R):
-                qdot_tile(fmt, path, ND, 1, w, r, 0, xq, xd, xa, t, out)
-        elif R % ND:
-            qdot_tile(fmt, path, ND, 1, w, R - ND, 1, xq, xd, xa, t, out)
+                qdot_tile(fmt, path, nd, 1, w, r, 0, xq, xd, xa, t, out)
+        elif R % nd:
+            qdot_tile(fmt, path, nd, 1, w, R - nd, 1, xq, xd, xa, t, out)
 
 
 @njit(cache=True, inline="always")
-def _blocks(fmt, path, tails, w, xq, xd, xa, out):
+def _blocks(fmt, path, nr, tails, w, xq, xd, xa, out):
     """qdot_tile in NR x NT tiles (T >= NT) over chunks of at most TC activation rows (equal
     chunks, a multiple of NT, so threads share evenly and a chunk stays in cache); the last
     NT-tile of a chunk overlaps its neighbour, or with ``tails`` (a literal) the rows left are
     done in ND x 1 tiles. The last row tile overlaps its neighbour (recomputed values are
     identical: results do not depend on tiling); with R < NR a tile repeats one row."""
     R, T = w.shape[0], xq.shape[0]
-    n_rt = (R + NR - 1) // NR
+    n_rt = (R + nr - 1) // nr
     n_tc = (T + TC - 1) // TC
     chunk = ((T + n_tc - 1) // n_tc + NT - 1) // NT * NT
     for job_ in prange(n_rt * n_tc):
         job = np.int64(job_)
         t_lo = (job // n_rt) * chunk
         t_hi = min(T, t_lo + chunk)
-        for k in range(1 if R >= NR else R):
-            r0 = min((job % n_rt) * NR, R - NR) if R >= NR else k
-            step = 1 if R >= NR else 0
+        for k in range(1 if R >= nr else R):
+            r0 = min((job % n_rt) * nr, R - nr) if R >= nr else k
+            step = 1 if R >= nr else 0
             t = t_lo
             while t + NT <= t_hi:
-                qdot_tile(fmt, path, NR, NT, w, r0, step, xq, xd, xa, t, out)
+                qdot_tile(fmt, path, nr, NT, w, r0, step, xq, xd, xa, t, out)
                 t += NT
             if tails:
                 while t < t_hi:
-                    qdot_tile(fmt, path, ND, 1, w, r0, step, xq, xd, xa, t, out)
+                    qdot_tile(fmt, path, nr, 1, w, r0, step, xq, xd, xa, t, out)
                     t += 1
             elif t < t_hi:
-                qdot_tile(fmt, path, NR, NT, w, r0, step, xq, xd, xa, t_hi - NT, out)
+                qdot_tile(fmt, path, nr, NT, w, r0, step, xq, xd, xa, t_hi - NT, out)
 
 
 @njit(cache=True, inline="always")
-def _tiled(fmt, path, w, xq, xd, xa, out):
+def _tiled(fmt, path, nr, w, xq, xd, xa, out):
     """Run qdot_tile of ``path`` over all outputs: ND x 1 tiles (_rows) for T < NT, else
     NR x NT tiles (_blocks)."""
     if xq.shape[0] < NT:
-        _rows(fmt, path, w, xq, xd, xa, out)
+        _rows(fmt, path, nr, w, xq, xd, xa, out)
     else:
-        _blocks(fmt, path, True, w, xq, xd, xa, out)
+        _blocks(fmt, path, nr, True, w, xq, xd, xa, out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -752,7 +740,7 @@ _Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K = int(T_.Q2_K), int(T_.Q3_K), int(T_.Q4_K), in
 @njit(parallel=True, cache=True)
 def matmul_q4_0_q8_0(w, xqs, xd, out):
     """Q4_0 weights x Q8_0 activations (ggml_vec_dot_q4_0_q8_0, tinyBLAS_Q0_AVX)."""
-    _tiled(_Q4_0, VEC_DOT, w, xqs, xd, xd, out)
+    _tiled(_Q4_0, VEC_DOT, NR, w, xqs, xd, xd, out)
 
 
 @njit(parallel=True, cache=True)
@@ -760,45 +748,45 @@ def matmul_q4_0_q8_0_repacked(w, xqs, xd, out):
     """Q4_0 weights with R % 8 == 0, repacked by llama.cpp to q4_0_8x8: ggml_gemv and
     ggml_gemm_q4_0_8x8_q8_0 share the GEMV structure (one fma of the block's integer total
     per 32 values)."""
-    _tiled(_Q4_0, GEMV, w, xqs, xd, xd, out)
+    _tiled(_Q4_0, GEMV, NR, w, xqs, xd, xd, out)
 
 
 @njit(parallel=True, cache=True)
 def matmul_q5_0_q8_0(w, xqs, xd, out):
     """Q5_0 weights x Q8_0 activations (ggml_vec_dot_q5_0_q8_0, tinyBLAS_Q0_AVX)."""
-    _tiled(_Q5_0, VEC_DOT, w, xqs, xd, xd, out)
+    _tiled(_Q5_0, VEC_DOT, NR, w, xqs, xd, xd, out)
 
 
 @njit(parallel=True, cache=True)
 def matmul_q8_0_q8_0(w, xqs, xd, out):
     """Q8_0 weights x Q8_0 activations (ggml_vec_dot_q8_0_q8_0, tinyBLAS_Q0_AVX)."""
-    _tiled(_Q8_0, VEC_DOT, w, xqs, xd, xd, out)
+    _tiled(_Q8_0, VEC_DOT, NR, w, xqs, xd, xd, out)
 
 
 @njit(parallel=True, cache=True)
 def matmul_q4_1_q8_1(w, xqs, xd, xs, out):
     """Q4_1 weights x Q8_1 activations (ggml_vec_dot_q4_1_q8_1)."""
-    _tiled(_Q4_1, VEC_DOT, w, xqs, xd, xs, out)
+    _tiled(_Q4_1, VEC_DOT, NR, w, xqs, xd, xs, out)
 
 
 @njit(parallel=True, cache=True)
 def matmul_q5_1_q8_1(w, xqs, xd, xs, out):
     """Q5_1 weights x Q8_1 activations (ggml_vec_dot_q5_1_q8_1)."""
-    _tiled(_Q5_1, VEC_DOT, w, xqs, xd, xs, out)
+    _tiled(_Q5_1, VEC_DOT, NR, w, xqs, xd, xs, out)
 
 
 @njit(cache=True, inline="always")
-def _plain_k(fmt, w, xqs, xd, xbsums, out):
+def _plain_k(fmt, nr, w, xqs, xd, xbsums, out):
     """K-quant weights in llama.cpp's plain CPU buffer: the tiled kernel for batches of >= 8
     rows (ggml_tiled_min_batch), else ggml_vec_dot_<type>_q8_K."""
     if xqs.shape[0] >= 8:
-        _blocks(fmt, TILED, True, w, xqs, xd, xbsums, out)
+        _blocks(fmt, TILED, nr, True, w, xqs, xd, xbsums, out)
     else:
-        _tiled(fmt, VEC_DOT, w, xqs, xd, xbsums, out)
+        _tiled(fmt, VEC_DOT, nr, w, xqs, xd, xbsums, out)
 
 
 @njit(cache=True, inline="always")
-def _repacked_k(fmt, w, xqs, xd, xbsums, out):
+def _repacked_k(fmt, nr, w, xqs, xd, xbsums, out):
     """Q4_K / Q2_K weights with a multiple of 8 rows, which llama.cpp repacks (CPU_REPACK,
     ggml_repack_get_optimal_repack_type): the first T - T % 4 activation rows (when T > 3) by
     ggml_gemm_<type>_8x8_q8_K, the others by ggml_gemv_<type>_8x8_q8_K
@@ -806,51 +794,51 @@ def _repacked_k(fmt, w, xqs, xd, xbsums, out):
     T = xqs.shape[0]
     n4 = T - T % 4 if T > 3 else 0
     if n4 > 0:  # R % 8 == 0 and n4 % NT == 0: whole NR x NT tiles
-        _blocks(fmt, GEMM, False, w, xqs[:n4], xd[:n4], xbsums[:n4], out[:n4])
+        _blocks(fmt, GEMM, nr, False, w, xqs[:n4], xd[:n4], xbsums[:n4], out[:n4])
     if n4 < T:
-        _rows(fmt, GEMV, w, xqs[n4:], xd[n4:], xbsums[n4:], out[n4:])
+        _rows(fmt, GEMV, nr, w, xqs[n4:], xd[n4:], xbsums[n4:], out[n4:])
 
 
 @njit(parallel=True, cache=True)
 def matmul_q2_k_q8_k(w, xqs, xd, xbsums, out):
     """Q2_K weights x Q8_K activations (see _plain_k)."""
-    _plain_k(_Q2_K, w, xqs, xd, xbsums, out)
+    _plain_k(_Q2_K, NR, w, xqs, xd, xbsums, out)
 
 
 @njit(parallel=True, cache=True)
 def matmul_q2_k_q8_k_repacked(w, xqs, xd, xbsums, out):
     """Q2_K weights with R % 8 == 0 (see _repacked_k)."""
-    _repacked_k(_Q2_K, w, xqs, xd, xbsums, out)
+    _repacked_k(_Q2_K, NR, w, xqs, xd, xbsums, out)
 
 
 @njit(parallel=True, cache=True)
 def matmul_q3_k_q8_k(w, xqs, xd, xbsums, out):
     """Q3_K weights x Q8_K activations (see _plain_k)."""
-    _plain_k(_Q3_K, w, xqs, xd, xbsums, out)
+    _plain_k(_Q3_K, NR, w, xqs, xd, xbsums, out)
 
 
 @njit(parallel=True, cache=True)
 def matmul_q4_k_q8_k(w, xqs, xd, xbsums, out):
     """Q4_K weights x Q8_K activations (see _plain_k)."""
-    _plain_k(_Q4_K, w, xqs, xd, xbsums, out)
+    _plain_k(_Q4_K, NR, w, xqs, xd, xbsums, out)
 
 
 @njit(parallel=True, cache=True)
 def matmul_q4_k_q8_k_repacked(w, xqs, xd, xbsums, out):
     """Q4_K weights with R % 8 == 0 (see _repacked_k)."""
-    _repacked_k(_Q4_K, w, xqs, xd, xbsums, out)
+    _repacked_k(_Q4_K, NR_ROWS, w, xqs, xd, xbsums, out)
 
 
 @njit(parallel=True, cache=True)
 def matmul_q5_k_q8_k(w, xqs, xd, xbsums, out):
     """Q5_K weights x Q8_K activations (see _plain_k)."""
-    _plain_k(_Q5_K, w, xqs, xd, xbsums, out)
+    _plain_k(_Q5_K, NR, w, xqs, xd, xbsums, out)
 
 
 @njit(parallel=True, cache=True)
 def matmul_q6_k_q8_k(w, xqs, xd, xbsums, out):
     """Q6_K weights x Q8_K activations (see _plain_k)."""
-    _plain_k(_Q6_K, w, xqs, xd, xbsums, out)
+    _plain_k(_Q6_K, NR_ROWS, w, xqs, xd, xbsums, out)
 
 
 # float weights: ggml_vec_dot_f32 / _f16 / _bf16 (float32 accumulation, any summation order)
@@ -912,6 +900,8 @@ def round_to_bf16(x, out):
             bits_out[t, k] = (h & np.uint32(0xFFFF)) << np.uint32(16)
 
 
+ROWS_TYPES = (T_.Q4_K, T_.Q6_K) if HAS_VNNI else ()  # their kernels read int8 quants fastest
+
 QUANT_KERNELS = {  # llama.cpp's plain CPU buffer
     T_.Q4_0: matmul_q4_0_q8_0, T_.Q5_0: matmul_q5_0_q8_0, T_.Q8_0: matmul_q8_0_q8_0,
     T_.Q4_1: matmul_q4_1_q8_1, T_.Q5_1: matmul_q5_1_q8_1,
@@ -940,7 +930,7 @@ class MatmulWorkspace:
     """Preallocated activation buffers for matmul, so a decode loop allocates nothing.
 
     Holds room for up to ``max_tokens`` rows of up to ``max_k`` values in every activation format
-    (quants widened to int16, scales, Q8_1 sums, Q8_K bsums, f16/bf16-rounded x). One workspace
+    (quants as int8 and widened to int16, scales, Q8_1 sums, Q8_K bsums, f16/bf16-rounded x). One workspace
     serves one thread of calls: matmul overwrites it on every call.
     """
 
@@ -949,13 +939,13 @@ class MatmulWorkspace:
             raise ValueError(f"workspace needs max_tokens >= 1 and max_k >= 1, got {max_tokens}, {max_k}")
         self.max_tokens, self.max_k = max_tokens, max_k
         n = max_tokens * max_k
-        self._buffers = {"qs16": np.empty(n, np.int16),
+        self._buffers = {"qs16": np.empty(n, np.int16), "qs8": np.empty(n, np.int8),
                          "d": np.empty(n // 32 + 1, np.float32), "s": np.empty(n // 32 + 1, np.float32),
                          "bsums": np.empty(n // 16 + 1, np.int16), "x": np.empty(n, np.float32)}
         self._views: dict[tuple[str, int, int], np.ndarray] = {}
 
     def take(self, name: str, shape: tuple[int, int], dtype=None) -> np.ndarray:
-        """A C-contiguous view of buffer ``name`` ('qs16', 'd', 's', 'bsums', 'x') with ``shape``.
+        """A C-contiguous view of buffer ``name`` ('qs16', 'qs8', 'd', 's', 'bsums', 'x') with ``shape``.
 
         ``dtype`` is accepted for symmetry with allocation and ignored (each buffer has its own).
         """
@@ -1026,7 +1016,7 @@ def matmul(w: np.ndarray, ggml_type, x: np.ndarray, out: np.ndarray | None = Non
         # the quantize kernels are called directly: x and every buffer are valid by construction.
         # The quants are written widened to int16: one load per segment instead of load + extend
         # (5-9% faster decode), and a single compiled specialization per type.
-        qs = buf("qs16", (T, K), np.int16)
+        qs = buf("qs8", (T, K), np.int8) if t in ROWS_TYPES else buf("qs16", (T, K), np.int16)
         act = FORMATS[t].act
         if act == ACT_Q8_K:
             d, bsums = buf("d", (T, K // 256), np.float32), buf("bsums", (T, K // 16), np.int16)

@@ -176,3 +176,82 @@ def fmuladd(b: ir.IRBuilder, x, y, acc):
     if fn is None:
         fn = ir.Function(b.module, ir.FunctionType(x.type, [x.type] * 3), name)
     return b.call(fn, [x, y, acc])
+
+
+def target_features() -> frozenset:
+    """Features (``"+avx512vnni"`` ...) of the CPU numba compiles for: NUMBA_CPU_FEATURES when set,
+    else the host's. They are part of the key of numba's on-disk cache entries (codegen
+    ``magic_tuple``), so a kernel specialised on them is never served to another CPU."""
+    from numba.core import config
+    from llvmlite import binding
+
+    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else binding.get_host_cpu_features().flatten()
+    return frozenset(f for f in features.split(",") if f.startswith("+"))
+
+
+# AVX-512 VNNI on 256-bit vectors (EVEX vpdpbusd / vpdpwssd ymm need avx512vl too)
+HAS_VNNI = {"+avx512vnni", "+avx512vl"} <= target_features()
+
+
+def _x86_call(b: ir.IRBuilder, name: str, args):
+    fn = b.module.globals.get(name)
+    if fn is None:
+        fn = ir.Function(b.module, ir.FunctionType(args[0].type, [a.type for a in args]), name)
+    return b.call(fn, args)
+
+
+def dot_u8_s8(b: ir.IRBuilder, acc, u8, s8):
+    """<8 x i32> acc + (lane j: sum of u8[4j+k] * s8[4j+k], k < 4), u8 unsigned and s8 signed
+    <32 x i8> (exact; x86 vpdpbusd, AVX-512 VNNI + VL only)."""
+    v8 = vec(I32, 8)
+    return _x86_call(b, "llvm.x86.avx512.vpdpbusd.256", [acc, b.bitcast(u8, v8), b.bitcast(s8, v8)])
+
+
+def dot_i16(b: ir.IRBuilder, acc, a, x):
+    """<8 x i32> acc + (lane j: a[2j]*x[2j] + a[2j+1]*x[2j+1]) for <16 x i16> a, x (exact; x86
+    vpdpwssd, AVX-512 VNNI + VL only)."""
+    v8 = vec(I32, 8)
+    return _x86_call(b, "llvm.x86.avx512.vpdpwssd.256", [acc, b.bitcast(a, v8), b.bitcast(x, v8)])
+
+
+def tile_function(module: ir.Module, name: str, nr: int, nt: int, accumulators: dict, body, finish) -> ir.Function:
+    """Define ``void name(w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride,
+    out_r_stride, nb)``, the frame of a matmul tile of ``nr`` weight rows x ``nt`` activation rows.
+
+    Pointers are i8* to the tile's first row (out: float*), strides in bytes (out: in floats).
+    The function loops over blocks 0 <= blk < nb >= 1 with float-vector accumulators
+    ``accumulators`` (name -> list of zero constants): ``body(b, rows, blk, accs)`` emits one
+    block and returns the new accumulators (rows: "w", "xq", "xd", "xa" -> row pointers);
+    ``finish(b, accs)`` returns {(r, t): float32 value}, stored at out[t*out_stride + r*out_r_stride].
+    """
+    args = [BYTE_PTR, I64] * 4 + [F32.as_pointer(), I64, I64, I64]
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), args), name)
+    fn.linkage = "internal"
+    w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride, out_r_stride, nb = fn.args
+    entry, loop, done = (fn.append_basic_block(n) for n in ("entry", "loop", "done"))
+    b = ir.IRBuilder(entry)
+    row = lambda base, stride, i: b.gep(base, [b.mul(ir.Constant(I64, i), stride)])  # noqa: E731
+    rows = {"w": [row(w, w_stride, r) for r in range(nr)]}
+    rows.update({k: [row(p, s, t) for t in range(nt)] for k, p, s in
+                 (("xq", xq, xq_stride), ("xd", xd, xd_stride), ("xa", xa, xa_stride))})
+    b.branch(loop)
+
+    b.position_at_end(loop)
+    blk = b.phi(I64)
+    blk.add_incoming(ir.Constant(I64, 0), entry)
+    accs = {k: [b.phi(z.type) for z in zeros] for k, zeros in accumulators.items()}
+    new = body(b, rows, blk, accs)
+    for k, phis in accs.items():
+        for phi, zero, v in zip(phis, accumulators[k], new[k]):
+            phi.add_incoming(zero, entry)
+            phi.add_incoming(v, b.block)
+    blk_next = b.add(blk, ir.Constant(I64, 1))
+    blk.add_incoming(blk_next, b.block)
+    b.cbranch(b.icmp_signed("<", blk_next, nb), loop, done)
+
+    b.position_at_end(done)
+    for (r, t), value in finish(b, new).items():
+        at = b.add(b.mul(ir.Constant(I64, t), out_stride), b.mul(ir.Constant(I64, r), out_r_stride))
+        b.store(value, b.gep(out, [at]))
+    b.ret_void()
+    return fn

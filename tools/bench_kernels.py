@@ -11,7 +11,8 @@
 Run with NUMBA_NUM_THREADS set (e.g. 2); the script prints the thread count it used.
 * model (--model FILE): one decode step's matmuls over all 2-D weights of a GGUF model.
 
-Usage: python tools/bench_kernels.py [--types Q5_0,Q8_0,Q4_K,Q6_K] [--compile] [--quick] [--model F]
+Usage: python tools/bench_kernels.py [--types Q5_0,Q8_0,Q4_K,Q6_K] [--shapes 0.5b|1.5b] [--compile] [--quick]
+       [--model F]
 """
 from __future__ import annotations
 
@@ -24,8 +25,12 @@ import time
 
 import numpy as np
 
-DECODE_SHAPES = [(896, 896), (4864, 896), (896, 4864), (151936, 896)]  # (R, K): qwen2.5-0.5B
-PREFILL_SHAPES = [(4864, 896, 64), (896, 4864, 64), (4864, 896, 512), (896, 4864, 512)]  # (R, K, T)
+SHAPES = {  # model -> (decode (R, K), prefill (R, K, T)): attn_q, ffn_up, ffn_down, output
+    "0.5b": ([(896, 896), (4864, 896), (896, 4864), (151936, 896)],
+             [(4864, 896, 64), (896, 4864, 64), (4864, 896, 512), (896, 4864, 512)]),
+    "1.5b": ([(1536, 1536), (8960, 1536), (1536, 8960), (151936, 1536)],
+             [(8960, 1536, 64), (1536, 8960, 64), (8960, 1536, 512), (1536, 8960, 512)]),
+}
 ALL_TYPES = "F32,F16,BF16,Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K"
 
 
@@ -152,6 +157,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also measure compile times")
     parser.add_argument("--quick", action="store_true", help="fewer repeats, smaller working set")
     parser.add_argument("--working-set", type=float, default=512, help="MB of weight copies per decode pass")
+    parser.add_argument("--shapes", default="0.5b", choices=sorted(SHAPES), help="qwen2.5 matrix shapes")
     parser.add_argument("--model", action="append", default=[], help="GGUF file: time one decode step's matmuls")
     args = parser.parse_args()
 
@@ -168,12 +174,13 @@ def main() -> None:
     ws = MatmulWorkspace(512, 8960)
     for path in args.model:
         print("\n".join(bench_model(path, repeats, ws)), flush=True)
+    decode_shapes, prefill_shapes = SHAPES[args.shapes]
     for t in types:
         block = GGML_QUANT_SIZES[t][0]
-        for R, K in DECODE_SHAPES:
+        for R, K in decode_shapes:
             if K % block == 0:
                 print(bench_decode(t, R, K, working_set, repeats, ws), flush=True)
-        for R, K, T in PREFILL_SHAPES:
+        for R, K, T in prefill_shapes:
             if K % block == 0:
                 print(bench_prefill(t, R, K, T, max(2, repeats // 2), ws), flush=True)
     print(f"threading layer: {numba.threading_layer()}")

@@ -1,0 +1,246 @@
+"""Q4_K / Q6_K matmul tiles with one weight row per vector lane, for CPUs with AVX-512 VNNI.
+
+The generic tiles of kernels_cpu.matmul multiply each (weight row, activation row) pair in its own
+vectors and reduce them across lanes afterwards. Here a tile is 8 weight rows x nt activation
+rows and lane r of every <8 x i32> / <8 x float> vector belongs to weight row r: each block's
+codes of the 8 rows are transposed in registers (4-byte chunks: vector c holds chunk c of every
+row), and ``vpdpbusd`` multiplies them with 4 activation quants broadcast to all lanes (u8 codes
+x s8 quants, sums of 4 products per lane). Sub-block scales then multiply whole sub-block sums
+(exact int32), and every float operation of llama.cpp's kernel runs lane-wise, one output per
+lane, in the same order: the results are bit-identical to the generic tiles (and llama.cpp).
+
+Paths (see kernels_cpu.matmul): Q4_K "gemv" (one group of 256 values) and "gemm" (groups of 64),
+both acc = fma(I, d_w * d_x, acc), accm = fma(M, dmin * d_x, accm), out = acc - accm; Q6_K
+"tiled" (r = S1 * d_w; acc = fma(r, d_x, acc)) and "vec_dot" (8 lanes per output of values
+4m..4m+3 of every 32, codes 0..63 minus 32 * scale * bsums, acc = fma(d_x * d_w, lane, acc),
+hsum_float_8). Q6_K codes are used unsigned (0..63) on every path, with the -32 offset applied
+through the activations' bsums (exact integers either way).
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+
+from kernels_cpu.simd import (F32, I8, I16, I32, I64, concat, dot_i16, dot_u8_s8, fmuladd, load, shuffle, splat,
+                              tile_function, vec)
+
+ROWS = 8  # weight rows per tile: one per lane of a 256-bit vector
+V8I32, V8F32, V32I8 = vec(I32, ROWS), vec(F32, ROWS), vec(I8, 32)
+Q4_K_BYTES, Q6_K_BYTES = 144, 210
+
+
+def _c(value: int):
+    return ir.Constant(V8I32, [value] * ROWS)
+
+
+_UNPACK32 = ([0, 8, 1, 9, 4, 12, 5, 13], [2, 10, 3, 11, 6, 14, 7, 15])  # x86 vpunpck{l,h}dq
+_UNPACK64 = ([0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15])  # vpunpck{l,h}qdq
+_HALVES = ([0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])  # vperm2i128
+
+
+def _quarter_transpose(b, v: list) -> list:
+    """4 vectors <8 x i32>, v[i] = words (w0..w3 of row i | w0..w3 of row i + 4) -> 4 vectors,
+    vector k = (word k of rows 0..3 | word k of rows 4..7) (4 x 4 transposes in both halves)."""
+    lo01, hi01 = (shuffle(b, v[0], m, v[1]) for m in _UNPACK32)
+    lo23, hi23 = (shuffle(b, v[2], m, v[3]) for m in _UNPACK32)
+    return [shuffle(b, x, m, y) for x, y in ((lo01, lo23), (hi01, hi23)) for m in _UNPACK64]
+
+
+def _load_rows(b, w_rows: list, offset, n_i32: int) -> list:
+    """Transposed <8 x i32> vectors of ``n_i32`` (8 or 4) 4-byte words at byte ``offset`` of each
+    row's block: vector c lane r = word c of row r."""
+    if n_i32 == 4:  # row r and row r + 4 side by side, then 4 x 4 transposes
+        return _quarter_transpose(b, [concat(b, load(b, w_rows[r], offset, vec(I32, 4)),
+                                             load(b, w_rows[r + 4], offset, vec(I32, 4))) for r in range(4)])
+    rows = [load(b, p, offset, V8I32) for p in w_rows]
+    top, bottom = _quarter_transpose(b, rows[:4]), _quarter_transpose(b, rows[4:])  # (w_k | w_k+4) of 4 rows
+    out = [None] * 8
+    for k in range(4):
+        out[k], out[k + 4] = (shuffle(b, top[k], m, bottom[k]) for m in _HALVES)
+    return out
+
+
+def _halves_to_f32(b, words, shift: int):
+    """f16 stored in bits shift..shift+15 of each i32 lane -> <8 x float> (exact)."""
+    h = b.trunc(b.lshr(words, _c(shift)) if shift else words, vec(I16, ROWS))
+    return b.fpext(b.bitcast(h, vec(ir.HalfType(), ROWS)), V8F32)
+
+
+def _byte(b, words, k: int, signed: bool = False):
+    """Byte k of each i32 lane, zero- or sign-extended."""
+    if signed:
+        return b.ashr(b.shl(words, _c(24 - 8 * k)), _c(24))
+    return b.and_(b.lshr(words, _c(8 * k)), _c(0xFF)) if k < 3 else b.lshr(words, _c(24))
+
+
+def _i16_pair(b, lo, hi):
+    """i32 lanes lo, hi (16-bit values) -> lanes holding the i16 pair (lo, hi) (for dot_i16)."""
+    return b.or_(b.and_(lo, _c(0xFFFF)), b.shl(hi, _c(16)))
+
+
+class _Act:
+    """Activation row t of the tile: quants (int8, or int16 narrowed), scale d_x, bsums."""
+
+    def __init__(self, b, xq, xd, xa, x16: bool, blk):
+        self.b, self.xq, self.x16 = b, xq, x16
+        self.x_at = b.mul(blk, ir.Constant(I64, 256))
+        self.d = splat(b, load(b, xd, b.mul(blk, ir.Constant(I64, 4)), F32), ROWS)
+        self.bsums = load(b, xa, b.mul(blk, ir.Constant(I64, 32)), vec(I16, 16))
+
+    def quad(self, offset: int):
+        """<8 x i32>: the 4 quants at values offset..offset+3 of the block, in every lane."""
+        b = self.b
+        at = b.add(self.x_at, ir.Constant(I64, offset))
+        if self.x16:
+            word = b.bitcast(b.trunc(load(b, self.xq, b.mul(at, ir.Constant(I64, 2)), vec(I16, 4)), vec(I8, 4)), I32)
+        else:
+            word = load(b, self.xq, at, I32)
+        return splat(b, word, ROWS)
+
+    def bsum_pair(self, k: int, step: int = 1):
+        """<8 x i32> holding the i16 pair (bsum of group k, of group k + step) in every lane, where
+        a group is 16 values (step 1) or with ``step`` 2 sums of two groups (32 values)."""
+        b = self.b
+        if step == 1:
+            pair = shuffle(self.b, self.bsums, [k, k + 1])
+        else:  # 32-value sums of sub-blocks k // 2 and k // 2 + 1 (groups k .. k + 3)
+            lo, hi = shuffle(b, self.bsums, [k, k + 2]), shuffle(b, self.bsums, [k + 1, k + 3])
+            pair = b.add(lo, hi)
+        return splat(b, b.bitcast(pair, I32), ROWS)
+
+
+def _dot_chunks(b, codes: list, act: _Act, offset: int, acc=None):
+    """acc + sum over chunks c of vpdpbusd(codes[c], quants offset + 4c .. offset + 4c + 3)."""
+    acc = acc if acc is not None else _c(0)
+    for c, v in enumerate(codes):
+        acc = dot_u8_s8(b, acc, b.bitcast(v, V32I8), b.bitcast(act.quad(offset + 4 * c), V32I8))
+    return acc
+
+
+def _q4_k_block(b, w_rows, acts, kind, accs):
+    """One Q4_K block: GEMV (one float update) or GEMM (one per 64 values)."""
+    h0, u0, u1, u2 = _load_rows(b, w_rows, 0, 4)
+    d, dmin = _halves_to_f32(b, h0, 0), _halves_to_f32(b, h0, 16)
+    sc_lo = b.and_(u0, _c(0x3F3F3F3F))
+    sc_hi = b.or_(b.and_(u2, _c(0x0F0F0F0F)), b.shl(b.and_(b.lshr(u0, _c(6)), _c(0x03030303)), _c(4)))
+    mn_lo = b.and_(u1, _c(0x3F3F3F3F))
+    mn_hi = b.or_(b.and_(b.lshr(u2, _c(4)), _c(0x0F0F0F0F)), b.shl(b.and_(b.lshr(u1, _c(6)), _c(0x03030303)), _c(4)))
+    scales = [_byte(b, w, k) for w in (sc_lo, sc_hi) for k in range(4)]
+    mins = [_byte(b, w, k) for w in (mn_lo, mn_hi) for k in range(4)]
+    min_pairs = [_i16_pair(b, mins[2 * p], mins[2 * p + 1]) for p in range(4)]
+    d_wx = [b.fmul(d, a.d) for a in acts]
+    dmin_x = [b.fmul(dmin, a.d) for a in acts]
+    acc, accm = list(accs["acc"]), list(accs["accm"])
+    tot_i = [None] * len(acts)
+    tot_m = [None] * len(acts)
+    for p in range(4):  # sub-blocks 2p (low nibbles) and 2p + 1 (high nibbles) of qs[32p:32p+32]
+        raw = _load_rows(b, w_rows, 16 + 32 * p, 8)
+        low = [b.and_(v, _c(0x0F0F0F0F)) for v in raw]
+        high = [b.and_(b.lshr(v, _c(4)), _c(0x0F0F0F0F)) for v in raw]
+        for t, a in enumerate(acts):
+            s_lo = _dot_chunks(b, low, a, 64 * p)
+            s_hi = _dot_chunks(b, high, a, 64 * p + 32)
+            i_sum = b.add(b.mul(s_lo, scales[2 * p]), b.mul(s_hi, scales[2 * p + 1]))
+            tot_i[t] = i_sum if tot_i[t] is None else b.add(tot_i[t], i_sum)
+            tot_m[t] = dot_i16(b, _c(0) if tot_m[t] is None else tot_m[t], b.bitcast(min_pairs[p], vec(I16, 16)),
+                               b.bitcast(a.bsum_pair(4 * p, 2), vec(I16, 16)))
+            if kind == "gemm" or p == 3:
+                acc[t] = fmuladd(b, b.sitofp(tot_i[t], V8F32), d_wx[t], acc[t])
+                accm[t] = fmuladd(b, b.sitofp(tot_m[t], V8F32), dmin_x[t], accm[t])
+                tot_i[t] = tot_m[t] = None
+    return {"acc": acc, "accm": accm}
+
+
+def _q6_k_codes(b, w_rows):
+    """Transposed Q6_K codes 0..63: (value offset of the 32 values, 8 chunk vectors) per 32 values."""
+    for half in range(2):
+        qh = _load_rows(b, w_rows, 128 + 32 * half, 8)
+        ql = [_load_rows(b, w_rows, 64 * half + 32 * k, 8) for k in range(2)]
+        for g in range(4):
+            out = []
+            for c in range(8):
+                low = ql[g % 2][c]
+                low = b.and_(low, _c(0x0F0F0F0F)) if g < 2 else b.and_(b.lshr(low, _c(4)), _c(0x0F0F0F0F))
+                hb = b.and_(b.lshr(qh[c], _c(2 * g)), _c(0x03030303)) if g else b.and_(qh[c], _c(0x03030303))
+                out.append(b.or_(low, b.shl(hb, _c(4))))
+            yield 128 * half + 32 * g, out
+
+
+def _q6_k_block(b, w_rows, acts, kind, accs):
+    """One Q6_K block: TILED (exact block total) or VEC_DOT (8 lanes per output)."""
+    d = _halves_to_f32(b, _load_rows(b, w_rows, 194, 4)[3], 16)  # f16 d at byte 208: high half of word 206
+    sw = _load_rows(b, w_rows, 192, 4)  # scales 4k..4k+3 in vector k
+    scales = [_byte(b, sw[k // 4], k % 4, signed=True) for k in range(16)]
+    pairs = [_i16_pair(b, scales[2 * k], scales[2 * k + 1]) for k in range(8)]
+    # 32 * sum_k scale_k * bsums_k (pair sums of groups 2m, 2m + 1 in ``corr[t][m]``)
+    corr = [[b.shl(dot_i16(b, _c(0), b.bitcast(pairs[m], vec(I16, 16)), b.bitcast(a.bsum_pair(2 * m), vec(I16, 16))),
+                   _c(5)) for m in range(8)] for a in acts]
+    new = {k: list(v) for k, v in accs.items()}
+    if kind == "tiled":
+        s1 = [None] * len(acts)
+        for offset, codes in _q6_k_codes(b, w_rows):
+            g = offset // 16
+            for t, a in enumerate(acts):
+                for half in range(2):
+                    part = b.mul(_dot_chunks(b, codes[4 * half:4 * half + 4], a, offset + 16 * half), scales[g + half])
+                    s1[t] = part if s1[t] is None else b.add(s1[t], part)
+        for t, a in enumerate(acts):
+            total = s1[t]
+            for m in range(8):
+                total = b.sub(total, corr[t][m])
+            r = b.fmul(b.sitofp(total, V8F32), d)
+            new["acc"][t] = fmuladd(b, r, a.d, new["acc"][t])
+        return new
+    # vec_dot: lane m = sum over the eight 32-value chunks of scale * (quad m of the chunk)
+    lanes = [[None] * 8 for _ in acts]
+    scale_lo16 = [b.and_(s, _c(0xFFFF)) for s in scales]  # (scale, 0) i16 pairs: dot_i16 scales a quad sum
+    for offset, codes in _q6_k_codes(b, w_rows):
+        g = offset // 16
+        for t, a in enumerate(acts):
+            for m in range(8):
+                quad = dot_u8_s8(b, _c(0), b.bitcast(codes[m], V32I8), b.bitcast(a.quad(offset + 4 * m), V32I8))
+                prev = lanes[t][m] if lanes[t][m] is not None else _c(0)
+                lanes[t][m] = dot_i16(b, prev, b.bitcast(quad, vec(I16, 16)),
+                                      b.bitcast(scale_lo16[g + m // 4], vec(I16, 16)))
+    for t, a in enumerate(acts):
+        dd = b.fmul(a.d, d)
+        for m in range(8):
+            v = b.sitofp(b.sub(lanes[t][m], corr[t][m]), V8F32)
+            new[f"l{m}"][t] = fmuladd(b, dd, v, new[f"l{m}"][t])
+    return new
+
+
+def accumulator_names(ggml_type_name: str, kind: str) -> list:
+    if ggml_type_name == "Q4_K":
+        return ["acc", "accm"]
+    return ["acc"] if kind == "tiled" else [f"l{m}" for m in range(8)]
+
+
+def build_rows_tile(module: ir.Module, ggml_type_name: str, kind: str, nt: int, name: str,
+                    x16: bool) -> ir.Function:
+    """Define ``void name(w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride,
+    out_r_stride, nb)`` as kernels_cpu.matmul.build_tile does, for 8 weight rows x ``nt``
+    activation rows of Q4_K (kind "gemv" / "gemm") or Q6_K ("tiled" / "vec_dot")."""
+    names = accumulator_names(ggml_type_name, kind)
+    block_bytes, emit = (Q4_K_BYTES, _q4_k_block) if ggml_type_name == "Q4_K" else (Q6_K_BYTES, _q6_k_block)
+
+    def body(b, rows, blk, accs):
+        at = b.mul(blk, ir.Constant(I64, block_bytes))
+        w_rows = [b.gep(p, [at]) for p in rows["w"]]
+        acts = [_Act(b, *xr, x16, blk) for xr in zip(rows["xq"], rows["xd"], rows["xa"])]
+        return emit(b, w_rows, acts, kind, accs)
+
+    def finish(b, new):
+        values = {}
+        for t in range(nt):
+            if ggml_type_name == "Q4_K":
+                value = b.fsub(new["acc"][t], new["accm"][t])
+            elif kind == "tiled":
+                value = new["acc"][t]
+            else:  # hsum_float_8: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+                h = [b.fadd(new[f"l{m}"][t], new[f"l{m + 4}"][t]) for m in range(4)]
+                value = b.fadd(b.fadd(h[0], h[2]), b.fadd(h[1], h[3]))
+            values.update({(r, t): b.extract_element(value, ir.Constant(I32, r)) for r in range(ROWS)})
+        return values
+
+    return tile_function(module, name, ROWS, nt, {k: [ir.Constant(V8F32, [0.0] * ROWS)] * nt for k in names},
+                         body, finish)
