@@ -15,6 +15,9 @@ both acc = fma(I, d_w * d_x, acc), accm = fma(M, dmin * d_x, accm), out = acc - 
 4m..4m+3 of every 32, codes 0..63 minus 32 * scale * bsums, acc = fma(d_x * d_w, lane, acc),
 hsum_float_8). Q6_K codes are used unsigned (0..63) on every path, with the -32 offset applied
 through the activations' bsums (exact integers either way).
+
+numba's on-disk cache keys matmul's kernels on matmul.py only: after editing this module, clear
+kernels_cpu/__pycache__/matmul.*.nbi / .nbc.
 """
 from __future__ import annotations
 
@@ -134,12 +137,12 @@ def _q4_k_block(b, w_rows, acts, kind, accs):
     tot_m = [None] * len(acts)
     for p in range(4):  # sub-blocks 2p (low nibbles) and 2p + 1 (high nibbles) of qs[32p:32p+32]
         raw = _load_rows(b, w_rows, 16 + 32 * p, 8)
-        low = [b.and_(v, _c(0x0F0F0F0F)) for v in raw]
+        low = [b.and_(v, _c(0x0F0F0F0F)) for v in raw]  # all rows' low nibbles first (fewer live vectors)
+        s_lo = [_dot_chunks(b, low, a, 64 * p) for a in acts]
         high = [b.and_(b.lshr(v, _c(4)), _c(0x0F0F0F0F)) for v in raw]
+        s_hi = [_dot_chunks(b, high, a, 64 * p + 32) for a in acts]
         for t, a in enumerate(acts):
-            s_lo = _dot_chunks(b, low, a, 64 * p)
-            s_hi = _dot_chunks(b, high, a, 64 * p + 32)
-            i_sum = b.add(b.mul(s_lo, scales[2 * p]), b.mul(s_hi, scales[2 * p + 1]))
+            i_sum = b.add(b.mul(s_lo[t], scales[2 * p]), b.mul(s_hi[t], scales[2 * p + 1]))
             tot_i[t] = i_sum if tot_i[t] is None else b.add(tot_i[t], i_sum)
             tot_m[t] = dot_i16(b, _c(0) if tot_m[t] is None else tot_m[t], b.bitcast(min_pairs[p], vec(I16, 16)),
                                b.bitcast(a.bsum_pair(4 * p, 2), vec(I16, 16)))
@@ -154,11 +157,12 @@ def _q6_k_codes(b, w_rows):
     """Transposed Q6_K codes 0..63: (value offset of the 32 values, 8 chunk vectors) per 32 values."""
     for half in range(2):
         qh = _load_rows(b, w_rows, 128 + 32 * half, 8)
-        ql = [_load_rows(b, w_rows, 64 * half + 32 * k, 8) for k in range(2)]
-        for g in range(4):
+        for g in (0, 2, 1, 3):  # ql[64 * half + 32 * k] is read by g = k and k + 2: one slab live at a time
+            if g < 2:
+                ql = _load_rows(b, w_rows, 64 * half + 32 * g, 8)
             out = []
             for c in range(8):
-                low = ql[g % 2][c]
+                low = ql[c]
                 low = b.and_(low, _c(0x0F0F0F0F)) if g < 2 else b.and_(b.lshr(low, _c(4)), _c(0x0F0F0F0F))
                 hb = b.and_(b.lshr(qh[c], _c(2 * g)), _c(0x03030303)) if g else b.and_(qh[c], _c(0x03030303))
                 out.append(b.or_(low, b.shl(hb, _c(4))))
