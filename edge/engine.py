@@ -16,6 +16,7 @@ import numpy as np
 
 from edge.chat_template import ChatTemplate, ChatTemplateError, require_template
 from edge.gguf_file import GGUFFile
+from edge.kv.cache import PagedKVCache, kv_row
 from edge.models import load_model
 from edge.sampling import Sampler, SamplingParams
 from edge.tokenizer import Tokenizer
@@ -41,6 +42,7 @@ class GenerationStats:
     """Timings of one generation. Times in seconds, measured with time.perf_counter."""
 
     n_prompt: int = 0
+    n_cached: int = 0            # prompt tokens whose K/V came from the prefix cache
     n_generated: int = 0
     ttft: float = 0.0            # start of generate() to the first token sampled
     prompt_seconds: float = 0.0  # prefill time
@@ -64,15 +66,27 @@ class Engine:
 
     Args:
         path: GGUF file.
-        n_ctx: context size in tokens (KV cache rows per sequence).
+        n_ctx: context size in tokens (KV cache positions per sequence).
         n_batch: prefill chunk size in tokens.
+        n_seq: sequences the KV cache holds at once.
+        block_size: KV cache block size in tokens.
+        cache_type_k, cache_type_v: KV cache types, "f16" (default), "q8_0" or "f32".
+        kv_storage: "file" (the KV pool is a memory-mapped file under $EDGE_HOME/kv) or "anon".
 
-    Raises GGUFError / UnsupportedArchitecture for a bad or unsupported file.
+    Generation goes through one paged KV cache (edge.kv.cache), kept for the engine's life:
+    a prompt that starts like an earlier one (the next turn of a chat) reuses its cached
+    blocks. Raises GGUFError / UnsupportedArchitecture for a bad or unsupported file,
+    ValueError for bad sizes or KV types.
     """
 
     path: Path
     n_ctx: int = DEFAULT_N_CTX
     n_batch: int = DEFAULT_N_BATCH
+    n_seq: int = 1
+    block_size: int = 16
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    kv_storage: str = "file"
     gguf: GGUFFile = field(init=False)
 
     def __post_init__(self):
@@ -83,6 +97,27 @@ class Engine:
         self.tokenizer = Tokenizer.from_gguf(self.gguf)
         self.template: ChatTemplate | None = ChatTemplate.from_gguf(self.gguf)
         self.name = self.gguf.get_str("general.name", default=Path(self.path).stem)
+        kv_row(self.cache_type_k, self.model.args.head_dim)   # refuse bad KV types before any work
+        kv_row(self.cache_type_v, self.model.args.head_dim_v)
+        self._kv: PagedKVCache | None = None
+
+    @property
+    def kv(self) -> PagedKVCache:
+        """The engine's paged KV cache (created on first use)."""
+        if self._kv is None:
+            st = Path(self.path).stat()
+            key = f"{Path(self.path).resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()
+            self._kv = PagedKVCache(self.model.args, self.n_ctx, self.n_seq, self.block_size,
+                                    self.cache_type_k, self.cache_type_v, model_key=key, storage=self.kv_storage)
+        return self._kv
+
+    def clear_kv_cache(self) -> None:
+        """Forget every cached prefix (the next generation computes its whole prompt, as a cold
+        run does: reused blocks were computed in other chunkings, which can change the last bits
+        of the logits, as with llama.cpp's prompt cache)."""
+        if self._kv is not None:
+            self._kv.close()
+            self._kv = None
 
     # ------------------------------------------------------------------ prompts
     def _one_bos(self, ids: list[int]) -> list[int]:
@@ -114,6 +149,7 @@ class Engine:
 
     # ------------------------------------------------------------------ generation
     def new_cache(self):
+        """A fresh contiguous single-sequence f16 KV cache of n_ctx (perplexity, tests)."""
         return self.model.new_cache(self.n_ctx)
 
     def prefill(self, ids: Sequence[int], cache, seq: int = 0) -> np.ndarray:
@@ -145,11 +181,19 @@ class Engine:
         sampler = Sampler(params or SamplingParams())
         stats.n_prompt = len(prompt_ids)
         t0 = time.perf_counter()
-        cache = self.new_cache()
-        logits = self.prefill(prompt_ids, cache)
-        stats.prompt_seconds = time.perf_counter() - t0
+        kv = self.kv
+        slot, stats.n_cached = kv.new_sequence(prompt_ids)
+        try:
+            logits = self.prefill(prompt_ids[stats.n_cached :], kv, seq=slot)
+            stats.prompt_seconds = time.perf_counter() - t0
+            yield from self._decode(kv, slot, logits, sampler, prompt_ids, max_tokens, stats, t0)
+        finally:
+            kv.free(slot)
+
+    def _decode(self, kv, slot, logits, sampler, prompt_ids, max_tokens, stats, t0):
         history = list(prompt_ids)
         t_first = None
+        seq_ids = None if kv.n_seq == 1 else np.array([slot])
         while True:
             if max_tokens >= 0 and stats.n_generated >= max_tokens:
                 stats.finish_reason = "length"
@@ -166,10 +210,11 @@ class Engine:
             stats.n_generated += 1
             history.append(tok)
             yield tok
-            if cache.n_past >= cache.n_ctx or (max_tokens >= 0 and stats.n_generated >= max_tokens):
+            if kv.pos[slot] >= kv.n_ctx or (max_tokens >= 0 and stats.n_generated >= max_tokens):
                 stats.finish_reason = "length"
                 return
-            logits = self.model.forward([tok], cache)[-1]
+            kv.append(slot, [tok])
+            logits = self.model.forward([tok], kv, seq_ids=seq_ids)[-1]
 
 
 def _content_spans(template: ChatTemplate, messages: list[dict], add_generation_prompt: bool,

@@ -60,6 +60,8 @@ def test_logits(engine):
 
 
 def _greedy(eng: Engine, prompt_ids, n: int) -> list[int]:
+    """Greedy tokens of a cold run, as llama.cpp's goldens (no prefix reused from earlier tests)."""
+    eng.clear_kv_cache()
     return list(eng.generate(prompt_ids, GREEDY, max_tokens=n))
 
 
@@ -149,8 +151,28 @@ def test_edge_run_streams_greedy_answer():
     assert proc.returncode == 0, proc.stderr
     eng = _engine(gid)
     stats = GenerationStats()
+    eng.clear_kv_cache()
     toks = list(eng.generate(eng.chat_prompt([{"role": "user", "content": prompt}]), GREEDY, 12, stats))
     assert proc.stdout.decode() == eng.tokenizer.decode(toks).decode()  # piped: the text alone
     err = proc.stderr.decode()
     assert re.search(rf"prompt: {stats.n_prompt} tokens, TTFT \d+ ms, [0-9.]+ tokens/s", err), err
     assert "generated: 12 tokens" in err and "finish: length" in err
+
+
+def test_second_chat_turn_reuses_the_first():
+    """The next turn of a chat starts with the whole first exchange: its full blocks come from
+    the prefix cache (the reply's too, when its tokens come back the same), and the reply is
+    the cold run's."""
+    eng = _engine("qwen2.5-coder-0.5b")
+    first = [{"role": "user", "content": "Write a Python function that reverses a string."}]
+    eng.clear_kv_cache()
+    reply = eng.tokenizer.decode(list(eng.generate(eng.chat_prompt(first), GREEDY, max_tokens=40))).decode()
+    turn2 = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Now in C."}]
+    ids = eng.chat_prompt(turn2)
+    stats = GenerationStats()
+    warm = list(eng.generate(ids, GREEDY, max_tokens=8, stats=stats))
+    n_first = len(eng.chat_prompt(first))
+    # the first prompt and the reply tokens computed after it (their K/V is cached too)
+    assert stats.n_cached % 16 == 0 and n_first // 16 * 16 < stats.n_cached < len(ids)
+    assert eng.kv.manager.stats().prefix_hit_tokens >= stats.n_cached
+    assert warm == _greedy(eng, ids, 8)

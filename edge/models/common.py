@@ -186,25 +186,37 @@ class TensorLoader:
 
 
 class KVCache:
-    """A contiguous f16 KV cache with ``n_seq`` sequence slots.
+    """A contiguous KV cache with ``n_seq`` sequence slots (the reference for edge.kv's paged
+    cache, and the cache of perplexity runs).
 
-    k[l], v[l]: uint16[n_seq, n_ctx, n_head_kv, head_dim] (f16 bits); cell j of slot s holds
+    k[l], v[l]: uint16[n_seq, n_ctx, n_head_kv, head_dim] (f16 bits; float32 for kv_type
+    "f32"); cell j of slot s holds
     position j of sequence s. ``pos`` int64[n_seq] counts the positions each slot has filled.
     Memory comes from np.zeros, so pages that are never written cost no RAM.
     """
 
-    def __init__(self, args: ModelArgs, n_ctx: int, n_seq: int = 1):
+    def __init__(self, args: ModelArgs, n_ctx: int, n_seq: int = 1, kv_type: str = "f16"):
         if n_ctx < 1 or n_seq < 1:
             raise ValueError(f"a KV cache needs n_ctx >= 1 and n_seq >= 1, got {n_ctx}, {n_seq}")
+        if kv_type not in ("f16", "f32"):
+            raise ValueError(f"the contiguous KV cache holds f16 or f32, not {kv_type!r}")
         self.n_ctx, self.n_seq = n_ctx, n_seq
-        self.k = [np.zeros((n_seq, n_ctx, args.n_head_kv, args.head_dim), np.uint16) for _ in range(args.n_layer)]
-        self.v = [np.zeros((n_seq, n_ctx, args.n_head_kv, args.head_dim_v), np.uint16) for _ in range(args.n_layer)]
+        dt = np.uint16 if kv_type == "f16" else np.float32
+        self.k = [np.zeros((n_seq, n_ctx, args.n_head_kv, args.head_dim), dt) for _ in range(args.n_layer)]
+        self.v = [np.zeros((n_seq, n_ctx, args.n_head_kv, args.head_dim_v), dt) for _ in range(args.n_layer)]
         self.pos = np.zeros(n_seq, np.int64)
         self.tables = np.arange(n_seq, dtype=np.int32).reshape(n_seq, 1)  # slot s = block s of n_ctx cells
 
     def layer_tables(self, il: int) -> np.ndarray:
         """Block tables int32[n_seq, max_blocks] of layer il's K/V pools (attention_f16)."""
         return self.tables
+
+    def prepare(self, runs: np.ndarray, lengths: np.ndarray) -> None:
+        """Before a forward writing lengths[i] positions of sequence runs[i] (nothing to do)."""
+
+    def commit(self, runs: np.ndarray, lengths: np.ndarray) -> None:
+        """After that forward: the positions are filled."""
+        self.pos[runs] += lengths
 
     @property
     def n_past(self) -> int:
@@ -342,9 +354,9 @@ class Transformer:
         self.rope_freqs = ld.vector("rope_freqs.weight", args.n_rot // 2, required=False)  # [n_rot/2]
         ld.check_all_used(args.arch)
 
-    def new_cache(self, n_ctx: int, n_seq: int = 1) -> KVCache:
-        """An empty KV cache of n_ctx positions for each of n_seq sequences."""
-        return KVCache(self.args, n_ctx, n_seq)
+    def new_cache(self, n_ctx: int, n_seq: int = 1, kv_type: str = "f16") -> KVCache:
+        """An empty contiguous KV cache of n_ctx positions for each of n_seq sequences."""
+        return KVCache(self.args, n_ctx, n_seq, kv_type)
 
     def _rope_tables(self, positions: np.ndarray):
         a = self.args
@@ -373,18 +385,20 @@ class Transformer:
             raise ValueError("forward needs at least one token")
         if tokens.min() < 0 or tokens.max() >= self.args.n_vocab:
             raise ValueError(f"token id out of range [0, {self.args.n_vocab})")
-        seq_ids, positions, last_rows = _batch_positions(cache, T, seq_ids)
+        seq_ids, positions, runs, lengths = _batch_positions(cache, T, seq_ids)
+        last_rows = np.cumsum(lengths) - 1
         x = self.token_embd.get_rows(tokens)                               # [T, n_embd]
         if self.args.embed_scale != 1.0:
             x *= np.float32(self.args.embed_scale)
         if logits_rows is None:
             logits_rows = last_rows
         glob, local = self._rope_tables(positions)
+        cache.prepare(runs, lengths)
         last = len(self.blocks) - 1
         for il, blk in enumerate(self.blocks):
             x = blk(x, seq_ids, positions, local if blk.is_swa else glob, cache.k[il], cache.v[il],
                     cache.layer_tables(il), logits_rows if il == last else None)
-        np.add.at(cache.pos, seq_ids, 1)
+        cache.commit(runs, lengths)
         h = x                                                              # [rows, n_embd]
         ops.rms_norm(h, self.output_norm, self.args.rms_eps, h)
         logits = self.output(h)                                            # [rows, n_vocab]
@@ -395,13 +409,14 @@ class Transformer:
 
 
 def _batch_positions(cache: KVCache, T: int, seq_ids):
-    """(seq_ids int32[T], positions int32[T], last row of each sequence int64[n]) of a batch
-    whose rows continue their sequences in ``cache`` (see Transformer.forward)."""
+    """(seq_ids int32[T], positions int32[T], sequences int64[n] in batch order, their row
+    counts int64[n]) of a batch whose rows continue their sequences in ``cache`` (see
+    Transformer.forward)."""
     if seq_ids is None:
-        p0 = cache.n_past
+        p0 = int(cache.pos[0])
         if p0 + T > cache.n_ctx:
             raise ValueError(f"context full: {p0} + {T} tokens exceed n_ctx = {cache.n_ctx}")
-        return np.zeros(T, np.int32), np.arange(p0, p0 + T, dtype=np.int32), np.array([T - 1])
+        return np.zeros(T, np.int32), np.arange(p0, p0 + T, dtype=np.int32), np.array([0]), np.array([T])
     seq_ids = np.asarray(seq_ids)
     if seq_ids.shape != (T,) or seq_ids.dtype.kind not in "iu":
         raise ValueError(f"seq_ids must be {T} integers, one per token")
@@ -419,4 +434,4 @@ def _batch_positions(cache: KVCache, T: int, seq_ids):
         raise ValueError(f"context full: sequence {s} at {int(cache.pos[s])} + "
                          f"{int(lengths[runs == s][0])} tokens exceeds n_ctx = {cache.n_ctx}")
     positions = (np.arange(T) - np.repeat(starts, lengths) + np.repeat(cache.pos[runs], lengths)).astype(np.int32)
-    return seq_ids, positions, starts + lengths - 1
+    return seq_ids, positions, runs.astype(np.int64), lengths

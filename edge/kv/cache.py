@@ -1,0 +1,206 @@
+"""The paged KV cache of one model instance: K/V block pools in a memory map, and the block
+manager (edge.kv.blocks) that hands their blocks to sequences.
+
+Layout: layer ``l`` has a K pool and a V pool of its layer group's blocks,
+``[n_blocks, block_size, n_head_kv, row]``; a row holds one head's values of one token in the
+KV type: f16 (uint16 bits, row = head_dim), f32 (row = head_dim) or q8_0 (uint8, head_dim / 32
+blocks of a f16 scale and 32 int8, row = head_dim / 32 * 34 bytes: ggml's block_q8_0). Layers
+with a sliding window (Gemma 3's local layers) form group 1, with their own blocks, released
+as they leave the window; the others form group 0 (full attention).
+
+The pools live in one memory map: a file under ``$EDGE_HOME/kv/`` (unlinked as soon as it is
+mapped, so nothing is left behind) or anonymous memory. Either way a page costs RAM only once
+a token's K/V is written there, so a large n_ctx reserves address space, not memory.
+
+A sequence is a slot ``0 .. n_seq-1``. :meth:`PagedKVCache.new_sequence` reuses the longest
+cached prefix (prefix caching, see edge.kv.blocks) and reserves blocks for the prompt;
+:meth:`append` reserves the next sampled token's slot; the model's forward pass writes K/V
+through the block tables (:meth:`prepare` / :meth:`commit`); :meth:`free` ends a sequence
+(its full blocks stay cached until evicted in LRU order).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from edge.kv.blocks import HOLE, KVBlockManager, KVGroup, NoFreeBlocks
+
+KV_TYPES = ("f16", "f32", "q8_0")
+_DTYPE = {"f16": np.uint16, "f32": np.float32, "q8_0": np.uint8}
+_ALIGN = 4096
+
+
+class NoFreeSlot(RuntimeError):
+    """Every sequence slot of the KV cache is in use (n_seq sequences are running)."""
+
+
+def kv_row(kv_type: str, head_dim: int) -> int:
+    """Elements of the pool dtype per head row of one token (ValueError for a bad type or a
+    head_dim q8_0 cannot hold)."""
+    if kv_type not in KV_TYPES:
+        raise ValueError(f"unknown KV cache type {kv_type!r} (supported: {', '.join(KV_TYPES)})")
+    if kv_type == "q8_0":
+        if head_dim % 32:
+            raise ValueError(f"KV cache type q8_0 needs head_dim divisible by 32, got {head_dim}")
+        return head_dim // 32 * 34
+    return head_dim
+
+
+def kv_bytes_per_token(args, type_k: str = "f16", type_v: str = "f16") -> int:
+    """Bytes of K and V one token takes over all layers."""
+    size = np.dtype(_DTYPE[type_k]).itemsize * kv_row(type_k, args.head_dim) + \
+        np.dtype(_DTYPE[type_v]).itemsize * kv_row(type_v, args.head_dim_v)
+    return args.n_layer * args.n_head_kv * size
+
+
+class PagedKVCache:
+    """Paged KV cache: block pools per layer group plus their block manager.
+
+    Args:
+        args: the model's ModelArgs (n_layer, n_head_kv, head_dim(_v), swa_layers, sliding_window).
+        n_ctx: most positions one sequence may hold.
+        n_seq: most sequences at once (slots).
+        block_size: token positions per block (default 16).
+        type_k, type_v: "f16" (default), "f32" or "q8_0".
+        model_key: bytes naming the model (so prefix hashes of other models never match).
+        storage: "file" (a memory-mapped file under ``home``/kv, the default) or "anon".
+        home: the edge data directory (for storage="file").
+    Raises ValueError for bad sizes or types, OSError when the pool file cannot be created.
+    """
+
+    def __init__(self, args, n_ctx: int, n_seq: int = 1, block_size: int = 16, type_k: str = "f16",
+                 type_v: str = "f16", model_key: bytes = b"", storage: str = "file", home: Path | None = None):
+        if n_ctx < 1 or n_seq < 1 or block_size < 1:
+            raise ValueError(f"KV cache needs n_ctx, n_seq and block_size >= 1, got {n_ctx}, {n_seq}, {block_size}")
+        if storage not in ("file", "anon"):
+            raise ValueError(f"KV cache storage must be 'file' or 'anon', got {storage!r}")
+        self.args, self.n_ctx, self.n_seq, self.block_size = args, n_ctx, n_seq, block_size
+        self.type_k, self.type_v = type_k, type_v
+        row_k, row_v = kv_row(type_k, args.head_dim), kv_row(type_v, args.head_dim_v)
+        window = args.sliding_window if any(args.swa_layers) else 0
+        self.layer_group = [1 if (window and swa) else 0 for swa in args.swa_layers]
+        n_blocks = n_seq * -(-n_ctx // block_size)
+        groups = [KVGroup(n_blocks, window=0)]
+        if 1 in self.layer_group:
+            groups.append(KVGroup(n_blocks, window=window))
+        self.manager = KVBlockManager(groups, block_size=block_size,
+                                      extra_key=bytes(model_key) + f"|k={type_k}|v={type_v}".encode())
+        shapes = []
+        for _ in range(args.n_layer):
+            shapes.append(((n_blocks, block_size, args.n_head_kv, row_k), _DTYPE[type_k]))
+            shapes.append(((n_blocks, block_size, args.n_head_kv, row_v), _DTYPE[type_v]))
+        sizes = [-(-int(np.prod(s)) * np.dtype(d).itemsize // _ALIGN) * _ALIGN for s, d in shapes]
+        self._map = _map_memory(sum(sizes), storage, home)
+        arrays, offset = [], 0
+        for (shape, dtype), size in zip(shapes, sizes):
+            arrays.append(np.frombuffer(self._map, dtype=dtype, count=int(np.prod(shape)), offset=offset).reshape(shape))
+            offset += size
+        self.k, self.v = arrays[0::2], arrays[1::2]
+        self.nbytes = sum(sizes)
+        self.pos = np.zeros(n_seq, np.int64)            # computed positions per slot
+        self._free_slots = list(range(n_seq - 1, -1, -1))
+        self._tables: list[np.ndarray] = []
+        self._empty = np.full((n_seq, 1), HOLE, np.int32)
+
+    # ---- sequences -------------------------------------------------------------------------
+
+    @property
+    def bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.args, self.type_k, self.type_v)
+
+    def new_sequence(self, prompt_ids) -> tuple[int, int]:
+        """Start a sequence with its prompt: returns (slot, n_cached), the prompt tokens whose
+        K/V the prefix cache already holds (the caller computes prompt_ids[n_cached:]).
+
+        Raises ValueError (empty prompt or longer than n_ctx), NoFreeSlot or NoFreeBlocks
+        (nothing changed)."""
+        if len(prompt_ids) > self.n_ctx:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens but n_ctx is {self.n_ctx}")
+        if not self._free_slots:
+            raise NoFreeSlot(f"all {self.n_seq} sequence slots of the KV cache are in use")
+        slot = self._free_slots[-1]
+        n_cached = self.manager.allocate(slot, prompt_ids)
+        self._free_slots.pop()
+        self.pos[slot] = n_cached
+        return slot, n_cached
+
+    def append(self, slot: int, token_ids) -> None:
+        """Reserve positions for tokens to be computed next (sampled tokens). Raises
+        ValueError past n_ctx, NoFreeBlocks when the pool is full (nothing changed)."""
+        n = self.manager.num_tokens(slot) + len(token_ids)
+        if n > self.n_ctx:
+            raise ValueError(f"context full: sequence {slot} would hold {n} tokens, n_ctx is {self.n_ctx}")
+        self.manager.append_tokens(slot, token_ids)
+
+    def free(self, slot: int) -> None:
+        """End the sequence in ``slot``; its full blocks stay cached."""
+        self.manager.free(slot)
+        self.pos[slot] = 0
+        self._free_slots.append(slot)
+
+    def num_tokens(self, slot: int) -> int:
+        """Positions reserved (known tokens) of the sequence in ``slot``."""
+        return self.manager.num_tokens(slot)
+
+    # ---- the forward pass ------------------------------------------------------------------
+
+    def prepare(self, runs: np.ndarray, lengths: np.ndarray) -> None:
+        """Before a forward that writes ``lengths[i]`` positions of sequence ``runs[i]`` from
+        pos[runs[i]]: check that they are reserved and build the block tables."""
+        for s, n in zip(runs.tolist(), lengths.tolist()):
+            reserved = self.manager.num_tokens(s)
+            if self.pos[s] + n > reserved:
+                raise ValueError(f"sequence {s}: positions {self.pos[s]}..{self.pos[s] + n - 1} are not "
+                                 f"reserved ({reserved} known tokens); call append() first")
+        self._tables = []
+        for g in range(len(self.manager.groups)):
+            rows = {s: self.manager.block_table(s, g) for s in runs.tolist()}
+            width = max(len(t) for t in rows.values())
+            tables = np.full((self.n_seq, width), HOLE, np.int32)
+            for s, t in rows.items():
+                tables[s, : len(t)] = t
+            self._tables.append(tables)
+
+    def layer_tables(self, il: int) -> np.ndarray:
+        """Block tables int32[n_seq, max_blocks] of layer il's group, for the current forward."""
+        return self._tables[self.layer_group[il]] if self._tables else self._empty
+
+    def commit(self, runs: np.ndarray, lengths: np.ndarray) -> None:
+        """After the forward: the positions are computed (their full blocks become cached)."""
+        for s, n in zip(runs.tolist(), lengths.tolist()):
+            self.manager.mark_computed(s, n)
+            self.pos[s] += n
+        self._tables = []
+
+    def close(self) -> None:
+        """Release the memory map (the arrays must not be used afterwards)."""
+        self.k = self.v = []
+        try:
+            self._map.close()
+        except BufferError:  # views still held elsewhere: the map goes with the last of them
+            pass
+
+
+def _map_memory(size: int, storage: str, home: Path | None) -> mmap.mmap:
+    """A zero-filled shared mapping of ``size`` bytes: anonymous, or a sparse file under
+    home/kv unlinked at once (it lives as long as the mapping)."""
+    size = max(size, _ALIGN)
+    if storage == "anon":
+        return mmap.mmap(-1, size)
+    if home is None:
+        from edge.store import edge_home
+        home = edge_home()
+    kv_dir = Path(home) / "kv"
+    kv_dir.mkdir(parents=True, exist_ok=True)
+    path = kv_dir / f"pool-{os.getpid()}-{uuid.uuid4().hex[:8]}.kv"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.unlink(path)
+        os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
