@@ -259,6 +259,7 @@ class _Bench:
                 continue
             self.last[test][name] = results[-1]
             row[name] = _stats([_count(r) / r["s"] for r in results], _count(results[-1]))
+            self.log(f"{name}: {test}: {row[name]['tps']:.1f} tokens/s")
         if row["edge"] and row["llama_cpp"]:
             row["edge_over_llama_cpp"] = row["edge"]["tps"] / row["llama_cpp"]["tps"]
         self.result["tests"].append(row)
