@@ -26,12 +26,13 @@ without it).
 JSON (``edge bench --json``), one object:
     model, model_path, model_bytes, threads, n_ctx, n_batch, reps, seed
     tests: list of {test, kind ("pp" | "tg" | "batched"), n_seq, n_tokens_asked,
-                    edge: RESULT, llama_cpp: RESULT | null, edge_over_llama_cpp: float | null}
+                    edge: RESULT, llama_cpp: RESULT | null, edge_over_llama_cpp: float | null,
+                    tokens_equal: whether both engines generated the same greedy tokens (tg and
+                    batched, last rep; null for pp and without llama.cpp)}
         RESULT = {tps (median tokens/s), tps_min, tps_max, samples (tokens/s per rep),
                   n_tokens (tokens the engine processed or generated in one rep),
                   vs_1_seq (batched rows only)}
     peak_rss_mb, load_to_first_token_s, process_first_token_wall_s: {edge, llama_cpp}
-    tg_tokens_equal: whether both engines' tgN greedy tokens are identical (null without llama.cpp)
     llama_cpp: null when not asked, else {python, version, error}; error (str | null) says why
         llama.cpp's numbers are missing (not importable, failed test: that test's RESULT is null).
 """
@@ -243,7 +244,7 @@ class _Bench:
     def measure(self, test: str, kind: str, n_seq: int, n_asked: int, warmup, call) -> dict:
         """Run ``warmup(runner)`` once, then ``call(runner)`` reps times on every runner."""
         row = {"test": test, "kind": kind, "n_seq": n_seq, "n_tokens_asked": n_asked,
-               "edge": None, "llama_cpp": None, "edge_over_llama_cpp": None}
+               "edge": None, "llama_cpp": None, "edge_over_llama_cpp": None, "tokens_equal": None}
         self.last[test] = {}
         for name, runner in self.runners.items():
             if runner is None:
@@ -262,6 +263,9 @@ class _Bench:
             self.log(f"{name}: {test}: {row[name]['tps']:.1f} tokens/s")
         if row["edge"] and row["llama_cpp"]:
             row["edge_over_llama_cpp"] = row["edge"]["tps"] / row["llama_cpp"]["tps"]
+            last = self.last[test]
+            if "tokens" in last["edge"]:
+                row["tokens_equal"] = last["edge"]["tokens"] == last["llama_cpp"]["tokens"]
         self.result["tests"].append(row)
         return row
 
@@ -299,7 +303,6 @@ def run_bench(cfg: BenchConfig, log=lambda msg: print(msg, file=sys.stderr, flus
               "peak_rss_mb": {"edge": None, "llama_cpp": None},
               "load_to_first_token_s": {"edge": edge.load_to_first_token_s, "llama_cpp": None},
               "process_first_token_wall_s": {"edge": wall, "llama_cpp": None},
-              "tg_tokens_equal": None,
               "llama_cpp": None}
     llama = None
     if cfg.llama_python:
@@ -334,9 +337,6 @@ def _run_tests(cfg: BenchConfig, b: _Bench, edge: EdgeRunner) -> None:
     b.measure(f"pp{cfg.n_prompt}", "pp", 1, cfg.n_prompt,
               lambda r: r.pp(pp_ids[: min(cfg.n_prompt, 16)]), lambda r: r.pp(pp_ids))
     tg = b.measure(f"tg{n}", "tg", 1, n, lambda r: r.tg(first, 2), lambda r: r.tg(first, n))
-    last = b.last[tg["test"]]
-    if "llama_cpp" in last:
-        b.result["tg_tokens_equal"] = last["edge"]["tokens"] == last["llama_cpp"]["tokens"]
     for name, runner in b.runners.items():
         if runner is not None:
             try:
@@ -417,5 +417,8 @@ def print_result(result: dict, console=None) -> None:
         if lc["error"]:
             console.print(f"llama.cpp ({lc['python']}): {lc['error']}")
         else:
+            same = [row["test"] for row in result["tests"] if row["tokens_equal"]]
+            differ = [row["test"] for row in result["tests"] if row["tokens_equal"] is False]
             console.print(f"llama-cpp-python {lc['version']} ({lc['python']}); flash attention off; "
-                          f"greedy tg tokens identical: {'yes' if result['tg_tokens_equal'] else 'no'}")
+                          f"same greedy tokens: {', '.join(same) or 'none'}"
+                          + (f"; different: {', '.join(differ)}" if differ else ""))

@@ -63,6 +63,9 @@ def _tps(r: dict | None, scale: bool = False) -> str:
     return s + (f" ({r['vs_1_seq']:.2f}x)" if scale and "vs_1_seq" in r else "")
 
 
+_SAME = {True: "yes", False: "no", None: "n/a"}
+
+
 def _num(x: float | None, fmt: str) -> str:
     return "n/a" if x is None else fmt.format(x)
 
@@ -83,16 +86,17 @@ def markdown(results: list[dict]) -> str:
         f"{first['threads']} threads; {datetime.date.today().isoformat()}; edge {edge_commit()}; "
         f"llama-cpp-python {', '.join(lc_versions) or 'n/a'} (flash attention off). "
         f"Tokens/s, median of {first['reps']} runs ± half their range; n_ctx {first['n_ctx']}, "
-        f"n_batch {first['n_batch']}; `tgN xB`: B sequences decoding together, (×) = vs one sequence.",
+        f"n_batch {first['n_batch']}; `tgN xB`: B sequences decoding together, (1.00x): tokens/s relative to one sequence.",
         "",
-        "| model | test | edge t/s | llama.cpp t/s | edge / llama.cpp |",
-        "|---|---|---:|---:|---:|",
+        "| model | test | edge t/s | llama.cpp t/s | edge / llama.cpp | same greedy tokens |",
+        "|---|---|---:|---:|---:|:---:|",
     ]
     for r in results:
         for row in r["tests"]:
             batched = row["kind"] == "batched"
             lines.append(f"| {_name(r)} | {row['test']} | {_tps(row['edge'], batched)} | "
-                         f"{_tps(row['llama_cpp'], batched)} | {_num(row['edge_over_llama_cpp'], '{:.2f}')} |")
+                         f"{_tps(row['llama_cpp'], batched)} | {_num(row['edge_over_llama_cpp'], '{:.2f}')} | "
+                         f"{_SAME[row['tokens_equal']] if row['kind'] != 'pp' else ''} |")
     lines += ["", "| model | file | peak RSS MB edge / llama.cpp | load to first token s edge / llama.cpp "
                   "| fresh process to first token s edge / llama.cpp |",
               "|---|---:|---:|---:|---:|"]
