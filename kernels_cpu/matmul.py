@@ -990,22 +990,85 @@ def _allocate(name: str, shape: tuple[int, int], dtype) -> np.ndarray:
     return np.empty(shape, dtype)
 
 
+class QuantizedActivations:
+    """Activations x f32[T, K] converted once to a weight type's vec_dot_type (Q8_0 / Q8_1 /
+    Q8_K blocks), for several matmuls that read the same x (Q, K and V; gate and up).
+
+    ``key`` names the format (activation format, int8 or int16 quants); ``arrays`` are the
+    per-type kernel's activation arguments (quants, scales, and sums or bsums). Built by
+    :func:`quantize_activations`; valid until the workspace it lives in is reused.
+    """
+
+    __slots__ = ("key", "shape", "arrays")
+
+    def __init__(self, key: tuple, shape: tuple[int, int], arrays: tuple):
+        self.key, self.shape, self.arrays = key, shape, arrays
+
+
+def _act_key(t: GGMLQuantizationType) -> tuple:
+    return FORMATS[t].act, t in ROWS_TYPES
+
+
+def _quantize(t: GGMLQuantizationType, x: np.ndarray, buf) -> QuantizedActivations:
+    # the quantize kernels are called directly: x and every buffer are valid by construction.
+    # The quants are int8 for the VNNI row kernels, else widened to int16: one load per segment
+    # instead of load + extend (5-9% faster decode), one compiled specialization per type.
+    T, K = x.shape
+    qs = buf("qs8", (T, K), np.int8) if t in ROWS_TYPES else buf("qs16", (T, K), np.int16)
+    act = FORMATS[t].act
+    if act == ACT_Q8_K:
+        d, bsums = buf("d", (T, K // 256), np.float32), buf("bsums", (T, K // 16), np.int16)
+        qa.quantize_q8_k_kernel(x, qs, d, bsums)
+        arrays = (qs, d, bsums)
+    elif act == ACT_Q8_1:
+        d, s = buf("d", (T, K // 32), np.float32), buf("s", (T, K // 32), np.float32)
+        qa.quantize_q8_1_kernel(x, qs, d, s)
+        arrays = (qs, d, s)
+    else:
+        d = buf("d", (T, K // 32), np.float32)
+        qa.quantize_q8_0_kernel(x, qs, d)
+        arrays = (qs, d)
+    return QuantizedActivations(_act_key(t), (T, K), arrays)
+
+
+def quantize_activations(ggml_type, x: np.ndarray, workspace: MatmulWorkspace | None = None):
+    """x f32[T, K] (C-contiguous) in the vec_dot_type of ``ggml_type`` weights, as llama.cpp
+    converts src1 before a quantized matmul (quantize_row_q8_0 / q8_1 / q8_K): a
+    :class:`QuantizedActivations` to pass to :func:`matmul` as ``xq`` for every weight of a type
+    with the same activation format; None for F32/F16/BF16 weights (nothing to share).
+    Raises QuantFormatError for a bad x or type, ValueError when the workspace is too small.
+    """
+    t = _TYPES.get(ggml_type)
+    if t is None:
+        t = _TYPES[ggml_type] = as_ggml_type(ggml_type)
+    if t in (T_.F32, T_.F16, T_.BF16):
+        return None
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2 or not x.flags.c_contiguous:
+        raise QuantFormatError(f"x must be C-contiguous float32[T, K], got {getattr(x, 'dtype', type(x))} "
+                               f"{getattr(x, 'shape', '')}")
+    if x.shape[1] % GGML_QUANT_SIZES[t][0]:
+        raise QuantFormatError(f"x rows of {x.shape[1]} values are not whole {t.name} blocks")
+    return _quantize(t, x, workspace.take if workspace is not None else _allocate)
+
+
 def matmul(w: np.ndarray, ggml_type, x: np.ndarray, out: np.ndarray | None = None,
-           workspace: MatmulWorkspace | None = None) -> np.ndarray:
+           workspace: MatmulWorkspace | None = None, xq: QuantizedActivations | None = None) -> np.ndarray:
     """out[t, r] = sum_k W[r, k] * x[t, k] with W stored as GGML ``ggml_type`` rows, as llama.cpp.
 
     Shapes: w uint8[R, row_bytes] (zero-copy GGUF rows, also for F32/F16/BF16), x float32[T, K]
     with T >= 1, out float32[T, R] (allocated when None). ``workspace`` supplies the quantized
-    activation buffers (else they are allocated). Raises QuantFormatError for an unsupported
-    type or mismatched shapes/dtypes (K-quant rows need K % 256 == 0), ValueError when the
-    workspace is too small. Python-side cost is a few microseconds per call.
+    activation buffers (else they are allocated). ``xq``: x already quantized by
+    :func:`quantize_activations` (used when its format is this type's, else x is quantized
+    anew, outside the workspace so that xq stays valid). Raises QuantFormatError for an
+    unsupported type or mismatched shapes/dtypes (K-quant rows need K % 256 == 0), ValueError
+    when the workspace is too small. Python-side cost is a few microseconds per call.
     """
     t = _TYPES.get(ggml_type)
     if t is None:
         t = _TYPES[ggml_type] = as_ggml_type(ggml_type)
     out = _check_matmul(w, t, x, out)
     T, K = x.shape
-    buf = workspace.take if workspace is not None else _allocate
+    buf = workspace.take if workspace is not None and xq is None else _allocate
     if t == T_.F32:
         matmul_f32_f32(w.view(np.float32), x, out)
     elif t in (T_.F16, T_.BF16):
@@ -1013,21 +1076,7 @@ def matmul(w: np.ndarray, ggml_type, x: np.ndarray, out: np.ndarray | None = Non
         (round_to_f16 if t == T_.F16 else round_to_bf16)(x, xr)
         (matmul_f16_f16 if t == T_.F16 else matmul_bf16_bf16)(w.view(np.uint16), xr, out)
     else:
-        # the quantize kernels are called directly: x and every buffer are valid by construction.
-        # The quants are written widened to int16: one load per segment instead of load + extend
-        # (5-9% faster decode), and a single compiled specialization per type.
-        qs = buf("qs8", (T, K), np.int8) if t in ROWS_TYPES else buf("qs16", (T, K), np.int16)
-        act = FORMATS[t].act
-        if act == ACT_Q8_K:
-            d, bsums = buf("d", (T, K // 256), np.float32), buf("bsums", (T, K // 16), np.int16)
-            qa.quantize_q8_k_kernel(x, qs, d, bsums)
-            quant_kernel(t, w.shape[0])(w, qs, d, bsums, out)
-        elif act == ACT_Q8_1:
-            d, s = buf("d", (T, K // 32), np.float32), buf("s", (T, K // 32), np.float32)
-            qa.quantize_q8_1_kernel(x, qs, d, s)
-            quant_kernel(t, w.shape[0])(w, qs, d, s, out)
-        else:
-            d = buf("d", (T, K // 32), np.float32)
-            qa.quantize_q8_0_kernel(x, qs, d)
-            quant_kernel(t, w.shape[0])(w, qs, d, out)
+        if xq is None or xq.key != _act_key(t) or xq.shape != (T, K):
+            xq = _quantize(t, x, buf)
+        quant_kernel(t, w.shape[0])(w, *xq.arrays, out)
     return out

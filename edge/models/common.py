@@ -19,7 +19,7 @@ from edge.gguf_file import GGUFError, GGUFFile
 from kernels_cpu import ops
 from kernels_cpu.attention import attention_f16, store_kv
 from kernels_cpu.dequant import dequantize, dequantize_rows
-from kernels_cpu.matmul import matmul
+from kernels_cpu.matmul import MatmulWorkspace, matmul, quantize_activations
 
 
 @dataclass
@@ -131,13 +131,41 @@ class Weight:
         self.rows = gf.tensor_rows(name)
         self.n_in, self.n_out = t.shape
 
-    def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        return matmul(self.rows, self.ggml_type, x, out)
+    def __call__(self, x: np.ndarray, out: np.ndarray | None = None, xq=None, workspace=None) -> np.ndarray:
+        """x f32[T, n_in] -> out f32[T, n_out] (kernels_cpu.matmul.matmul: ``xq`` x already
+        quantized for a weight of the same activation format, ``workspace`` its buffers)."""
+        return matmul(self.rows, self.ggml_type, x, out, workspace, xq)
 
     def get_rows(self, ids: np.ndarray) -> np.ndarray:
         """Dequantized rows ``ids`` (embedding lookup, ggml_get_rows): f32[len(ids), n_in]."""
         out = np.empty((len(ids), self.n_in), dtype=np.float32)
         return dequantize_rows(self.rows, self.ggml_type, np.asarray(ids, dtype=np.int64), out)
+
+
+class Scratch:
+    """Buffers a forward pass reuses from call to call, so that a decode step allocates no
+    activations: named float32 arrays and a matmul workspace, grown when a batch needs more.
+    A model's forward is not reentrant (one caller at a time)."""
+
+    def __init__(self, max_k: int):
+        self.max_k = max_k
+        self._bufs: dict[str, np.ndarray] = {}
+        self._ws: MatmulWorkspace | None = None
+
+    def get(self, name: str, shape: tuple) -> np.ndarray:
+        """A C-contiguous float32 array of ``shape`` (contents undefined), valid until the next
+        get() of the same name."""
+        n = int(np.prod(shape))
+        buf = self._bufs.get(name)
+        if buf is None or buf.size < n:
+            buf = self._bufs[name] = np.empty(max(n, 1), np.float32)
+        return buf[:n].reshape(shape)
+
+    def workspace(self, n_tokens: int) -> MatmulWorkspace:
+        """A matmul workspace for up to n_tokens rows of up to max_k values."""
+        if self._ws is None or self._ws.max_tokens < n_tokens:
+            self._ws = MatmulWorkspace(n_tokens, self.max_k)
+        return self._ws
 
 
 class TensorLoader:
@@ -276,7 +304,7 @@ class Block:
         self.args = a
 
     def __call__(self, x: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray, rope_cs, k_pool, v_pool,
-                 tables, out_rows=None) -> np.ndarray:
+                 tables, scratch: Scratch, out_rows=None) -> np.ndarray:
         """Run the block on x f32[T, n_embd]; write row t's K/V at position positions[t] of
         sequence seq_ids[t] (int32[T] each) into the pools k_pool/v_pool through the block
         tables (kernels_cpu.attention.attention_f16 gives the layouts).
@@ -287,11 +315,14 @@ class Block:
         """
         a = self.args
         T = x.shape[0]
-        h = np.empty_like(x)
+        sc = scratch
+        ws = sc.workspace(T)
+        h = sc.get("h", x.shape)
         ops.rms_norm(x, self.attn_norm, a.rms_eps, h)
-        q = self.attn_q(h)                                                 # [T, n_head*hd]
-        k = self.attn_k(h)                                                 # [T, n_head_kv*hd]
-        v = self.attn_v(h)                                                 # [T, n_head_kv*hd_v]
+        hq = quantize_activations(self.attn_q.ggml_type, h, ws)            # shared by Q, K, V
+        q = self.attn_q(h, sc.get("q", (T, self.attn_q.n_out)), hq, ws)  # [T, n_head*hd]
+        k = self.attn_k(h, sc.get("k", (T, self.attn_k.n_out)), hq, ws)  # [T, n_head_kv*hd]
+        v = self.attn_v(h, sc.get("v", (T, self.attn_v.n_out)), hq, ws)  # [T, n_head_kv*hd_v]
         if self.attn_q_bias is not None:
             q += self.attn_q_bias
             k += self.attn_k_bias
@@ -308,25 +339,27 @@ class Block:
             q *= np.float32(a.query_scale)
         store_kv(k.reshape(T, -1), k_pool, tables, seq_ids, positions)
         store_kv(v.reshape(T, -1), v_pool, tables, seq_ids, positions)
-        attn = np.empty((T, a.n_head, a.head_dim_v), dtype=np.float32)
+        attn = sc.get("attn", (T, a.n_head, a.head_dim_v))
         scale = np.float32(a.attention_scale) if a.attention_scale else np.float32(1) / np.sqrt(np.float32(a.head_dim))
         attention_f16(q, k_pool, v_pool, tables, seq_ids, positions, self.window, scale, attn)
-        o = self.attn_output(attn.reshape(T, -1))                          # [T, n_embd]
+        o = self.attn_output(attn.reshape(T, -1), sc.get("o", x.shape), workspace=ws)  # [T, n_embd]
         if out_rows is not None:
             o = np.ascontiguousarray(o[out_rows])                          # [rows, n_embd]
             x = np.ascontiguousarray(x[out_rows])                          # [rows, n_embd]
-            h = np.empty_like(x)
+            h = sc.get("h", x.shape)
         if self.post_attention_norm is not None:
             ops.rms_norm(o, self.post_attention_norm, a.rms_eps, o)
         x += o
         ops.rms_norm(x, self.ffn_norm, a.rms_eps, h)
-        g = self.ffn_gate(h)                                               # [T, n_ff]
-        u = self.ffn_up(h)                                                 # [T, n_ff]
+        R = x.shape[0]
+        hq = quantize_activations(self.ffn_gate.ggml_type, h, ws)          # shared by gate, up
+        g = self.ffn_gate(h, sc.get("g", (R, a.n_ff)), hq, ws)             # [R, n_ff]
+        u = self.ffn_up(h, sc.get("u", (R, a.n_ff)), hq, ws)               # [R, n_ff]
         if a.activation == "gelu":
             ops.gelu_mul(g, u, g)
         else:
             ops.silu_mul(g, u, g)
-        d = self.ffn_down(g)                                               # [T, n_embd]
+        d = self.ffn_down(g, sc.get("d", x.shape), workspace=ws)           # [R, n_embd]
         if self.post_ffw_norm is not None:
             ops.rms_norm(d, self.post_ffw_norm, a.rms_eps, d)
         x += d
@@ -352,6 +385,7 @@ class Transformer:
         else:
             self.output = self.token_embd                                              # tied
         self.rope_freqs = ld.vector("rope_freqs.weight", args.n_rot // 2, required=False)  # [n_rot/2]
+        self.scratch = Scratch(max(args.n_embd, args.n_ff, args.n_head * args.head_dim_v))
         ld.check_all_used(args.arch)
 
     def new_cache(self, n_ctx: int, n_seq: int = 1, kv_type: str = "f16") -> KVCache:
@@ -397,7 +431,7 @@ class Transformer:
         last = len(self.blocks) - 1
         for il, blk in enumerate(self.blocks):
             x = blk(x, seq_ids, positions, local if blk.is_swa else glob, cache.k[il], cache.v[il],
-                    cache.layer_tables(il), logits_rows if il == last else None)
+                    cache.layer_tables(il), self.scratch, logits_rows if il == last else None)
         cache.commit(runs, lengths)
         h = x                                                              # [rows, n_embd]
         ops.rms_norm(h, self.output_norm, self.args.rms_eps, h)
