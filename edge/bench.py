@@ -14,9 +14,9 @@ Tests (each the median of ``reps`` timed repetitions after one short untimed war
 
 Also: peak RSS (getrusage ru_maxrss, mmapped weight pages included) after the pp and tg tests
 (KV cache of n_ctx), load-to-first-token (Engine construction, or llama.cpp's model load and
-context creation, to the first greedy token of FIRST_PROMPT; in a fresh process), and the
-wall time of a fresh ``edge run -n 1`` process (interpreter start to exit), for llama.cpp the
-child process's start to its first token.
+context creation, to the first greedy token of FIRST_PROMPT; the first thing each process does
+after its imports), and the wall time of a fresh ``edge run -n 1`` process (interpreter start
+to exit), for llama.cpp the child process's start to its first token.
 
 With a llama.cpp interpreter (``--vs-llama-cpp``), edge.bench_llama_cpp runs the same tests
 with the same token ids, threads (n_threads and n_threads_batch), n_batch (= n_ubatch) and
@@ -39,7 +39,6 @@ JSON (``edge bench --json``), one object:
 from __future__ import annotations
 
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -278,13 +277,16 @@ def _random_ids(rng: np.random.Generator, shape, n_vocab: int, bos: int | None) 
     return ids
 
 
-def _process_wall(cfg: BenchConfig) -> float | None:
+def _process_wall(cfg: BenchConfig, log) -> float | None:
     """Wall seconds of a fresh ``edge run -n 1`` (greedy, raw FIRST_PROMPT); None if it failed."""
     cmd = [sys.executable, "-m", "edge.cli", "run", "-m", str(cfg.model), "-n", "1", "--temp", "0", "--raw",
            "-t", str(cfg.threads), "-c", str(cfg.n_ctx), "-b", str(cfg.n_batch), FIRST_PROMPT]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
-    return time.perf_counter() - t0 if proc.returncode == 0 else None
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        log(f"edge: `edge run -n 1` failed (status {proc.returncode}): {proc.stderr.strip()[-300:]}")
+        return None
+    return time.perf_counter() - t0
 
 
 def run_bench(cfg: BenchConfig, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> dict:
@@ -295,7 +297,7 @@ def run_bench(cfg: BenchConfig, log=lambda msg: print(msg, file=sys.stderr, flus
     """
     cfg.check()
     log(f"edge: fresh process, run -n 1 on {cfg.model.name}")
-    wall = _process_wall(cfg)
+    wall = _process_wall(cfg, log)
     edge = EdgeRunner(cfg)
     result = {"model": edge.engine.name, "model_path": str(cfg.model), "model_bytes": cfg.model.stat().st_size,
               "threads": cfg.threads, "n_ctx": cfg.n_ctx, "n_batch": cfg.n_batch, "reps": cfg.reps,
