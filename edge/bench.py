@@ -374,12 +374,13 @@ def _spread(r: dict | None) -> str:
 def print_result(result: dict, console=None) -> None:
     """Print ``run_bench``'s result as rich tables: throughput per test, then memory and start-up."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = console or Console()
     vs = result["llama_cpp"] is not None
     batched = any(row["kind"] == "batched" for row in result["tests"])
-    t = Table(title=f"edge bench: {result['model']}, {_size(result['model_bytes'])}, {result['threads']} threads, "
+    t = Table(title=f"edge bench: {escape(result['model'])}, {_size(result['model_bytes'])}, {result['threads']} threads, "
                     f"n_ctx {result['n_ctx']}, n_batch {result['n_batch']}; tokens/s, median of {result['reps']}")
     engines = ("edge", "llama_cpp") if vs else ("edge",)
     t.add_column("test")
@@ -417,10 +418,10 @@ def print_result(result: dict, console=None) -> None:
     if vs:
         lc = result["llama_cpp"]
         if lc["error"]:
-            console.print(f"llama.cpp ({lc['python']}): {lc['error']}")
+            console.print(f"llama.cpp ({lc['python']}): {lc['error']}", markup=False)
         else:
             same = [row["test"] for row in result["tests"] if row["tokens_equal"]]
             differ = [row["test"] for row in result["tests"] if row["tokens_equal"] is False]
             console.print(f"llama-cpp-python {lc['version']} ({lc['python']}); flash attention off; "
                           f"same greedy tokens: {', '.join(same) or 'none'}"
-                          + (f"; different: {', '.join(differ)}" if differ else ""))
+                          + (f"; different: {', '.join(differ)}" if differ else ""), markup=False)

@@ -152,7 +152,9 @@ def main() -> int:
     cfg = json.loads(sys.argv[1])
     out = sys.stdout
     if ll is None:
-        print(json.dumps({"error": f"cannot import llama_cpp ({IMPORT_ERROR})"}), file=out, flush=True)
+        print(json.dumps({"error": f"cannot import llama_cpp ({IMPORT_ERROR}); install llama-cpp-python "
+                                    "(pip install 'edge[bench]') or pass --llama-python PYTHON"}),
+              file=out, flush=True)
         return 1
     try:
         t0 = time.perf_counter()

@@ -120,3 +120,19 @@ def test_bench_table_markdown_and_readme_markers(bench_json):
     with pytest.raises(ValueError, match="needs the markers"):
         bt.replace_between_markers(f"{bt.END}\n{bt.START}\n", md)
     assert bt.START in (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+
+
+def test_rich_tables(bench_json):
+    from rich.console import Console
+
+    from edge.bench import print_result
+
+    console = Console(file=io.StringIO(), width=200)
+    print_result(bench_json, console)
+    text = console.file.getvalue()
+    for row in bench_json["tests"]:
+        assert f"│ {row['test']} " in text
+        assert f"{row['edge']['tps']:.1f}" in text
+    assert f"{bench_json['peak_rss_mb']['edge']:.0f}" in text
+    if not HAS_LLAMA_CPP:
+        assert "pip install 'edge[bench]'" in text   # not eaten as rich markup
