@@ -92,7 +92,7 @@ class LlamaBench:
         return np.ctypeslib.as_array(ll.llama_get_logits(ctx), shape=(rows, self.n_vocab))
 
     def _prefill(self, ctx, ids, seq: int = 0) -> int:
-        """Decode ``ids`` in chunks of n_batch into sequence ``seq``; returns the greedy token."""
+        """Decode ``ids`` in chunks of n_batch into the empty sequence ``seq``; returns the greedy token."""
         for i in range(0, len(ids), self.n_batch):
             chunk = ids[i : i + self.n_batch]
             last = i + len(chunk) == len(ids)
