@@ -41,6 +41,11 @@ R // ND apart (adjacent rows in one tile stream from DRAM at half the speed of o
 Results do not depend on the tiling, so edge tiles overlap their neighbours instead of being
 smaller.
 
+On CPUs with AVX-512 VNNI (simd.HAS_VNNI) some tiles come from other generators, with the
+same float operations: Q4_K (repacked) and Q6_K (tiled) from kernels_cpu.matmul_rows (one
+weight row per lane), Q5_0 / Q8_0 and Q6_K on the VEC_DOT path from kernels_cpu.matmul_vnni
+(vpdpbusd / vpmaddubsw + vpdpwssd straight into ggml's 8 lanes); those types take int8 quants.
+
 Not reproduced: F32/F16/BF16 weights (tinyBLAS / ggml_vec_dot_f16 orders); they agree to
 float32 rounding.
 
@@ -60,6 +65,7 @@ from kernels_cpu import quantize_act as qa
 from kernels_cpu.dequant import QuantFormatError, as_ggml_type
 from kernels_cpu.f16 import f16_to_f32, f32_to_f16
 from kernels_cpu.matmul_rows import ROWS, build_rows_tile
+from kernels_cpu.matmul_vnni import build_vnni_tile
 from kernels_cpu.simd import (BYTE_PTR, F32, HAS_VNNI, I8, I16, I32, I64, bit_lanes, concat, const_vec,
                               f32_from_bits, fmuladd, lanes_i8, load, load_half, madd_pairs, shuffle, splat, tile_function, vec)
 
@@ -70,6 +76,7 @@ TC = 64  # activation rows per prefill chunk
 ND = 4  # decode tile rows, R // ND apart (adjacent rows in one tile stream from DRAM at half speed)
 # Q4_K (repacked) and Q6_K with AVX-512 VNNI: tiles of 8 rows, one per lane (kernels_cpu.matmul_rows)
 NR_ROWS = ROWS if HAS_VNNI else NR
+NR_Q0 = 8 if HAS_VNNI else NR  # Q5_0 / Q8_0 with AVX-512 VNNI: 8 rows in pairs (kernels_cpu.matmul_vnni)
 
 ACT_Q8_0, ACT_Q8_1, ACT_Q8_K = "q8_0", "q8_1", "q8_k"
 
@@ -644,6 +651,8 @@ def qdot_tile(typingctx, fmt, path, nr, nt, w, r0, r_step, xq, xd, xa, t0, out):
         name = f"edge_qdot_{f.ggml_type.name.lower()}_{PATH_NAMES[p]}_{n_r}x{n_t}{'_x16' if x16 else ''}"
         if builder.module.globals.get(name):
             fn = builder.module.globals.get(name)
+        elif HAS_VNNI and p == VEC_DOT and f.ggml_type in (T_.Q5_0, T_.Q8_0, T_.Q6_K):
+            fn = build_vnni_tile(builder.module, f.ggml_type.name, n_r, n_t, name, x16)
         elif n_r == ROWS and HAS_VNNI and f.ggml_type in (T_.Q4_K, T_.Q6_K):
             fn = build_rows_tile(builder.module, f.ggml_type.name, PATH_NAMES[p], n_t, name, x16)
         else:
@@ -754,13 +763,13 @@ def matmul_q4_0_q8_0_repacked(w, xqs, xd, out):
 @njit(parallel=True, cache=True)
 def matmul_q5_0_q8_0(w, xqs, xd, out):
     """Q5_0 weights x Q8_0 activations (ggml_vec_dot_q5_0_q8_0, tinyBLAS_Q0_AVX)."""
-    _tiled(_Q5_0, VEC_DOT, NR, w, xqs, xd, xd, out)
+    _tiled(_Q5_0, VEC_DOT, NR_Q0, w, xqs, xd, xd, out)
 
 
 @njit(parallel=True, cache=True)
 def matmul_q8_0_q8_0(w, xqs, xd, out):
     """Q8_0 weights x Q8_0 activations (ggml_vec_dot_q8_0_q8_0, tinyBLAS_Q0_AVX)."""
-    _tiled(_Q8_0, VEC_DOT, NR, w, xqs, xd, xd, out)
+    _tiled(_Q8_0, VEC_DOT, NR_Q0, w, xqs, xd, xd, out)
 
 
 @njit(parallel=True, cache=True)
@@ -776,13 +785,14 @@ def matmul_q5_1_q8_1(w, xqs, xd, xs, out):
 
 
 @njit(cache=True, inline="always")
-def _plain_k(fmt, nr, w, xqs, xd, xbsums, out):
+def _plain_k(fmt, nr, nd, w, xqs, xd, xbsums, out):
     """K-quant weights in llama.cpp's plain CPU buffer: the tiled kernel for batches of >= 8
-    rows (ggml_tiled_min_batch), else ggml_vec_dot_<type>_q8_K."""
+    rows (ggml_tiled_min_batch) in tiles of ``nr`` weight rows, else ggml_vec_dot_<type>_q8_K
+    in tiles of ``nd`` rows."""
     if xqs.shape[0] >= 8:
         _blocks(fmt, TILED, nr, True, w, xqs, xd, xbsums, out)
     else:
-        _tiled(fmt, VEC_DOT, nr, w, xqs, xd, xbsums, out)
+        _tiled(fmt, VEC_DOT, nd, w, xqs, xd, xbsums, out)
 
 
 @njit(cache=True, inline="always")
@@ -802,7 +812,7 @@ def _repacked_k(fmt, nr, w, xqs, xd, xbsums, out):
 @njit(parallel=True, cache=True)
 def matmul_q2_k_q8_k(w, xqs, xd, xbsums, out):
     """Q2_K weights x Q8_K activations (see _plain_k)."""
-    _plain_k(_Q2_K, NR, w, xqs, xd, xbsums, out)
+    _plain_k(_Q2_K, NR, NR, w, xqs, xd, xbsums, out)
 
 
 @njit(parallel=True, cache=True)
@@ -814,13 +824,13 @@ def matmul_q2_k_q8_k_repacked(w, xqs, xd, xbsums, out):
 @njit(parallel=True, cache=True)
 def matmul_q3_k_q8_k(w, xqs, xd, xbsums, out):
     """Q3_K weights x Q8_K activations (see _plain_k)."""
-    _plain_k(_Q3_K, NR, w, xqs, xd, xbsums, out)
+    _plain_k(_Q3_K, NR, NR, w, xqs, xd, xbsums, out)
 
 
 @njit(parallel=True, cache=True)
 def matmul_q4_k_q8_k(w, xqs, xd, xbsums, out):
     """Q4_K weights x Q8_K activations (see _plain_k)."""
-    _plain_k(_Q4_K, NR, w, xqs, xd, xbsums, out)
+    _plain_k(_Q4_K, NR, NR, w, xqs, xd, xbsums, out)
 
 
 @njit(parallel=True, cache=True)
@@ -832,13 +842,13 @@ def matmul_q4_k_q8_k_repacked(w, xqs, xd, xbsums, out):
 @njit(parallel=True, cache=True)
 def matmul_q5_k_q8_k(w, xqs, xd, xbsums, out):
     """Q5_K weights x Q8_K activations (see _plain_k)."""
-    _plain_k(_Q5_K, NR, w, xqs, xd, xbsums, out)
+    _plain_k(_Q5_K, NR, NR, w, xqs, xd, xbsums, out)
 
 
 @njit(parallel=True, cache=True)
 def matmul_q6_k_q8_k(w, xqs, xd, xbsums, out):
     """Q6_K weights x Q8_K activations (see _plain_k)."""
-    _plain_k(_Q6_K, NR_ROWS, w, xqs, xd, xbsums, out)
+    _plain_k(_Q6_K, NR_ROWS, NR, w, xqs, xd, xbsums, out)
 
 
 # float weights: ggml_vec_dot_f32 / _f16 / _bf16 (float32 accumulation, any summation order)
@@ -900,7 +910,7 @@ def round_to_bf16(x, out):
             bits_out[t, k] = (h & np.uint32(0xFFFF)) << np.uint32(16)
 
 
-ROWS_TYPES = (T_.Q4_K, T_.Q6_K) if HAS_VNNI else ()  # their kernels read int8 quants fastest
+ROWS_TYPES = (T_.Q5_0, T_.Q8_0, T_.Q4_K, T_.Q6_K) if HAS_VNNI else ()  # VNNI kernels: int8 quants
 
 QUANT_KERNELS = {  # llama.cpp's plain CPU buffer
     T_.Q4_0: matmul_q4_0_q8_0, T_.Q5_0: matmul_q5_0_q8_0, T_.Q8_0: matmul_q8_0_q8_0,

@@ -189,29 +189,41 @@ def target_features() -> frozenset:
     return frozenset(f for f in features.split(",") if f.startswith("+"))
 
 
-# AVX-512 VNNI on 256-bit vectors (EVEX vpdpbusd / vpdpwssd ymm need avx512vl too)
-HAS_VNNI = {"+avx512vnni", "+avx512vl"} <= target_features()
+# AVX-512 VNNI on 256- and 512-bit vectors (EVEX vpdpbusd / vpdpwssd ymm need avx512vl too,
+# vpmaddubsw zmm avx512bw)
+HAS_VNNI = {"+avx512vnni", "+avx512vl", "+avx512bw"} <= target_features()
 
 
-def _x86_call(b: ir.IRBuilder, name: str, args):
+def _x86_call(b: ir.IRBuilder, name: str, args, ret: ir.Type | None = None):
     fn = b.module.globals.get(name)
     if fn is None:
-        fn = ir.Function(b.module, ir.FunctionType(args[0].type, [a.type for a in args]), name)
+        fn = ir.Function(b.module, ir.FunctionType(ret or args[0].type, [a.type for a in args]), name)
     return b.call(fn, args)
 
 
+def _vnni_call(b: ir.IRBuilder, op: str, acc, u, v):
+    n = acc.type.count  # 8 (ymm) or 16 (zmm) i32 lanes
+    vi = vec(I32, n)
+    return _x86_call(b, f"llvm.x86.avx512.{op}.{32 * n}", [acc, b.bitcast(u, vi), b.bitcast(v, vi)])
+
+
 def dot_u8_s8(b: ir.IRBuilder, acc, u8, s8):
-    """<8 x i32> acc + (lane j: sum of u8[4j+k] * s8[4j+k], k < 4), u8 unsigned and s8 signed
-    <32 x i8> (exact; x86 vpdpbusd, AVX-512 VNNI + VL only)."""
-    v8 = vec(I32, 8)
-    return _x86_call(b, "llvm.x86.avx512.vpdpbusd.256", [acc, b.bitcast(u8, v8), b.bitcast(s8, v8)])
+    """<n x i32> acc + (lane j: sum of u8[4j+k] * s8[4j+k], k < 4), u8 unsigned and s8 signed
+    <4n x i8>, n = 8 or 16 (exact; x86 vpdpbusd, AVX-512 VNNI (+ VL for n = 8) only)."""
+    return _vnni_call(b, "vpdpbusd", acc, u8, s8)
 
 
 def dot_i16(b: ir.IRBuilder, acc, a, x):
-    """<8 x i32> acc + (lane j: a[2j]*x[2j] + a[2j+1]*x[2j+1]) for <16 x i16> a, x (exact; x86
-    vpdpwssd, AVX-512 VNNI + VL only)."""
-    v8 = vec(I32, 8)
-    return _x86_call(b, "llvm.x86.avx512.vpdpwssd.256", [acc, b.bitcast(a, v8), b.bitcast(x, v8)])
+    """<n x i32> acc + (lane j: a[2j]*x[2j] + a[2j+1]*x[2j+1]) for <2n x i16> a, x, n = 8 or 16
+    (exact; x86 vpdpwssd, AVX-512 VNNI (+ VL for n = 8) only)."""
+    return _vnni_call(b, "vpdpwssd", acc, a, x)
+
+
+def madd_u8_s8(b: ir.IRBuilder, u8, s8):
+    """<64 x i8> u8 (unsigned), s8 (signed) -> <32 x i16>: lane i = u8[2i]*s8[2i] + u8[2i+1]*s8[2i+1]
+    (x86 vpmaddubsw, AVX-512 BW). The sum saturates to int16: exact while |sum| <= 32767, e.g.
+    u8 <= 127 or |s8| <= 127 with u8 <= 128 (2 * 127 * 128 = 32512)."""
+    return _x86_call(b, "llvm.x86.avx512.pmaddubs.w.512", [u8, s8], vec(I16, 32))
 
 
 def tile_function(module: ir.Module, name: str, nr: int, nt: int, accumulators: dict, body, finish) -> ir.Function:

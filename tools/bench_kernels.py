@@ -4,7 +4,7 @@
 * decode (T = 1): effective weight bandwidth, GB/s = weight bytes / time. Each timed pass cycles
   through enough copies of the weight matrix (>= --working-set MB) that they come from DRAM,
   as in real decode, not from the caches.
-* prefill (T = 64, 512): GFLOP/s = 2 * R * K * T / time.
+* batched decode and prefill (T = 8, 64, 512): GFLOP/s = 2 * R * K * T / time.
 * compile: first call of each type in a fresh process with an empty numba cache, then again
   with the warm cache (--compile).
 
@@ -27,9 +27,10 @@ import numpy as np
 
 SHAPES = {  # model -> (decode (R, K), prefill (R, K, T)): attn_q, ffn_up, ffn_down, output
     "0.5b": ([(896, 896), (4864, 896), (896, 4864), (151936, 896)],
-             [(4864, 896, 64), (896, 4864, 64), (4864, 896, 512), (896, 4864, 512)]),
+             [(4864, 896, 8), (896, 4864, 8), (4864, 896, 64), (896, 4864, 64), (4864, 896, 512), (896, 4864, 512)]),
     "1.5b": ([(1536, 1536), (8960, 1536), (1536, 8960), (151936, 1536)],
-             [(8960, 1536, 64), (1536, 8960, 64), (8960, 1536, 512), (1536, 8960, 512)]),
+             [(8960, 1536, 8), (1536, 8960, 8), (8960, 1536, 64), (1536, 8960, 64), (8960, 1536, 512),
+              (1536, 8960, 512)]),
 }
 ALL_TYPES = "F32,F16,BF16,Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K"
 
