@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from edge import __version__
+from edge.kv.cache import KV_TYPES
 
 
 def physical_cores() -> int:
@@ -39,6 +40,10 @@ def _add_model_args(p: argparse.ArgumentParser, ctx_default: int | None = 4096) 
                        help=f"context size in tokens (default: {ctx_default})")
     p.add_argument("-b", "--batch-size", type=int, default=512,
                    help="prompt tokens processed per forward pass (default: 512)")
+    p.add_argument("-ctk", "--cache-type-k", default="f16", choices=KV_TYPES,
+                   help="KV cache type for K (default: f16)")
+    p.add_argument("-ctv", "--cache-type-v", default="f16", choices=KV_TYPES,
+                   help="KV cache type for V (default: f16)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -73,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tokens to generate, -1 = until end of generation or context (default: -1)")
     run.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     run.add_argument("-sys", "--system", default=None, help="system message (chat models)")
+    run.add_argument("--session", "--prompt-cache", dest="session", default=None, metavar="FILE",
+                     help="session file: restore the prompt's KV cache from it when it starts the "
+                          "same way, and save the prompt's state to it (llama.cpp's --prompt-cache)")
     run.set_defaults(func=cmd_run)
 
     ppl = sub.add_parser("perplexity", help="perplexity of a model on a text file (llama-perplexity's method)")
@@ -143,7 +151,8 @@ def _load_engine(args):
 
     _set_threads(args.threads)
     path = resolve_model(args.model)
-    engine = Engine(path, n_ctx=args.ctx_size, n_batch=args.batch_size)
+    engine = Engine(path, n_ctx=args.ctx_size, n_batch=args.batch_size,
+                    cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
     if args.ctx_size > engine.model.args.n_ctx_train:
         print(f"warning: -c {args.ctx_size} is more than the {engine.model.args.n_ctx_train} tokens "
               f"{engine.name} was trained on; quality drops past that", file=sys.stderr)
@@ -186,7 +195,7 @@ def cmd_run(args) -> int:
     stats = GenerationStats()
     decoder = StreamDecoder()
     out = sys.stdout
-    for tok in engine.generate(ids, params, args.max_tokens, stats):
+    for tok in engine.generate(ids, params, args.max_tokens, stats, session=args.session):
         text = decoder.feed(engine.tokenizer.token_to_piece(tok, special=False))
         if text:
             out.write(text)
@@ -198,7 +207,8 @@ def cmd_run(args) -> int:
     total = time.perf_counter() - t_start
     print(f"\nprompt: {stats.n_prompt} tokens, TTFT {stats.ttft * 1000:.0f} ms, "
           f"{stats.prompt_tps:.1f} tokens/s | generated: {stats.n_generated} tokens, "
-          f"{stats.gen_tps:.1f} tokens/s | finish: {stats.finish_reason} | total {total:.1f} s",
+          f"{stats.gen_tps:.1f} tokens/s | finish: {stats.finish_reason} | total {total:.1f} s"
+          + (f" | {stats.n_restored} prompt tokens restored from {args.session}" if stats.n_restored else ""),
           file=sys.stderr)
     return 0
 

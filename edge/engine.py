@@ -17,6 +17,7 @@ import numpy as np
 from edge.chat_template import ChatTemplate, ChatTemplateError, require_template
 from edge.gguf_file import GGUFFile
 from edge.kv.cache import PagedKVCache, kv_row
+from edge.session import load_session, model_fingerprint, save_session
 from edge.models import load_model
 from edge.sampling import Sampler, SamplingParams
 from edge.tokenizer import Tokenizer
@@ -43,6 +44,7 @@ class GenerationStats:
 
     n_prompt: int = 0
     n_cached: int = 0            # prompt tokens whose K/V came from the prefix cache
+    n_restored: int = 0          # prompt tokens whose K/V came from a session file
     n_generated: int = 0
     ttft: float = 0.0            # start of generate() to the first token sampled
     prompt_seconds: float = 0.0  # prefill time
@@ -100,6 +102,7 @@ class Engine:
         kv_row(self.cache_type_k, self.model.args.head_dim)   # refuse bad KV types before any work
         kv_row(self.cache_type_v, self.model.args.head_dim_v)
         self._kv: PagedKVCache | None = None
+        self._fingerprint: str | None = None
 
     @property
     def kv(self) -> PagedKVCache:
@@ -110,6 +113,13 @@ class Engine:
             self._kv = PagedKVCache(self.model.args, self.n_ctx, self.n_seq, self.block_size,
                                     self.cache_type_k, self.cache_type_v, model_key=key, storage=self.kv_storage)
         return self._kv
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 naming the model file's content (edge.session.model_fingerprint)."""
+        if self._fingerprint is None:
+            self._fingerprint = model_fingerprint(self.gguf)
+        return self._fingerprint
 
     def clear_kv_cache(self) -> None:
         """Forget every cached prefix (the next generation computes its whole prompt, as a cold
@@ -166,11 +176,17 @@ class Engine:
         return logits[-1]
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
-                 max_tokens: int = -1, stats: GenerationStats | None = None) -> Iterator[int]:
+                 max_tokens: int = -1, stats: GenerationStats | None = None,
+                 session: str | Path | None = None) -> Iterator[int]:
         """Yield generated token ids until an end-of-generation token (not yielded), max_tokens
         (-1 = no limit) or the end of the context. ``stats`` (optional) is filled in as it goes.
 
-        Raises ContextLengthExceeded if the prompt does not leave room for one token.
+        ``session``: a session file (llama.cpp's --prompt-cache). When it exists and its
+        tokens start the prompt, their KV cache and logits are restored instead of computed;
+        after the prompt, its state is saved there (atomically) for the next run.
+
+        Raises ContextLengthExceeded if the prompt does not leave room for one token,
+        SessionError for a session file made with another model or KV type, or damaged.
         """
         stats = stats if stats is not None else GenerationStats()
         prompt_ids = [int(t) for t in prompt_ids]
@@ -182,13 +198,42 @@ class Engine:
         stats.n_prompt = len(prompt_ids)
         t0 = time.perf_counter()
         kv = self.kv
-        slot, stats.n_cached = kv.new_sequence(prompt_ids)
+        slot, logits = self._start(prompt_ids, stats, session)
         try:
-            logits = self.prefill(prompt_ids[stats.n_cached :], kv, seq=slot)
             stats.prompt_seconds = time.perf_counter() - t0
             yield from self._decode(kv, slot, logits, sampler, prompt_ids, max_tokens, stats, t0)
         finally:
             kv.free(slot)
+
+    def _start(self, prompt_ids: list[int], stats: GenerationStats, session) -> tuple[int, np.ndarray]:
+        """A new sequence holding the prompt, and the logits after it: from the session file
+        where it matches, then from the prefix cache, the rest computed."""
+        kv = self.kv
+        saved = None
+        if session is not None and Path(session).exists():
+            saved = load_session(session, self)
+            n = len(saved.tokens)
+            if not (n <= len(prompt_ids) and saved.tokens.tolist() == prompt_ids[:n]):
+                saved = None  # another prompt: computed, and the file replaced below
+        if saved is None:
+            slot, stats.n_cached = kv.new_sequence(prompt_ids)
+        else:
+            slot = kv.import_sequence(saved.tokens, saved.ks, saved.vs)
+            stats.n_restored = len(saved.tokens)
+        try:
+            rest = prompt_ids[int(kv.pos[slot]) :]
+            if rest:
+                if saved is not None:  # the session's tokens are reserved, the rest not yet
+                    kv.append(slot, rest)
+                logits = self.prefill(rest, kv, seq=slot)
+            else:
+                logits = saved.logits
+            if session is not None and rest:
+                save_session(session, self, slot, logits)
+        except BaseException:
+            kv.free(slot)
+            raise
+        return slot, logits
 
     def _decode(self, kv, slot, logits, sampler, prompt_ids, max_tokens, stats, t0):
         history = list(prompt_ids)

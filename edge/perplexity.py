@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from edge.kv.cache import PagedKVCache
+
 
 @dataclass
 class PerplexityResult:
@@ -40,6 +42,17 @@ def _log_softmax_at(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     m = x.max(axis=1, keepdims=True)
     lse = np.log(np.exp(x - m).sum(axis=1)) + m[:, 0]
     return x[np.arange(len(targets)), targets] - lse
+
+
+def _chunk_cache(engine, chunk: list[int]):
+    """A fresh KV cache for one chunk: contiguous f16 (as llama-perplexity's default), or a
+    paged one of the engine's KV types holding the chunk as its sequence 0."""
+    if engine.cache_type_k == engine.cache_type_v == "f16":
+        return engine.model.new_cache(len(chunk))
+    cache = PagedKVCache(engine.model.args, len(chunk), 1, engine.block_size, engine.cache_type_k,
+                         engine.cache_type_v, storage="anon")
+    cache.new_sequence(chunk)
+    return cache
 
 
 def perplexity(engine, text: str, n_ctx: int, max_chunks: int = -1,
@@ -67,7 +80,7 @@ def perplexity(engine, text: str, n_ctx: int, max_chunks: int = -1,
         chunk = list(tokens[c * n_ctx : (c + 1) * n_ctx])
         if tok.add_bos:
             chunk[0] = tok.bos_id
-        cache = model.new_cache(n_ctx)
+        cache = _chunk_cache(engine, chunk)
         rows = []
         for b in range(0, n_ctx, engine.n_batch):
             end = min(b + engine.n_batch, n_ctx)

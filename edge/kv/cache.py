@@ -146,6 +146,56 @@ class PagedKVCache:
         """Positions reserved (known tokens) of the sequence in ``slot``."""
         return self.manager.num_tokens(slot)
 
+    def first_position(self, il: int, n_tokens: int) -> int:
+        """First position layer il's K/V must hold for a query at position n_tokens (0 for
+        full attention; the window's first cell for a sliding-window layer)."""
+        if self.layer_group[il] == 0:
+            return 0
+        return max(0, n_tokens - self.manager.groups[1].window + 1)
+
+    def export_sequence(self, slot: int) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+        """The computed state of a sequence, to save it: (token ids int32[n], per layer the K
+        rows and the V rows of positions first_position(l, n) .. n-1, arrays [m, n_head_kv, row]
+        in the pool dtype)."""
+        n = int(self.pos[slot])
+        tokens = self.manager.token_ids(slot)[:n]
+        ks, vs = [], []
+        for il in range(self.args.n_layer):
+            lo = self.first_position(il, n)
+            blocks, offsets = self.manager.slots(slot, self.layer_group[il], lo, n - lo)
+            ks.append(self.k[il][blocks, offsets])
+            vs.append(self.v[il][blocks, offsets])
+        return tokens, ks, vs
+
+    def import_sequence(self, tokens, ks: list[np.ndarray], vs: list[np.ndarray]) -> int:
+        """Start a sequence from a saved state (export_sequence's arrays): returns its slot,
+        with all len(tokens) positions computed (blocks the prefix cache holds are reused, the
+        rest written). Raises ValueError for arrays of the wrong shape or type, NoFreeSlot or
+        NoFreeBlocks (nothing changed)."""
+        n = len(tokens)
+        if n > self.n_ctx:
+            raise ValueError(f"the session holds {n} tokens but n_ctx is {self.n_ctx}")
+        for il in range(self.args.n_layer):
+            want = n - self.first_position(il, n)
+            for a, pool, what in ((ks[il], self.k[il], "K"), (vs[il], self.v[il], "V")):
+                if a.dtype != pool.dtype or a.shape != (want,) + pool.shape[2:]:
+                    raise ValueError(f"layer {il} {what}: expected {pool.dtype}{[want, *pool.shape[2:]]}, "
+                                     f"got {a.dtype}{list(a.shape)}")
+        if not self._free_slots:
+            raise NoFreeSlot(f"all {self.n_seq} sequence slots of the KV cache are in use")
+        slot = self._free_slots[-1]
+        n_cached = self.manager.restore(slot, tokens)
+        self._free_slots.pop()
+        for il in range(self.args.n_layer):
+            lo = self.first_position(il, n)
+            start = max(lo, n_cached)
+            blocks, offsets = self.manager.slots(slot, self.layer_group[il], start, n - start)
+            self.k[il][blocks, offsets] = ks[il][start - lo :]
+            self.v[il][blocks, offsets] = vs[il][start - lo :]
+        self.manager.mark_computed(slot, n - n_cached)
+        self.pos[slot] = n
+        return slot
+
     # ---- the forward pass ------------------------------------------------------------------
 
     def prepare(self, runs: np.ndarray, lengths: np.ndarray) -> None:
