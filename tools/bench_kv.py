@@ -1,0 +1,179 @@
+#!/usr/bin/env python3
+"""KV cache measurements (issue 4): prefix caching in a 4-turn chat, session restore against
+prefill, RSS at two context sizes, KV bytes per token, and q8_0 against f16 perplexity.
+
+    python tools/bench_kv.py [-m MODEL] [-t THREADS] [--tests prefix,session,rss,bytes,ppl]
+
+prefix:  a 4-turn chat on the model (default: the default model) whose first user message is
+         about 1,000 tokens of this project's own source; for each later turn, TTFT with the
+         earlier turns in the prefix cache against TTFT of the same prompt from a cold cache.
+         Replies are greedy and 48 tokens long. Target: warm <= 15% of cold.
+session: the last turn's prompt saved to a session file by one engine, restored by a fresh
+         engine in this process; restore time (file read + KV import) against prefill time.
+         Target: < 10%.
+rss:     peak RSS of `edge run -n 16` in a child process at -c 4096 and -c 32768 (same prompt).
+         Target: within 100 MB.
+bytes:   KV bytes per token of every pulled registry model for f16, q8_0 and f32.
+ppl:     `edge perplexity` on ../shared/golden/ppl_text.txt (-c 256) with f16 and q8_0 KV.
+         Target: within 1%.
+Prints markdown tables.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+QUESTIONS = ["What does this code do? Answer in two sentences.",
+             "Which function would you test first, and why?",
+             "Suggest one better name for a variable in it.",
+             "Summarize our conversation in one sentence."]
+
+
+def _history_text(n_chars: int = 3600) -> str:
+    src = (ROOT / "edge" / "kv" / "cache.py").read_text()
+    return "Here is some Python code:\n\n```python\n" + src[:n_chars] + "\n```"
+
+
+def _ttft(engine, ids) -> tuple[float, list[int], int]:
+    from edge.engine import GenerationStats
+    from edge.sampling import SamplingParams
+
+    stats = GenerationStats()
+    toks = list(engine.generate(ids, SamplingParams(temperature=0.0), 48, stats))
+    return stats.ttft, toks, stats.n_cached
+
+
+def bench_prefix(engine) -> list[str]:
+    messages = [{"role": "user", "content": _history_text() + "\n\n" + QUESTIONS[0]}]
+    rows = ["| turn | prompt tokens | reused from cache | TTFT warm (ms) | TTFT cold (ms) | warm / cold |",
+            "|---|---|---|---|---|---|"]
+    engine.clear_kv_cache()
+    for turn in range(4):
+        ids = engine.chat_prompt(messages)
+        warm, toks, n_cached = _ttft(engine, ids)
+        reply = engine.tokenizer.decode(toks).decode("utf-8", "replace")
+        if turn:
+            keep = engine.kv                                  # the warm cache, back after the cold run
+            engine._kv = None
+            cold = min(_ttft(engine, ids)[0] for _ in range(2))
+            engine.clear_kv_cache()
+            engine._kv = keep
+            rows.append(f"| {turn + 1} | {len(ids)} | {n_cached} | {warm * 1e3:.0f} | {cold * 1e3:.0f} | "
+                        f"{warm / cold:.1%} |")
+        else:
+            rows.append(f"| 1 | {len(ids)} | {n_cached} | {warm * 1e3:.0f} | (cold) | |")
+        messages += [{"role": "assistant", "content": reply},
+                     {"role": "user", "content": QUESTIONS[(turn + 1) % 4]}]
+    return rows
+
+
+def bench_session(path, threads: int) -> list[str]:
+    from edge.engine import Engine, GenerationStats
+    from edge.sampling import SamplingParams
+    from edge.session import load_session
+
+    eng = Engine(path)
+    ids = eng.chat_prompt([{"role": "user", "content": _history_text()}])
+    f = Path(os.environ.get("TMPDIR", "/tmp")) / f"edge-bench-{os.getpid()}.session"
+    try:
+        t = time.perf_counter()
+        list(eng.generate(ids, SamplingParams(temperature=0.0), 0, GenerationStats(), session=f))
+        prefill = time.perf_counter() - t
+        fresh = Engine(path)
+        fresh.kv                                              # the pool exists before timing
+        t = time.perf_counter()
+        s = load_session(f, fresh)
+        fresh.kv.import_sequence(s.tokens, s.ks, s.vs)
+        restore = time.perf_counter() - t
+        size = f.stat().st_size
+    finally:
+        f.unlink(missing_ok=True)
+    return ["| prompt tokens | prefill + save (ms) | restore (ms) | restore / prefill | file (MB) |",
+            "|---|---|---|---|---|",
+            f"| {len(ids)} | {prefill * 1e3:.0f} | {restore * 1e3:.1f} | {restore / prefill:.1%} | {size / 1e6:.1f} |"]
+
+
+def _child_rss(cmd: list[str]) -> float:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    if status != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.read().decode()[-500:]}")
+    return usage.ru_maxrss / 1024  # Linux: kB
+
+
+def bench_rss(model: str, threads: int) -> list[str]:
+    rows = ["| -c | peak RSS (MB) |", "|---|---|"]
+    for n_ctx in (4096, 32768):
+        rss = _child_rss([sys.executable, "-m", "edge.cli", "run", "-m", model, "-t", str(threads), "-c", str(n_ctx),
+                          "-n", "16", "--temp", "0", "Write a Python function that reverses a string."])
+        rows.append(f"| {n_ctx} | {rss:.0f} |")
+    return rows
+
+
+def bench_bytes() -> list[str]:
+    from edge.gguf_file import GGUFFile
+    from edge.kv.cache import kv_bytes_per_token
+    from edge.models import load_model
+    from edge.store import REGISTRY, model_path
+
+    rows = ["| model | f16 | q8_0 | f32 | f16 at n_ctx 4096 (MB) |", "|---|---|---|---|---|"]
+    for name in REGISTRY:
+        p = model_path(name)
+        if not p.is_file():
+            continue
+        a = load_model(GGUFFile(p)).args
+        b = {t: kv_bytes_per_token(a, t, t) for t in ("f16", "q8_0", "f32")}
+        rows.append(f"| {name} | {b['f16']} | {b['q8_0']} | {b['f32']} | {b['f16'] * 4096 / 2**20:.0f} |")
+    return rows
+
+
+def bench_ppl(model: str, threads: int) -> list[str]:
+    text = ROOT.parent / "shared" / "golden" / "ppl_text.txt"
+    rows = ["| KV type | perplexity | vs f16 |", "|---|---|---|"]
+    base = None
+    for t in ("f16", "q8_0"):
+        out = subprocess.run([sys.executable, "-m", "edge.cli", "perplexity", "-m", model, "-t", str(threads),
+                              "-f", str(text), "-c", "256", "-ctk", t, "-ctv", t],
+                             capture_output=True, text=True, check=True).stdout
+        ppl = float(re.search(r"PPL = ([0-9.]+)", out).group(1))
+        base = base or ppl
+        rows.append(f"| {t} | {ppl:.4f} | {ppl / base - 1:+.2%} |")
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--tests", default="prefix,session,rss,bytes,ppl")
+    args = ap.parse_args()
+    import numba
+
+    from edge.engine import Engine
+    from edge.store import resolve_model
+
+    numba.set_num_threads(args.threads)
+    path = resolve_model(args.model)
+    tests = args.tests.split(",")
+    print(f"# KV cache: {args.model}, {args.threads} threads\n")
+    if "prefix" in tests:
+        print("## Prefix caching, 4-turn chat\n", *bench_prefix(Engine(path)), "", sep="\n")
+    if "session" in tests:
+        print("## Session restore\n", *bench_session(path, args.threads), "", sep="\n")
+    if "rss" in tests:
+        print("## Peak RSS\n", *bench_rss(args.model, args.threads), "", sep="\n")
+    if "bytes" in tests:
+        print("## KV bytes per token\n", *bench_bytes(), "", sep="\n")
+    if "ppl" in tests:
+        print("## Perplexity by KV type (ppl_text.txt, -c 256)\n", *bench_ppl(args.model, args.threads), "", sep="\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
