@@ -47,15 +47,13 @@ def _quants(b, xq, offset, n: int, x16: bool):
     return load(b, xq, offset, vec(I8, n))
 
 
-def _q0_codes(b, name: str, p, q):
-    """<64 x i8> unsigned codes q + offset of the blocks at i8* p (lanes 0-31) and q (32-63)."""
+def _q0_codes(b, name: str, p):
+    """<32 x i8> unsigned codes q + offset of the block at i8* p."""
     if name == "Q8_0":
-        return b.xor(concat(b, load(b, p, 2, V32I8), load(b, q, 2, V32I8)), _bytes(0x80, 64))
-    qs = concat(b, load(b, p, 6, vec(I8, 16)), load(b, q, 6, vec(I8, 16)))  # Q5_0: low 4 bits
-    low = shuffle(b, concat(b, b.and_(qs, _bytes(0x0F, 32)), b.lshr(qs, _bytes(4, 32))),
-                  [16 * k + 32 * (j // 16) + j % 16 for k in range(2) for j in range(32)])
-    bits = b.or_(b.zext(load(b, p, 2, I32), I64), b.shl(b.zext(load(b, q, 2, I32), I64), ir.Constant(I64, 32)))
-    return b.or_(low, b.select(bit_lanes(b, bits), _bytes(16, 64), _bytes(0, 64)))  # bit 4 of value j = bit j of qh
+        return b.xor(load(b, p, 2, V32I8), _bytes(0x80, 32))
+    qs = load(b, p, 6, vec(I8, 16))  # Q5_0: low 4 bits, then bit 4 of value j = bit j of qh
+    low = concat(b, b.and_(qs, _bytes(0x0F, 16)), b.lshr(qs, _bytes(4, 16)))
+    return b.or_(low, b.select(bit_lanes(b, load(b, p, 2, I32)), _bytes(16, 32), _bytes(0, 32)))
 
 
 def _gather(b, values: list, lanes: list):
@@ -83,7 +81,7 @@ def _q0_block(b, name, rows, blk, accs, x16):
     nt = len(xs)
     for k in range(len(rows["w"]) // 2):
         p, q = (b.gep(w, [at_w]) for w in rows["w"][2 * k:2 * k + 2])
-        codes = _q0_codes(b, name, p, q)
+        codes = concat(b, _q0_codes(b, name, p), _q0_codes(b, name, q))
         dw = _gather(b, [load_half(b, p, 0), load_half(b, q, 0)], [0] * 8 + [1] * 8)
         for t in range(nt):
             lanes = dot_u8_s8(b, starts[t], codes, xs[t])
