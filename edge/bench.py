@@ -3,7 +3,8 @@
 Tests (each the median of ``reps`` timed repetitions after one short untimed warm-up):
 
 - ``ppN``: prefill of N random token ids (fixed seed; the first is BOS when the model adds
-  BOS, as llama-bench does) in chunks of n_batch into an empty KV cache of n_ctx tokens;
+  BOS, as llama-bench does) in chunks of n_batch into an empty paged KV cache of n_ctx tokens
+  (edge's own, as ``edge run`` uses; KV types -ctk/-ctv, f16 by default);
   tokens/s = N / seconds.
 - ``tgN``: N greedy tokens decoded one forward pass at a time after the short prompt
   FIRST_PROMPT; tokens/s = N / seconds of those N passes (the prompt is not timed).
@@ -20,11 +21,11 @@ to exit), for llama.cpp the child process's start to its first token.
 
 With a llama.cpp interpreter (``--vs-llama-cpp``), edge.bench_llama_cpp runs the same tests
 with the same token ids, threads (n_threads and n_threads_batch), n_batch (= n_ubatch) and
-n_ctx in a child process; flash attention is off (edge computes attention as llama.cpp does
+n_ctx and KV cache types in a child process; flash attention is off (edge computes attention as llama.cpp does
 without it).
 
 JSON (``edge bench --json``), one object:
-    model, model_path, model_bytes, threads, n_ctx, n_batch, reps, seed
+    model, model_path, model_bytes, threads, n_ctx, n_batch, reps, cache_type_k, cache_type_v, seed
     tests: list of {test, kind ("pp" | "tg" | "batched"), n_seq, n_tokens_asked,
                     edge: RESULT, llama_cpp: RESULT | null, edge_over_llama_cpp: float | null,
                     tokens_equal: whether both engines generated the same greedy tokens (tg and
@@ -73,6 +74,8 @@ class BenchConfig:
     batch_sizes: tuple[int, ...] = (1, 4, 8)
     reps: int = 3
     threads: int = 1
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
     llama_python: str | None = None   # interpreter with llama-cpp-python; None = edge only
 
     def check(self) -> None:
@@ -92,7 +95,9 @@ class BenchConfig:
 class EdgeRunner:
     """edge's side of the benchmark. Constructing it loads the model and times load-to-first-token.
 
-    Methods return plain dicts, as the llama.cpp child (edge.bench_llama_cpp) does:
+    Every call works in a fresh paged KV cache (edge.kv.cache.PagedKVCache, the engine's own
+    block size, KV types and storage; fresh, so no prefix is ever reused), as ``edge run``
+    generates. Methods return plain dicts, as the llama.cpp child (edge.bench_llama_cpp) does:
     pp -> {s, n_tokens}; tg -> {s, tokens}; batched -> {s, tokens per sequence}; rss -> {peak_rss_mb}.
     """
 
@@ -100,42 +105,64 @@ class EdgeRunner:
         from edge.engine import Engine
 
         t0 = time.perf_counter()
-        self.engine = Engine(cfg.model, n_ctx=cfg.n_ctx, n_batch=cfg.n_batch)
+        self.engine = Engine(cfg.model, n_ctx=cfg.n_ctx, n_batch=cfg.n_batch,
+                             cache_type_k=cfg.cache_type_k, cache_type_v=cfg.cache_type_v)
+        self.model = self.engine.model
         self.first_ids = self.engine.raw_prompt(FIRST_PROMPT)
         self.first_token(self.first_ids)
         self.load_to_first_token_s = time.perf_counter() - t0
-        self.model = self.engine.model
+
+    def _kv(self, n_ctx: int, n_seq: int = 1):
+        from edge.kv.cache import PagedKVCache
+
+        e = self.engine
+        return PagedKVCache(self.model.args, n_ctx, n_seq, e.block_size, e.cache_type_k, e.cache_type_v,
+                            storage=e.kv_storage)
 
     def first_token(self, ids) -> int:
-        return int(np.argmax(self.engine.prefill(ids, self.engine.new_cache())))
+        kv = self._kv(self.engine.n_ctx)
+        try:
+            slot, _ = kv.new_sequence(ids)
+            return int(np.argmax(self.engine.prefill(ids, kv, seq=slot)))
+        finally:
+            kv.close()
 
     def pp(self, ids) -> dict:
-        cache = self.engine.new_cache()
-        t0 = time.perf_counter()
-        self.engine.prefill(ids, cache)
-        return {"s": time.perf_counter() - t0, "n_tokens": int(cache.pos[0])}
+        kv = self._kv(self.engine.n_ctx)
+        try:
+            t0 = time.perf_counter()
+            slot, _ = kv.new_sequence(ids)
+            self.engine.prefill(ids, kv, seq=slot)
+            return {"s": time.perf_counter() - t0, "n_tokens": int(kv.pos[slot])}
+        finally:
+            kv.close()
 
     def tg(self, ids, n: int) -> dict:
-        cache = self.engine.new_cache()
-        tok = int(np.argmax(self.engine.prefill(ids, cache)))
-        out = []
-        t0 = time.perf_counter()
-        for _ in range(n):
-            tok = int(np.argmax(self.model.forward([tok], cache)[0]))
-            out.append(tok)
-        return {"s": time.perf_counter() - t0, "tokens": out}
+        return self._decode([ids], n, self.engine.n_ctx, single=True)
 
     def batched(self, prompts, n: int, n_ctx_seq: int) -> dict:
+        return self._decode(prompts, n, n_ctx_seq, single=False)
+
+    def _decode(self, prompts, n: int, n_ctx: int, single: bool) -> dict:
+        """Prefill each prompt into its own slot (untimed), then n timed steps, each one forward
+        pass of one token per sequence, greedy. ``single``: one sequence, tokens as a flat list."""
         B = len(prompts)
-        cache = self.model.new_cache(n_ctx_seq, n_seq=B)
-        toks = np.array([np.argmax(self.engine.prefill(p, cache, seq=s)) for s, p in enumerate(prompts)])
-        seq_ids = np.arange(B)
-        out = np.empty((n, B), dtype=np.int64)
-        t0 = time.perf_counter()
-        for k in range(n):
-            toks = np.argmax(self.model.forward(toks, cache, seq_ids=seq_ids), axis=1)
-            out[k] = toks
-        return {"s": time.perf_counter() - t0, "tokens": out.T.tolist()}
+        kv = self._kv(n_ctx, B)
+        try:
+            slots = [kv.new_sequence(p)[0] for p in prompts]
+            toks = np.array([np.argmax(self.engine.prefill(p, kv, seq=s)) for s, p in zip(slots, prompts)])
+            seq_ids = None if B == 1 else np.array(slots)
+            out = np.empty((n, B), dtype=np.int64)
+            t0 = time.perf_counter()
+            for k in range(n):
+                for s, t in zip(slots, toks):
+                    kv.append(s, [int(t)])
+                toks = np.argmax(self.model.forward(toks, kv, seq_ids=seq_ids), axis=1)
+                out[k] = toks
+            s = time.perf_counter() - t0
+        finally:
+            kv.close()
+        return {"s": s, "tokens": out[:, 0].tolist() if single else out.T.tolist()}
 
     def rss(self) -> dict:
         return {"peak_rss_mb": peak_rss_mb()}
@@ -155,7 +182,8 @@ class LlamaRunner:
         import tempfile
 
         args = {"model": str(cfg.model), "n_ctx": cfg.n_ctx, "threads": cfg.threads,
-                "n_batch": cfg.n_batch, "first_ids": [int(t) for t in first_ids]}
+                "n_batch": cfg.n_batch, "type_k": cfg.cache_type_k, "type_v": cfg.cache_type_v,
+                "first_ids": [int(t) for t in first_ids]}
         self._stderr = tempfile.TemporaryFile(mode="w+")
         t0 = time.perf_counter()
         try:
@@ -301,6 +329,7 @@ def run_bench(cfg: BenchConfig, log=lambda msg: print(msg, file=sys.stderr, flus
     edge = EdgeRunner(cfg)
     result = {"model": edge.engine.name, "model_path": str(cfg.model), "model_bytes": cfg.model.stat().st_size,
               "threads": cfg.threads, "n_ctx": cfg.n_ctx, "n_batch": cfg.n_batch, "reps": cfg.reps,
+              "cache_type_k": cfg.cache_type_k, "cache_type_v": cfg.cache_type_v,
               "seed": SEED, "tests": [],
               "peak_rss_mb": {"edge": None, "llama_cpp": None},
               "load_to_first_token_s": {"edge": edge.load_to_first_token_s, "llama_cpp": None},
@@ -381,7 +410,8 @@ def print_result(result: dict, console=None) -> None:
     vs = result["llama_cpp"] is not None
     batched = any(row["kind"] == "batched" for row in result["tests"])
     t = Table(title=f"edge bench: {escape(result['model'])}, {_size(result['model_bytes'])}, {result['threads']} threads, "
-                    f"n_ctx {result['n_ctx']}, n_batch {result['n_batch']}; tokens/s, median of {result['reps']}")
+                    f"n_ctx {result['n_ctx']}, n_batch {result['n_batch']}, KV {result['cache_type_k']}/{result['cache_type_v']}; "
+                    f"tokens/s, median of {result['reps']}")
     engines = ("edge", "llama_cpp") if vs else ("edge",)
     t.add_column("test")
     for name in engines:

@@ -4,7 +4,7 @@ Runs under any interpreter that has llama-cpp-python (``--llama-python``); it im
 standard library, numpy and llama_cpp, never edge. Started as
 
     PYTHON bench_llama_cpp.py '{"model": PATH, "n_ctx": 4096, "threads": 2, "n_batch": 512,
-                                "first_ids": [...]}'
+                                "type_k": "f16", "type_v": "f16", "first_ids": [...]}'
 
 it loads the model through llama.cpp's C API (llama_model_load_from_file, llama_init_from_model
 with flash attention off, as the goldens were made), decodes ``first_ids`` and takes the greedy
@@ -43,14 +43,19 @@ def peak_rss_mb() -> float:
     return rss / 1e6 if sys.platform == "darwin" else rss * 1024 / 1e6
 
 
-class LlamaBench:
-    """One model with a single-sequence context (n_ctx) and, on demand, a B-sequence one."""
+GGML_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}  # ggml_type ids of the KV cache types
 
-    def __init__(self, model: str, n_ctx: int, threads: int, n_batch: int):
+
+class LlamaBench:
+    """One model with a single-sequence context (n_ctx) and, on demand, a B-sequence one;
+    KV cache types type_k/type_v ("f16", "f32", "q8_0")."""
+
+    def __init__(self, model: str, n_ctx: int, threads: int, n_batch: int, type_k: str, type_v: str):
         self._quiet = ll.llama_log_callback(lambda level, text, user_data: None)  # stdout is the protocol
         ll.llama_log_set(self._quiet, ctypes.c_void_p(0))
         ll.llama_backend_init()
         self.threads, self.n_batch = threads, n_batch
+        self.type_k, self.type_v = GGML_TYPES[type_k], GGML_TYPES[type_v]
         self.model = ll.llama_model_load_from_file(model.encode(), ll.llama_model_default_params())
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {model}")
@@ -65,11 +70,13 @@ class LlamaBench:
         p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = n_ctx, rows, rows, n_seq
         p.n_threads = p.n_threads_batch = self.threads
         p.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        p.type_k, p.type_v = self.type_k, self.type_v
         p.kv_unified = False
         p.no_perf = True
         ctx = ll.llama_init_from_model(self.model, p)
         if not ctx:
-            raise RuntimeError(f"llama.cpp could not create a context (n_ctx {n_ctx}, n_seq_max {n_seq})")
+            raise RuntimeError(f"llama.cpp could not create a context (n_ctx {n_ctx}, n_seq_max {n_seq}; "
+                               "a quantized V cache needs flash attention, which this benchmark keeps off)")
         return ctx
 
     def _decode(self, ctx, tokens, positions, seqs, want_logits) -> None:
@@ -158,7 +165,7 @@ def main() -> int:
         return 1
     try:
         t0 = time.perf_counter()
-        bench = LlamaBench(cfg["model"], cfg["n_ctx"], cfg["threads"], cfg["n_batch"])
+        bench = LlamaBench(cfg["model"], cfg["n_ctx"], cfg["threads"], cfg["n_batch"], cfg["type_k"], cfg["type_v"])
         bench.first_token(cfg["first_ids"])
         hello = {"load_to_first_token_s": time.perf_counter() - t0, "version": ll.__version__}
     except (RuntimeError, OSError, ValueError) as e:

@@ -247,6 +247,7 @@ def cmd_bench(args) -> int:
     cfg = BenchConfig(model=resolve_model(args.model), n_prompt=args.n_prompt, n_gen=args.n_gen,
                       n_batch=args.batch_size, n_ctx=args.ctx_size, batch_sizes=args.batched,
                       reps=args.repetitions, threads=numba.get_num_threads(),
+                      cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
                       llama_python=args.llama_python if args.vs_llama_cpp else None)
     result = run_bench(cfg)
     if args.json:

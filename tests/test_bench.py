@@ -35,11 +35,11 @@ def bench_json(gemma_path):
 def test_json_keys_and_counts(bench_json, gemma_path):
     r = bench_json
     assert {"model", "model_path", "model_bytes", "threads", "n_ctx", "n_batch", "reps", "seed", "tests",
-            "peak_rss_mb", "load_to_first_token_s", "process_first_token_wall_s",
+            "peak_rss_mb", "load_to_first_token_s", "process_first_token_wall_s", "cache_type_k", "cache_type_v",
             "llama_cpp"} <= set(r)
     assert r["model"] == "Gemma 3 270m"
     assert r["model_bytes"] == gemma_path.stat().st_size
-    assert (r["n_ctx"], r["n_batch"], r["reps"]) == (4096, 512, 1)
+    assert (r["n_ctx"], r["n_batch"], r["reps"], r["cache_type_k"], r["cache_type_v"]) == (4096, 512, 1, "f16", "f16")
     assert [t["test"] for t in r["tests"]] == [f"pp{P}", f"tg{N}"] + [f"tg{N} x{b}" for b in BATCHED]
     asked = [P, N] + [b * N for b in BATCHED]
     for row, n_asked in zip(r["tests"], asked):
