@@ -65,8 +65,8 @@ def _gather(b, values: list, lanes: list):
 
 
 def _q0_block(b, name, rows, blk, accs, x16):
-    """One 32-value block of every (row pair, activation row): accumulator lanes 0-7 belong to
-    the pair's first row, lanes 8-15 to the second."""
+    """One 32-value block of every (row pair k, activation row t): accumulator k * nt + t, lanes
+    0-7 for the pair's first row, 8-15 for the second."""
     block_bytes, offset = Q0_FORMATS[name]
     at_w = b.mul(blk, ir.Constant(I64, block_bytes))
     at_x = b.mul(blk, ir.Constant(I64, 32))
@@ -105,28 +105,44 @@ def _q6_k_codes(b, p):
             yield 128 * half + 64 * k, b.or_(low, high)
 
 
+def _reload(b):
+    """Compiler barrier: memory is read again after it (loads are not reused across it)."""
+    b.asm(ir.FunctionType(ir.VoidType(), []), "", "~{memory}", [], side_effect=True)
+
+
+def _q6_k_row(b, p, acts, at_x, x16):
+    """Integer lanes <8 x i32> of one Q6_K block at i8* p with each activation row of ``acts``."""
+    if len(acts) > 1:  # the activations are memory operands again (not 4 * nt vectors kept, spilled)
+        _reload(b)
+    scales = b.sext(load(b, p, 192, vec(I8, 16)), vec(I16, 16))
+    sums = [ir.Constant(V16I32, [0] * 16)] * len(acts)
+    for offset, codes in _q6_k_codes(b, p):
+        group_scales = shuffle(b, scales, [offset // 16 + i // 8 for i in range(32)])
+        for t, (xq, _, _) in enumerate(acts):
+            pairs = madd_u8_s8(b, codes, _quants(b, xq, b.add(at_x, ir.Constant(I64, offset)), 64, x16))
+            sums[t] = dot_i16(b, sums[t], pairs, group_scales)
+    out = []
+    for s, (_, _, bsums) in zip(sums, acts):
+        corr = b.shl(madd_pairs(b, scales, bsums), ir.Constant(V8I32, [5] * 8))
+        out.append(b.sub(b.add(shuffle(b, s, range(8)), shuffle(b, s, range(8, 16))), corr))
+    return out
+
+
 def _q6_k_block(b, name, rows, blk, accs, x16):
+    """One Q6_K block of every (row pair, activation row), accumulators as in _q0_block."""
     at_x = b.mul(blk, ir.Constant(I64, 256))
     acts = [(xq, load(b, xd, b.mul(blk, ir.Constant(I64, 4)), F32),
              load(b, xa, b.mul(blk, ir.Constant(I64, 32)), vec(I16, 16)))
             for xq, xd, xa in zip(rows["xq"], rows["xd"], rows["xa"])]
     acc = list(accs["acc"])
     nt = len(acts)
-    for r, w in enumerate(rows["w"]):
-        p = b.gep(w, [b.mul(blk, ir.Constant(I64, Q6_K_BYTES))])
-        dw = load_half(b, p, 208)
-        scales = b.sext(load(b, p, 192, vec(I8, 16)), vec(I16, 16))
-        sums = [ir.Constant(V16I32, [0] * 16)] * nt
-        for offset, codes in _q6_k_codes(b, p):
-            group_scales = shuffle(b, scales, [offset // 16 + i // 8 for i in range(32)])
-            for t, (xq, _, _) in enumerate(acts):
-                pairs = madd_u8_s8(b, codes, _quants(b, xq, b.add(at_x, ir.Constant(I64, offset)), 64, x16))
-                sums[t] = dot_i16(b, sums[t], pairs, group_scales)
-        for t, (_, dx, bsums) in enumerate(acts):
-            lanes = b.add(shuffle(b, sums[t], range(8)), shuffle(b, sums[t], range(8, 16)))
-            corr = b.shl(madd_pairs(b, scales, bsums), ir.Constant(V8I32, [5] * 8))
-            v = b.sitofp(b.sub(lanes, corr), V8F32)
-            acc[r * nt + t] = fmuladd(b, splat(b, b.fmul(dx, dw), 8), v, acc[r * nt + t])
+    for k in range(len(rows["w"]) // 2):
+        p, q = (b.gep(w, [b.mul(blk, ir.Constant(I64, Q6_K_BYTES))]) for w in rows["w"][2 * k:2 * k + 2])
+        dw = _gather(b, [load_half(b, p, 208), load_half(b, q, 208)], [0] * 8 + [1] * 8)
+        first, second = _q6_k_row(b, p, acts, at_x, x16), _q6_k_row(b, q, acts, at_x, x16)
+        for t, (_, dx, _) in enumerate(acts):
+            v = b.sitofp(concat(b, first[t], second[t]), V16F32)
+            acc[k * nt + t] = fmuladd(b, b.fmul(splat(b, dx, 16), dw), v, acc[k * nt + t])
     return {"acc": acc}
 
 
@@ -135,15 +151,13 @@ def build_vnni_tile(module: ir.Module, ggml_type_name: str, nr: int, nt: int, na
     out_r_stride, nb)`` as kernels_cpu.matmul.build_tile does for path VEC_DOT, for ``nr`` weight
     rows x ``nt`` activation rows of Q4_0, Q5_0, Q8_0 or Q6_K; activation quants int8 (or int16
     when ``x16``)."""
-    q6_k = ggml_type_name == "Q6_K"
-    emit = _q6_k_block if q6_k else _q0_block
+    emit = _q6_k_block if ggml_type_name == "Q6_K" else _q0_block
+    assert nr % 2 == 0, "VNNI tiles take weight rows in pairs"
 
     def body(b, rows, blk, accs):
         return emit(b, ggml_type_name, rows, blk, accs, x16)
 
     def finish(b, new):  # hsum_float_8: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
-        if q6_k:
-            return {divmod(i, nt): hsum_f32(b, v) for i, v in enumerate(new["acc"])}
         out = {}
         for i, v in enumerate(new["acc"]):
             k, t = divmod(i, nt)
@@ -151,9 +165,5 @@ def build_vnni_tile(module: ir.Module, ggml_type_name: str, nr: int, nt: int, na
             out[2 * k + 1, t] = hsum_f32(b, shuffle(b, v, range(8, 16)))
         return out
 
-    if q6_k:
-        zeros = [ir.Constant(V8F32, [0.0] * 8)] * (nr * nt)
-    else:  # one accumulator per pair of weight rows
-        assert nr % 2 == 0, "Q4_0 / Q5_0 / Q8_0 tiles take weight rows in pairs"
-        zeros = [ir.Constant(V16F32, [0.0] * 16)] * (nr // 2 * nt)
+    zeros = [ir.Constant(V16F32, [0.0] * 16)] * (nr // 2 * nt)  # one accumulator per pair of weight rows
     return tile_function(module, name, nr, nt, {"acc": zeros}, body, finish)
