@@ -61,12 +61,13 @@ def test_q8_0_kv_close_to_f16(tiny):
 
 
 def test_prefix_cache_reuses_blocks(tiny):
-    """A second sequence with the same first 40 tokens reuses 2 full blocks of 16 (32
+    """A second sequence with the same first 33 tokens reuses 2 full blocks of 16 (32
     tokens), computes the rest, and gets the logits of a cold run (to the tolerance of other
-    chunkings, as test_models); the shared blocks are held twice."""
+    chunkings, as test_models); the shared blocks are held twice. (Gemma's window layers need
+    the block of positions 16..31, which the first sequence, at 33, still holds.)"""
     name, model = tiny
     cache = PagedKVCache(model.args, 128, n_seq=2, storage="anon")
-    a = LONG[:50]
+    a = LONG[:33]
     b = LONG[:40] + [9, 9, 9]
     s0, n0 = cache.new_sequence(a)
     assert n0 == 0
@@ -130,3 +131,23 @@ def test_pool_file_and_bytes_per_token(tmp_path):
     assert cache.nbytes >= 4096 * cache.bytes_per_token
     with pytest.raises(ValueError, match="unknown KV cache type 'q4_0'"):
         PagedKVCache(a, 16, type_k="q4_0", storage="anon")
+
+
+def test_window_blocks_forgotten_and_memory_returned(tmp_path):
+    """Blocks that leave Gemma's window are forgotten (no hash, first in the free queue, so the
+    next block taken reuses them) and their pages are given back: a long sequence keeps its
+    window's pages only."""
+    path = write_tiny_model(tmp_path / "g.gguf", arch="gemma3", n_layer=6, head_dim=256, sliding_window=32,
+                            n_head=1, n_head_kv=1)
+    model = load_model(GGUFFile(path))
+    cache = PagedKVCache(model.args, 1024, block_size=16, storage="anon")
+    s, _ = cache.new_sequence(LONG[:64])
+    for i in range(0, 64, 16):
+        model.forward(LONG[i : i + 16], cache, seq_ids=np.zeros(16, int))
+    m = cache.manager
+    # next query 64 sees 33..64: window blocks 0 and 1 (0..31) left, forgotten, first in the queue
+    assert list(m.block_table(s, 1)[:2]) == [-1, -1] and m.free_queue(1)[:2] == [1, 0]
+    assert all(m.block_hash(1, b) is None for b in (0, 1)) and m.block_hash(0, 0) is not None
+    # their pages read as zeros again (returned); the blocks still in the window keep their K/V
+    local = cache.k[0]
+    assert not local[0].any() and not local[1].any() and local[m.block_table(s, 1)[2]].any()

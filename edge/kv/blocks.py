@@ -174,6 +174,14 @@ class _BlockPool:
         if block.ref_count == 0:
             self.free_queue[block_id] = None
 
+    def forget(self, block_id: int) -> None:
+        """A free block whose contents are dropped: no hash, first in the free queue."""
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            del self.cached[block.block_hash]
+            block.block_hash = None
+        self.free_queue.move_to_end(block_id, last=False)
+
     def register(self, block_id: int, block_hash: bytes) -> None:
         if block_hash not in self.cached:
             self.cached[block_hash] = block_id
@@ -224,11 +232,16 @@ class KVBlockManager:
             group); group indices below are positions in this list.
         block_size: token slots per block (>= 1).
         extra_key: bytes naming the model and KV type, mixed into the root of every hash chain.
+        forget_out_of_window: when a block leaves a window group's window and no sequence holds
+            it, drop its hash and put it first in the free queue, instead of keeping it cached;
+            :meth:`pop_forgotten` lists such blocks, so that the storage can release their
+            memory (a prefix hit then cannot reach back past a running sequence's window).
     Raises:
         ValueError: no groups, or block_size < 1. TypeError: extra_key is not bytes.
     """
 
-    def __init__(self, groups: Sequence[KVGroup], block_size: int = 16, extra_key: bytes = b""):
+    def __init__(self, groups: Sequence[KVGroup], block_size: int = 16, extra_key: bytes = b"",
+                 forget_out_of_window: bool = False):
         if not groups:
             raise ValueError("KVBlockManager: at least one KVGroup is needed")
         if block_size < 1:
@@ -244,6 +257,8 @@ class KVBlockManager:
             b"edge.kv.root" + len(extra_key).to_bytes(8, "little") + bytes(extra_key)
             + block_size.to_bytes(4, "little"), digest_size=_HASH_BYTES).digest()
         self._queries = self._query_tokens = self._hit_tokens = 0
+        self.forget_out_of_window = forget_out_of_window
+        self._forgotten: list[tuple[int, int]] = []
 
     # ---- sequences -------------------------------------------------------------------------
 
@@ -344,6 +359,9 @@ class KVBlockManager:
                     pool.register(table[k], hashes[k])
             for k in range(seq.holes[g], pool.first_visible_block(end, bs)):
                 pool.release(table[k])
+                if self.forget_out_of_window and pool.blocks[table[k]].ref_count == 0:
+                    pool.forget(table[k])
+                    self._forgotten.append((g, table[k]))
                 table[k] = HOLE
                 seq.holes[g] = k + 1
                 seq.arrays[g] = None
@@ -361,6 +379,11 @@ class KVBlockManager:
                 if block_id != HOLE:
                     pool.release(block_id)
         del self._seqs[seq_id]
+
+    def pop_forgotten(self) -> list[tuple[int, int]]:
+        """(group, block id) of the blocks forgotten since the last call (forget_out_of_window)."""
+        out, self._forgotten = self._forgotten, []
+        return out
 
     # ---- views -----------------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ Layout: layer ``l`` has a K pool and a V pool of its layer group's blocks,
 KV type: f16 (uint16 bits, row = head_dim), f32 (row = head_dim) or q8_0 (uint8, head_dim / 32
 blocks of a f16 scale and 32 int8, row = head_dim / 32 * 34 bytes: ggml's block_q8_0). Layers
 with a sliding window (Gemma 3's local layers) form group 1, with their own blocks, released
-as they leave the window; the others form group 0 (full attention).
+as they leave the window (their pages given back to the system, so a long context costs the
+local layers only their window); the others form group 0 (full attention).
 
 The pools live in one memory map: a file under ``$EDGE_HOME/kv/`` (unlinked as soon as it is
 mapped, so nothing is left behind) or anonymous memory. Either way a page costs RAM only once
@@ -88,7 +89,8 @@ class PagedKVCache:
         if 1 in self.layer_group:
             groups.append(KVGroup(n_blocks, window=window))
         self.manager = KVBlockManager(groups, block_size=block_size,
-                                      extra_key=bytes(model_key) + f"|k={type_k}|v={type_v}".encode())
+                                      extra_key=bytes(model_key) + f"|k={type_k}|v={type_v}".encode(),
+                                      forget_out_of_window=True)
         shapes = []
         for _ in range(args.n_layer):
             shapes.append(((n_blocks, block_size, args.n_head_kv, row_k), _DTYPE[type_k]))
@@ -225,6 +227,29 @@ class PagedKVCache:
             self.manager.mark_computed(s, n)
             self.pos[s] += n
         self._tables = []
+        self._release_memory(self.manager.pop_forgotten())
+
+    def _release_memory(self, blocks: list[tuple[int, int]]) -> None:
+        """Give the pages of blocks that left the window back to the system (MADV_REMOVE frees
+        shared memory and file pages; they read as zeros when written again)."""
+        advice = getattr(mmap, "MADV_REMOVE", None)
+        if advice is None or not blocks:
+            return
+        base = np.frombuffer(self._map, np.uint8, 1).ctypes.data
+        for g, b in blocks:
+            for il in range(self.args.n_layer):
+                if self.layer_group[il] != g:
+                    continue
+                for pool in (self.k[il], self.v[il]):
+                    lo = pool[b].ctypes.data - base
+                    hi = lo + pool[b].nbytes
+                    lo = -(-lo // mmap.PAGESIZE) * mmap.PAGESIZE
+                    hi = hi // mmap.PAGESIZE * mmap.PAGESIZE
+                    if hi > lo:
+                        try:
+                            self._map.madvise(advice, lo, hi - lo)
+                        except OSError:  # a file system without hole punching: keep the pages
+                            return
 
     def close(self) -> None:
         """Release the memory map (the arrays must not be used afterwards)."""
