@@ -67,7 +67,8 @@ from kernels_cpu.f16 import f16_to_f32, f32_to_f16
 from kernels_cpu.matmul_rows import ROWS, build_rows_tile
 from kernels_cpu.matmul_vnni import build_vnni_tile
 from kernels_cpu.simd import (BYTE_PTR, F32, HAS_VNNI, I8, I16, I32, I64, bit_lanes, concat, const_vec,
-                              f32_from_bits, fmuladd, lanes_i8, load, load_half, madd_pairs, shuffle, splat, tile_function, vec)
+                              f32_from_bits, fmuladd, lanes_i8, load, load_half, madd_pairs, shuffle, splat,
+                              tile_function, vec)
 
 T_ = GGMLQuantizationType
 LANES = 16  # float32 / int32 lanes per accumulator (32 int16 products pairwise summed)
