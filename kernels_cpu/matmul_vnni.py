@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from kernels_cpu.simd import (F32, I8, I16, I32, I64, bit_lanes, concat, dot_i16, dot_u8_s8, fmuladd, hsum_f32, load,
+from kernels_cpu.simd import (F32, I8, I16, I32, I64, bit_lanes, concat, dot_i16, dot_u8_s8, fmuladd, load,
                               load_half, madd_pairs, madd_u8_s8, shuffle, splat, tile_function, vec)
 
 V8I32, V16I32, V8F32, V16F32 = vec(I32, 8), vec(I32, 16), vec(F32, 8), vec(F32, 16)
@@ -157,12 +157,15 @@ def build_vnni_tile(module: ir.Module, ggml_type_name: str, nr: int, nt: int, na
     def body(b, rows, blk, accs):
         return emit(b, ggml_type_name, rows, blk, accs, x16)
 
-    def finish(b, new):  # hsum_float_8: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+    def finish(b, new):
+        """hsum_float_8 = ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)) of both halves at once."""
         out = {}
         for i, v in enumerate(new["acc"]):
+            for step in (4, 2, 1):  # lane j + lane j ^ step (within each 8-lane half)
+                v = b.fadd(v, shuffle(b, v, [lane ^ step for lane in range(16)]))
             k, t = divmod(i, nt)
-            out[2 * k, t] = hsum_f32(b, shuffle(b, v, range(8)))
-            out[2 * k + 1, t] = hsum_f32(b, shuffle(b, v, range(8, 16)))
+            for h in range(2):
+                out[2 * k + h, t] = b.extract_element(v, ir.Constant(I32, 8 * h))
         return out
 
     zeros = [ir.Constant(V16F32, [0.0] * 16)] * (nr // 2 * nt)  # one accumulator per pair of weight rows
