@@ -11,10 +11,9 @@ lane, in the same order: the results are bit-identical to the generic tiles (and
 
 Paths (see kernels_cpu.matmul): Q4_K "gemv" (one group of 256 values) and "gemm" (groups of 64),
 both acc = fma(I, d_w * d_x, acc), accm = fma(M, dmin * d_x, accm), out = acc - accm; Q6_K
-"tiled" (r = S1 * d_w; acc = fma(r, d_x, acc)) and "vec_dot" (8 lanes per output of values
-4m..4m+3 of every 32, codes 0..63 minus 32 * scale * bsums, acc = fma(d_x * d_w, lane, acc),
-hsum_float_8). Q6_K codes are used unsigned (0..63) on every path, with the -32 offset applied
-through the activations' bsums (exact integers either way).
+"tiled" (r = S1 * d_w; acc = fma(r, d_x, acc)), with codes used unsigned (0..63) and the -32
+offset applied through the activations' bsums (exact integers either way). Q6_K's "vec_dot"
+path is in kernels_cpu.matmul_vnni.
 
 numba's on-disk cache keys matmul's kernels on matmul.py only: after editing this module, clear
 kernels_cpu/__pycache__/matmul.*.nbi / .nbc.
@@ -170,7 +169,7 @@ def _q6_k_codes(b, w_rows):
 
 
 def _q6_k_block(b, w_rows, acts, kind, accs):
-    """One Q6_K block: TILED (exact block total) or VEC_DOT (8 lanes per output)."""
+    """One Q6_K block of the TILED path (exact block total)."""
     d = _halves_to_f32(b, _load_rows(b, w_rows, 194, 4)[3], 16)  # f16 d at byte 208: high half of word 206
     sw = _load_rows(b, w_rows, 192, 4)  # scales 4k..4k+3 in vector k
     scales = [_byte(b, sw[k // 4], k % 4, signed=True) for k in range(16)]
@@ -178,53 +177,29 @@ def _q6_k_block(b, w_rows, acts, kind, accs):
     # 32 * sum_k scale_k * bsums_k (pair sums of groups 2m, 2m + 1 in ``corr[t][m]``)
     corr = [[b.shl(dot_i16(b, _c(0), b.bitcast(pairs[m], vec(I16, 16)), b.bitcast(a.bsum_pair(2 * m), vec(I16, 16))),
                    _c(5)) for m in range(8)] for a in acts]
-    new = {k: list(v) for k, v in accs.items()}
-    if kind == "tiled":
-        s1 = [None] * len(acts)
-        for offset, codes in _q6_k_codes(b, w_rows):
-            g = offset // 16
-            for t, a in enumerate(acts):
-                for half in range(2):
-                    part = b.mul(_dot_chunks(b, codes[4 * half:4 * half + 4], a, offset + 16 * half), scales[g + half])
-                    s1[t] = part if s1[t] is None else b.add(s1[t], part)
-        for t, a in enumerate(acts):
-            total = s1[t]
-            for m in range(8):
-                total = b.sub(total, corr[t][m])
-            r = b.fmul(b.sitofp(total, V8F32), d)
-            new["acc"][t] = fmuladd(b, r, a.d, new["acc"][t])
-        return new
-    # vec_dot: lane m = sum over the eight 32-value chunks of scale * (quad m of the chunk)
-    lanes = [[None] * 8 for _ in acts]
-    scale_lo16 = [b.and_(s, _c(0xFFFF)) for s in scales]  # (scale, 0) i16 pairs: dot_i16 scales a quad sum
+    s1 = [None] * len(acts)
     for offset, codes in _q6_k_codes(b, w_rows):
         g = offset // 16
         for t, a in enumerate(acts):
-            for m in range(8):
-                quad = dot_u8_s8(b, _c(0), b.bitcast(codes[m], V32I8), b.bitcast(a.quad(offset + 4 * m), V32I8))
-                prev = lanes[t][m] if lanes[t][m] is not None else _c(0)
-                lanes[t][m] = dot_i16(b, prev, b.bitcast(quad, vec(I16, 16)),
-                                      b.bitcast(scale_lo16[g + m // 4], vec(I16, 16)))
+            for half in range(2):
+                part = b.mul(_dot_chunks(b, codes[4 * half:4 * half + 4], a, offset + 16 * half), scales[g + half])
+                s1[t] = part if s1[t] is None else b.add(s1[t], part)
+    acc = list(accs["acc"])
     for t, a in enumerate(acts):
-        dd = b.fmul(a.d, d)
+        total = s1[t]
         for m in range(8):
-            v = b.sitofp(b.sub(lanes[t][m], corr[t][m]), V8F32)
-            new[f"l{m}"][t] = fmuladd(b, dd, v, new[f"l{m}"][t])
-    return new
-
-
-def accumulator_names(ggml_type_name: str, kind: str) -> list:
-    if ggml_type_name == "Q4_K":
-        return ["acc", "accm"]
-    return ["acc"] if kind == "tiled" else [f"l{m}" for m in range(8)]
+            total = b.sub(total, corr[t][m])
+        r = b.fmul(b.sitofp(total, V8F32), d)
+        acc[t] = fmuladd(b, r, a.d, acc[t])
+    return {"acc": acc}
 
 
 def build_rows_tile(module: ir.Module, ggml_type_name: str, kind: str, nt: int, name: str,
                     x16: bool) -> ir.Function:
     """Define ``void name(w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride,
     out_r_stride, nb)`` as kernels_cpu.matmul.build_tile does, for 8 weight rows x ``nt``
-    activation rows of Q4_K (kind "gemv" / "gemm") or Q6_K ("tiled" / "vec_dot")."""
-    names = accumulator_names(ggml_type_name, kind)
+    activation rows of Q4_K (kind "gemv" / "gemm") or Q6_K ("tiled")."""
+    names = ["acc", "accm"] if ggml_type_name == "Q4_K" else ["acc"]
     block_bytes, emit = (Q4_K_BYTES, _q4_k_block) if ggml_type_name == "Q4_K" else (Q6_K_BYTES, _q6_k_block)
 
     def body(b, rows, blk, accs):
@@ -236,13 +211,7 @@ def build_rows_tile(module: ir.Module, ggml_type_name: str, kind: str, nt: int, 
     def finish(b, new):
         values = {}
         for t in range(nt):
-            if ggml_type_name == "Q4_K":
-                value = b.fsub(new["acc"][t], new["accm"][t])
-            elif kind == "tiled":
-                value = new["acc"][t]
-            else:  # hsum_float_8: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
-                h = [b.fadd(new[f"l{m}"][t], new[f"l{m + 4}"][t]) for m in range(4)]
-                value = b.fadd(b.fadd(h[0], h[2]), b.fadd(h[1], h[3]))
+            value = b.fsub(new["acc"][t], new["accm"][t]) if ggml_type_name == "Q4_K" else new["acc"][t]
             values.update({(r, t): b.extract_element(value, ir.Constant(I32, r)) for r in range(ROWS)})
         return values
 
