@@ -78,6 +78,7 @@ ND = 4  # decode tile rows, R // ND apart (adjacent rows in one tile stream from
 # Q4_K (repacked) and Q6_K with AVX-512 VNNI: tiles of 8 rows, one per lane (kernels_cpu.matmul_rows)
 NR_ROWS = ROWS if HAS_VNNI else NR
 NR_Q0 = 8 if HAS_VNNI else NR  # Q5_0 / Q8_0 with AVX-512 VNNI: 8 rows in pairs (kernels_cpu.matmul_vnni)
+ND_Q6_K = 2 if HAS_VNNI else NR  # Q6_K vec_dot (T < 8) with VNNI: one row pair per tile (kernels_cpu.matmul_vnni)
 
 ACT_Q8_0, ACT_Q8_1, ACT_Q8_K = "q8_0", "q8_1", "q8_k"
 
@@ -849,7 +850,7 @@ def matmul_q5_k_q8_k(w, xqs, xd, xbsums, out):
 @njit(parallel=True, cache=True)
 def matmul_q6_k_q8_k(w, xqs, xd, xbsums, out):
     """Q6_K weights x Q8_K activations (see _plain_k)."""
-    _plain_k(_Q6_K, NR_ROWS, NR, w, xqs, xd, xbsums, out)
+    _plain_k(_Q6_K, NR_ROWS, ND_Q6_K, w, xqs, xd, xbsums, out)
 
 
 # float weights: ggml_vec_dot_f32 / _f16 / _bf16 (float32 accumulation, any summation order)
