@@ -231,3 +231,28 @@ def softcap(x, cap):
     flat = x.reshape(-1)
     for i in prange(flat.shape[0]):
         flat[i] = math.tanh(flat[i] * inv) * cap
+
+
+_HADAMARD: dict[int, np.ndarray] = {}
+
+
+def hadamard(n: int) -> np.ndarray:
+    """The orthonormal Walsh-Hadamard matrix float32[n, n] (n a power of two; Sylvester's
+    construction scaled by 1/sqrt(n), as llama.cpp's ggml_gen_hadamard): symmetric, H @ H = I."""
+    h = _HADAMARD.get(n)
+    if h is None:
+        if n < 1 or n & (n - 1):
+            raise ValueError(f"hadamard: n must be a power of two, got {n}")
+        m = np.ones((1, 1), np.float64)
+        while m.shape[0] < n:
+            m = np.block([[m, m], [m, -m]])
+        h = _HADAMARD[n] = (m / np.sqrt(n)).astype(np.float32)
+    return h
+
+
+def rotate_chunks(x: np.ndarray, n: int) -> None:
+    """In place x = x @ H over every run of n values (x C-contiguous, size a multiple of n):
+    llama.cpp rotates Q and K (and V) this way before a quantized KV cache, so that outliers
+    spread over the block the quantizer scales (llama_mul_mat_hadamard)."""
+    flat = x.reshape(-1, n)
+    flat[...] = flat @ hadamard(n)

@@ -66,3 +66,18 @@ def test_paged_attention_kv_types(kind, window):
     # f16 rounds the query and the probabilities to f16, q8_0 quantizes the query to 8 bits
     tol = {"f16": 2e-3, "f32": 1e-5, "q8_0": 2e-2}[kind]
     np.testing.assert_allclose(out, ref, rtol=0, atol=tol)
+
+
+def test_hadamard_is_orthonormal_and_symmetric():
+    from kernels_cpu.ops import hadamard, rotate_chunks
+
+    for n in (64, 128, 256):
+        h = hadamard(n).astype(np.float64)
+        assert np.allclose(h, h.T) and np.allclose(h @ h, np.eye(n), atol=1e-6)
+        assert np.all(np.abs(h) == np.float32(1 / np.sqrt(n)))
+    x = np.random.default_rng(0).standard_normal((3, 2, 128)).astype(np.float32)
+    y = x.copy()
+    rotate_chunks(y, 64)
+    np.testing.assert_allclose(y.reshape(-1, 64), x.reshape(-1, 64) @ hadamard(64), rtol=1e-6, atol=1e-6)
+    rotate_chunks(y, 64)                                   # twice = identity
+    np.testing.assert_allclose(y, x, atol=1e-5)

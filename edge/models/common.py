@@ -337,11 +337,20 @@ class Block:
         ops.rope(k, cos, sin, a.rope_neox)
         if a.query_scale:
             q *= np.float32(a.query_scale)
+        rot_k = k_pool.dtype == np.uint8 and a.head_dim % 64 == 0     # llama.cpp's attn_rot_k
+        rot_v = v_pool.dtype == np.uint8 and a.head_dim_v % 64 == 0   # and attn_rot_v
+        if rot_k:                              # quantized K: Q and K rotated alike (Q.K unchanged)
+            ops.rotate_chunks(q, _k_rotation(a.head_dim))
+            ops.rotate_chunks(k, _k_rotation(a.head_dim))
+        if rot_v:                              # quantized V: rotated in blocks of 64, undone below
+            ops.rotate_chunks(v, 64)
         store_kv(k.reshape(T, -1), k_pool, tables, seq_ids, positions)
         store_kv(v.reshape(T, -1), v_pool, tables, seq_ids, positions)
         attn = sc.get("attn", (T, a.n_head, a.head_dim_v))
         scale = np.float32(a.attention_scale) if a.attention_scale else np.float32(1) / np.sqrt(np.float32(a.head_dim))
         attention_f16(q, k_pool, v_pool, tables, seq_ids, positions, self.window, scale, attn)
+        if rot_v:
+            ops.rotate_chunks(attn, 64)
         o = self.attn_output(attn.reshape(T, -1), sc.get("o", x.shape), workspace=ws)  # [T, n_embd]
         if out_rows is not None:
             o = np.ascontiguousarray(o[out_rows])                          # [rows, n_embd]
@@ -440,6 +449,15 @@ class Transformer:
         if cap:
             ops.softcap(logits, cap)
         return logits
+
+
+def _k_rotation(head_dim: int) -> int:
+    """The Hadamard size llama.cpp rotates Q and K by for a quantized K cache: the largest power
+    of two from 64 up that divides head_dim (llama_kv_cache::build_input_k_rot)."""
+    n = 64
+    while head_dim % (2 * n) == 0:
+        n *= 2
+    return n
 
 
 def _batch_positions(cache: KVCache, T: int, seq_ids):
