@@ -150,6 +150,9 @@ def _load_engine(args):
     from edge.store import resolve_model
 
     _set_threads(args.threads)
+    for flag, value in (("-c/--ctx-size", args.ctx_size), ("-b/--batch-size", args.batch_size)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
     path = resolve_model(args.model)
     engine = Engine(path, n_ctx=args.ctx_size, n_batch=args.batch_size,
                     cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
@@ -174,6 +177,8 @@ def cmd_run(args) -> int:
     prompt = args.prompt if args.prompt is not None else args.prompt_arg
     if prompt is None:
         prompt = sys.stdin.read()
+        if prompt.endswith("\n"):   # one trailing newline, as llama.cpp's -f and `echo` add
+            prompt = prompt[:-1]
     params = SamplingParams(
         temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
@@ -207,8 +212,10 @@ def cmd_run(args) -> int:
     total = time.perf_counter() - t_start
     print(f"\nprompt: {stats.n_prompt} tokens, TTFT {stats.ttft * 1000:.0f} ms, "
           f"{stats.prompt_tps:.1f} tokens/s | generated: {stats.n_generated} tokens, "
-          f"{stats.gen_tps:.1f} tokens/s | finish: {stats.finish_reason} | total {total:.1f} s"
-          + (f" | {stats.n_restored} prompt tokens restored from {args.session}" if stats.n_restored else ""),
+          f"{stats.gen_tps:.1f} tokens/s | finish: {stats.finish_reason}"
+          f"{f' (context full: -c {args.ctx_size})' if stats.context_full else ''} | total {total:.1f} s"
+          + (f" | {stats.n_restored} prompt tokens restored from {args.session}" if stats.n_restored else "")
+          + (f" | {args.session} held another prompt and was replaced" if stats.session_replaced else ""),
           file=sys.stderr)
     return 0
 
@@ -227,6 +234,8 @@ def cmd_perplexity(args) -> int:
     def on_chunk(i, running):
         print(f"[{i}]{running:.4f},", end="", file=sys.stderr, flush=True)
 
+    if args.chunks == 0 or args.chunks < -1:
+        raise ValueError(f"--chunks must be -1 (all) or at least 1, got {args.chunks}")
     res = perplexity(engine, text, args.ctx_size, args.chunks, on_chunk)
     print(file=sys.stderr)
     print(f"Final estimate: PPL = {res.ppl:.4f} +/- {res.stderr:.5f}")

@@ -45,6 +45,8 @@ class GenerationStats:
     n_prompt: int = 0
     n_cached: int = 0            # prompt tokens whose K/V came from the prefix cache
     n_restored: int = 0          # prompt tokens whose K/V came from a session file
+    session_replaced: bool = False  # the session file held another prompt (it is rewritten)
+    context_full: bool = False   # generation stopped at n_ctx
     n_generated: int = 0
     ttft: float = 0.0            # start of generate() to the first token sampled
     prompt_seconds: float = 0.0  # prefill time
@@ -210,11 +212,12 @@ class Engine:
         where it matches, then from the prefix cache, the rest computed."""
         kv = self.kv
         saved = None
-        if session is not None and Path(session).exists():
+        if session is not None and Path(session).exists() and not _empty_file(session):
             saved = load_session(session, self)
             n = len(saved.tokens)
             if not (n <= len(prompt_ids) and saved.tokens.tolist() == prompt_ids[:n]):
                 saved = None  # another prompt: computed, and the file replaced below
+                stats.session_replaced = True
         if saved is None:
             slot, stats.n_cached = kv.new_sequence(prompt_ids)
         else:
@@ -242,6 +245,8 @@ class Engine:
         while True:
             if max_tokens >= 0 and stats.n_generated >= max_tokens:
                 stats.finish_reason = "length"
+                if t_first is None:            # -n 0: the time to the first token's logits
+                    stats.ttft = time.perf_counter() - t0
                 return
             tok = sampler.sample(logits, history)
             now = time.perf_counter()
@@ -257,9 +262,16 @@ class Engine:
             yield tok
             if kv.pos[slot] >= kv.n_ctx or (max_tokens >= 0 and stats.n_generated >= max_tokens):
                 stats.finish_reason = "length"
+                stats.context_full = bool(kv.pos[slot] >= kv.n_ctx)
                 return
             kv.append(slot, [tok])
             logits = self.model.forward([tok], kv, seq_ids=seq_ids)[-1]
+
+
+def _empty_file(path) -> bool:
+    """True for an existing empty file (made by touch or mktemp): a session not yet written."""
+    p = Path(path)
+    return p.is_file() and p.stat().st_size == 0
 
 
 def _content_spans(template: ChatTemplate, messages: list[dict], add_generation_prompt: bool,

@@ -54,7 +54,7 @@ class SamplingParams:
 
     Fields:
         temperature: >= 0; 0 = greedy (argmax).
-        top_k: >= 0; 0 = off.
+        top_k: 0 or less = off (as llama.cpp).
         top_p: in [0, 1]; 1 = off.
         min_p: in [0, 1]; 0 = off.
         repeat_penalty: > 0; 1 = off.
@@ -91,7 +91,6 @@ class SamplingParams:
         for name in ("top_k", "repeat_last_n"):
             check(name, _is_int(getattr(self, name)), "an integer")
         check("temperature", self.temperature >= 0, ">= 0")
-        check("top_k", self.top_k >= 0, ">= 0 (0 = off)")
         check("top_p", 0 <= self.top_p <= 1, "in [0, 1]")
         check("min_p", 0 <= self.min_p <= 1, "in [0, 1]")
         check("repeat_penalty", self.repeat_penalty > 0, "> 0 (1 = off)")

@@ -87,6 +87,8 @@ def save_session(path: str | Path, engine, slot: int, logits: np.ndarray) -> int
     file size in bytes. Raises OSError when the file cannot be written (the old file, if
     any, is left as it was)."""
     path = Path(path)
+    if path.is_dir():
+        raise OSError(f"{path}: is a directory, not a session file")
     tokens, ks, vs = engine.kv.export_sequence(slot)
     head = json.dumps(_header(engine, len(tokens), ks, vs)).encode()
     parts = [MAGIC, struct.pack("<II", VERSION, len(head)), head,
@@ -104,6 +106,9 @@ def save_session(path: str | Path, engine, slot: int, logits: np.ndarray) -> int
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(f"{path}: cannot write the session file ({e.strerror or e})") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -126,6 +131,8 @@ def load_session(path: str | Path, engine) -> Session:
     types or layout; OSError when it cannot be read.
     """
     path = Path(path)
+    if path.is_dir():
+        raise SessionError(f"{path}: is a directory, not a session file")
     raw = path.read_bytes()
     if len(raw) < len(MAGIC) + 8 + _DIGEST or raw[: len(MAGIC)] != MAGIC:
         raise SessionError(f"{path}: not an edge session file")
@@ -133,7 +140,8 @@ def load_session(path: str | Path, engine) -> Session:
     if version != VERSION:
         raise SessionError(f"{path}: session format version {version} is not supported (this edge reads {VERSION})")
     if hashlib.sha256(raw[:-_DIGEST]).digest() != raw[-_DIGEST:]:
-        raise SessionError(f"{path}: the file is truncated or corrupted (its SHA-256 does not match)")
+        raise SessionError(f"{path}: the file is truncated or corrupted (its SHA-256 does not match); "
+                           f"delete it to start a new session")
     off = len(MAGIC) + 8
     try:
         head = json.loads(raw[off : off + head_len])

@@ -54,7 +54,7 @@ def test_defaults_are_llama_cpp():
 
 @pytest.mark.parametrize("field, value", [
     ("temperature", -0.1), ("temperature", math.nan), ("temperature", math.inf), ("temperature", "1"),
-    ("top_k", -1), ("top_k", 2.5), ("top_k", True),
+    ("top_k", 2.5), ("top_k", True),
     ("top_p", -0.01), ("top_p", 1.01), ("top_p", math.nan),
     ("min_p", -0.5), ("min_p", 2.0),
     ("repeat_penalty", 0.0), ("repeat_penalty", -1.0), ("repeat_penalty", math.inf),
@@ -383,3 +383,11 @@ def test_logprobs_big_vocab_and_same_stream_as_sample():
         assert logprob == pytest.approx(ref[token], abs=1e-9)
         assert [t for t, _ in top] == np.argsort(-ref, kind="stable")[:5].tolist()
         assert [lp for _, lp in top] == pytest.approx(np.sort(ref)[::-1][:5].tolist(), abs=1e-9)
+
+
+def test_negative_top_k_is_off():
+    """As llama.cpp: top_k <= 0 keeps every token."""
+    logits = np.random.default_rng(4).standard_normal(500).astype(np.float32)
+    draws = {k: [Sampler(SamplingParams(top_k=k, top_p=1.0, min_p=0.0, seed=s)).sample(logits, [])
+                 for s in range(40)] for k in (0, -1)}
+    assert draws[0] == draws[-1]
