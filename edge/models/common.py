@@ -155,7 +155,7 @@ class Scratch:
     def get(self, name: str, shape: tuple) -> np.ndarray:
         """A C-contiguous float32 array of ``shape`` (contents undefined), valid until the next
         get() of the same name."""
-        n = int(np.prod(shape))
+        n = math.prod(shape)
         buf = self._bufs.get(name)
         if buf is None or buf.size < n:
             buf = self._bufs[name] = np.empty(max(n, 1), np.float32)
