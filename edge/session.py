@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from edge.store import fsync_dir
+
 MAGIC = b"EDGESESS"
 VERSION = 1
 _DIGEST = 32
@@ -113,11 +115,7 @@ def save_session(path: str | Path, engine, slot: int, logits: np.ndarray) -> int
         tmp.unlink(missing_ok=True)
         raise
     try:
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        fsync_dir(path.parent)
     except OSError:  # some file systems cannot fsync a directory; the rename is done
         pass
     return path.stat().st_size

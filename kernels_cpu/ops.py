@@ -214,14 +214,6 @@ def gelu_mul(gate, up, out):
         _gelu_mul_rows(gate, up, out, GELU_TABLE, 0, gate.shape[0])
 
 
-@njit(cache=True)
-def store_f16(src, dst):
-    """dst (uint16 bits of f16) = src rounded to f16. Shapes: any equal 2-D shapes."""
-    for i in range(src.shape[0]):
-        for j in range(src.shape[1]):
-            dst[i, j] = f32_to_f16(src[i, j])
-
-
 @njit(parallel=True, cache=True)
 def softcap(x, cap):
     """In place x = cap * tanh(x * (1/cap)) on f32[T, n] (C-contiguous; llama.cpp's final logit

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kernels_cpu import ops
-from kernels_cpu.attention import attention_f16, attention_scores
+from kernels_cpu.attention import attention_f16, attention_scores, store_kv
 
 DATA = Path(__file__).parent / "data"
 MODELS = ["gemma-3-270m", "qwen2.5-coder-0.5b-instruct"]
@@ -51,8 +51,10 @@ def test_rope(fx, path):
 def test_kv_store_rounds_to_f16(fx, path):
     for which in ("k", "v"):
         src = fx[f"{path}_{which}_new"]
-        dst = np.zeros(src.shape, np.uint16)
-        ops.store_f16(src, dst)
+        T = len(src)
+        pool = np.zeros((1, T, 1, src.shape[1]), np.uint16)          # one block of T cells
+        store_kv(src, pool, np.zeros((1, 1), np.int32), np.zeros(T, np.int32), np.arange(T, dtype=np.int32))
+        dst = pool.reshape(T, -1)
         _bits_equal(dst.view(np.float16), fx[f"{path}_{which}_stored"])
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge.kv.blocks import HOLE, KVBlockManager, KVGroup, NoFreeBlocks
+from edge.kv.blocks import HOLE, KVBlockManager, KVGroup
 
 KV_TYPES = ("f16", "f32", "q8_0")
 _DTYPE = {"f16": np.uint16, "f32": np.float32, "q8_0": np.uint8}
@@ -105,8 +105,7 @@ class PagedKVCache:
         self.nbytes = sum(sizes)
         self.pos = np.zeros(n_seq, np.int64)            # computed positions per slot
         self._free_slots = list(range(n_seq - 1, -1, -1))
-        self._tables: list[np.ndarray] = []
-        self._empty = np.full((n_seq, 1), HOLE, np.int32)
+        self._tables: list[np.ndarray] = []   # per group, built by prepare() for one forward
 
     # ---- sequences -------------------------------------------------------------------------
 
@@ -122,9 +121,7 @@ class PagedKVCache:
         (nothing changed)."""
         if len(prompt_ids) > self.n_ctx:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens but n_ctx is {self.n_ctx}")
-        if not self._free_slots:
-            raise NoFreeSlot(f"all {self.n_seq} sequence slots of the KV cache are in use")
-        slot = self._free_slots[-1]
+        slot = self._next_slot()
         n_cached = self.manager.allocate(slot, prompt_ids)
         self._free_slots.pop()
         self.pos[slot] = n_cached
@@ -137,6 +134,12 @@ class PagedKVCache:
         if n > self.n_ctx:
             raise ValueError(f"context full: sequence {slot} would hold {n} tokens, n_ctx is {self.n_ctx}")
         self.manager.append_tokens(slot, token_ids)
+
+    def _next_slot(self) -> int:
+        """The slot the next sequence takes (taken once the manager accepts it)."""
+        if not self._free_slots:
+            raise NoFreeSlot(f"all {self.n_seq} sequence slots of the KV cache are in use")
+        return self._free_slots[-1]
 
     def free(self, slot: int) -> None:
         """End the sequence in ``slot``; its full blocks stay cached."""
@@ -183,9 +186,7 @@ class PagedKVCache:
                 if a.dtype != pool.dtype or a.shape != (want,) + pool.shape[2:]:
                     raise ValueError(f"layer {il} {what}: expected {pool.dtype}{[want, *pool.shape[2:]]}, "
                                      f"got {a.dtype}{list(a.shape)}")
-        if not self._free_slots:
-            raise NoFreeSlot(f"all {self.n_seq} sequence slots of the KV cache are in use")
-        slot = self._free_slots[-1]
+        slot = self._next_slot()
         n_cached = self.manager.restore(slot, tokens)
         self._free_slots.pop()
         for il in range(self.args.n_layer):
@@ -219,7 +220,7 @@ class PagedKVCache:
 
     def layer_tables(self, il: int) -> np.ndarray:
         """Block tables int32[n_seq, max_blocks] of layer il's group, for the current forward."""
-        return self._tables[self.layer_group[il]] if self._tables else self._empty
+        return self._tables[self.layer_group[il]]
 
     def commit(self, runs: np.ndarray, lengths: np.ndarray) -> None:
         """After the forward: the positions are computed (their full blocks become cached)."""

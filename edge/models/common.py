@@ -301,6 +301,7 @@ class Block:
             self.post_ffw_norm = ld.vector(p + "post_ffw_norm.weight", d)              # [n_embd]
         self.is_swa = a.swa_layers[il]
         self.window = a.sliding_window if self.is_swa else 0
+        self.k_rotation = _k_rotation(hd) if hd % 64 == 0 else 0
         self.args = a
 
     def __call__(self, x: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray, rope_cs, k_pool, v_pool,
@@ -337,11 +338,11 @@ class Block:
         ops.rope(k, cos, sin, a.rope_neox)
         if a.query_scale:
             q *= np.float32(a.query_scale)
-        rot_k = k_pool.dtype == np.uint8 and a.head_dim % 64 == 0     # llama.cpp's attn_rot_k
+        rot_k = k_pool.dtype == np.uint8 and self.k_rotation > 0       # llama.cpp's attn_rot_k
         rot_v = v_pool.dtype == np.uint8 and a.head_dim_v % 64 == 0   # and attn_rot_v
         if rot_k:                              # quantized K: Q and K rotated alike (Q.K unchanged)
-            ops.rotate_chunks(q, _k_rotation(a.head_dim))
-            ops.rotate_chunks(k, _k_rotation(a.head_dim))
+            ops.rotate_chunks(q, self.k_rotation)
+            ops.rotate_chunks(k, self.k_rotation)
         if rot_v:                              # quantized V: rotated in blocks of 64, undone below
             ops.rotate_chunks(v, 64)
         store_kv(k.reshape(T, -1), k_pool, tables, seq_ids, positions)
