@@ -88,7 +88,7 @@ def save_session(path: str | Path, engine, slot: int, logits: np.ndarray) -> int
     after its last token to ``path``, atomically (temporary file, fsync, rename). Returns the
     file size in bytes. Raises OSError when the file cannot be written (the old file, if
     any, is left as it was)."""
-    path = Path(path)
+    path = Path(os.path.realpath(path))     # through a symlink: replace its target, keep the link
     if path.is_dir():
         raise OSError(f"{path}: is a directory, not a session file")
     tokens, ks, vs = engine.kv.export_sequence(slot)
@@ -131,6 +131,8 @@ def load_session(path: str | Path, engine) -> Session:
     path = Path(path)
     if path.is_dir():
         raise SessionError(f"{path}: is a directory, not a session file")
+    if not path.is_file():                   # a device or pipe could be endless: never read one
+        raise SessionError(f"{path}: not a regular file, not a session file")
     raw = path.read_bytes()
     if len(raw) < len(MAGIC) + 8 + _DIGEST or raw[: len(MAGIC)] != MAGIC:
         raise SessionError(f"{path}: not an edge session file")

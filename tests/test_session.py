@@ -74,6 +74,13 @@ def test_damaged_and_foreign_files_are_refused(model_path, tmp_path):
         with pytest.raises(SessionError, match=message):
             _generate(_engine(model_path), PROMPT, 1, bad)
         assert bad.read_bytes() == data, name          # a refused file is not overwritten
+    with pytest.raises(SessionError, match="not a regular file"):
+        _generate(_engine(model_path), PROMPT, 1, "/dev/zero")     # endless: must not be read
+    link = tmp_path / "link.session"
+    link.symlink_to(f)
+    _generate(_engine(model_path), PROMPT[:-2], 1, link)          # another prompt: replaced through the link
+    assert link.is_symlink() and load_session(f, _engine(model_path)).tokens.tolist() == PROMPT[:-2]
+    _generate(_engine(model_path), PROMPT, 1, f)
     with pytest.raises(SessionError, match="KV cache types f16/f16 in the file, this run uses q8_0/f16"):
         _generate(_engine(model_path, cache_type_k="q8_0"), PROMPT, 1, f)
     other = write_tiny_model(tmp_path / "other.gguf", arch="llama", head_dim=32, seed=5)
