@@ -4,7 +4,8 @@ later process without recomputing the prompt (llama.cpp's --prompt-cache).
 File format (edge's own; all integers little-endian)::
 
     b"EDGESESS"  magic (8 bytes)
-    u32          format version (1)
+    u32          format version (2; version 1 stored a quantized K cache without the shift of
+                 edge.models.common.static_k_bias, so its K rows do not fit this edge)
     u32          header length H
     H bytes      header, UTF-8 JSON: model (name, architecture, file size, fingerprint),
                  KV types, n_tokens, n_vocab, and per layer the first stored position and the
@@ -34,7 +35,7 @@ import numpy as np
 from edge.store import fsync_dir
 
 MAGIC = b"EDGESESS"
-VERSION = 1
+VERSION = 2
 _DIGEST = 32
 _SAMPLES, _SAMPLE_BYTES = 16, 1 << 16
 

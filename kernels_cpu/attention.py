@@ -33,7 +33,7 @@ from numba.extending import intrinsic, overload
 from kernels_cpu.f16 import f16_to_f32, f32_to_f16
 from kernels_cpu.fmath import hsum16, v_expf
 from kernels_cpu.quantize_act import _q8_0_row
-from kernels_cpu.simd import BYTE_PTR, F32, I64, hsum_f32, load, vec
+from kernels_cpu.simd import BYTE_PTR, F32, I8, I32, I64, hsum_f32, load, madd_pairs, splat, vec
 
 _TINY_LANES = 16   # tinyBLAS<16, __m512>: KN
 _VEC_STEP = 64     # GGML_F16_STEP on AVX-512 (4 x 16 lanes)
@@ -82,17 +82,89 @@ def _dot_f16_lanes(typingctx, k, q, n, lanes):
     return sig, codegen
 
 
+def _vector_args(context, builder, signature, args):
+    """i8* data pointers of the array arguments of an intrinsic (other arguments as given)."""
+    out = []
+    for ty, value in zip(signature.args, args):
+        if isinstance(ty, types.Array):
+            out.append(builder.bitcast(context.make_array(ty)(context, builder, value).data, BYTE_PTR))
+        else:
+            out.append(value)
+    return out
+
+
+def _is_vector(a, dtype):
+    return isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a.dtype == dtype
+
+
+@intrinsic
+def _dot_q8_0_row(typingctx, row, qs, qd, nb):
+    """q8_0 K row . Q8_0 query: row uint8[nb * 34] (blocks of f16 scale + 32 int8), qs
+    int8[nb * 32] and qd float32[nb] the query's quants and scales. Per block the exact int32
+    dot of the quants (any summation order gives the same integer), converted to float32 and
+    multiplied by (row scale * query scale); block results summed in order (ggml's
+    ggml_vec_dot_q8_0_q8_0 arithmetic, blocks in plain order). LLVM vector IR: sign extension
+    and pmaddwd-style pair products, no reassociation of floats."""
+    if not (_is_vector(row, types.uint8) and _is_vector(qs, types.int8) and _is_vector(qd, types.float32)):
+        return None
+    sig = types.float32(row, qs, qd, nb)
+
+    def codegen(context, builder, signature, args):
+        rp, qp, dp, n = _vector_args(context, builder, signature, args)
+        n = context.cast(builder, n, signature.args[3], types.int64)
+        total = cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0))
+        i16x32 = vec(ir.IntType(16), _QK8_0)
+        with cgutils.for_range(builder, n) as loop:
+            b = loop.index
+            o = builder.mul(b, ir.Constant(I64, _Q8_0_BYTES))
+            dk = builder.fpext(load(builder, rp, o, ir.HalfType()), F32)
+            kv = builder.sext(load(builder, rp, builder.add(o, ir.Constant(I64, 2)), vec(I8, _QK8_0)), i16x32)
+            qv = builder.sext(load(builder, qp, builder.mul(b, ir.Constant(I64, _QK8_0)), vec(I8, _QK8_0)), i16x32)
+            v = madd_pairs(builder, kv, qv)                          # <16 x i32>
+            width = 16
+            while width > 1:
+                width //= 2
+                v = builder.add(builder.shuffle_vector(v, v, ir.Constant(vec(I32, width), list(range(width)))),
+                                builder.shuffle_vector(v, v, ir.Constant(vec(I32, width), list(range(width, 2 * width)))))
+            isum = builder.sitofp(builder.extract_element(v, ir.Constant(I32, 0)), F32)
+            dq = load(builder, dp, builder.mul(b, ir.Constant(I64, 4)), F32)
+            builder.store(builder.fadd(builder.load(total), builder.fmul(isum, builder.fmul(dk, dq))), total)
+        return builder.load(total)
+
+    return sig, codegen
+
+
+@intrinsic
+def _mad_q8_0_row(typingctx, acc, row, p, nb):
+    """acc[i] += (q_i * d_b) * p over a q8_0 V row: acc float32[nb * 32], row uint8[nb * 34]
+    (blocks of f16 scale d_b + 32 int8 q_i), p float32; a multiply, a multiply and an add per
+    element as in plain code (no fusion). LLVM vector IR."""
+    if not (_is_vector(acc, types.float32) and _is_vector(row, types.uint8) and p == types.float32):
+        return None
+    sig = types.void(acc, row, p, nb)
+
+    def codegen(context, builder, signature, args):
+        ap, rp, pv, n = _vector_args(context, builder, signature, args)
+        n = context.cast(builder, n, signature.args[3], types.int64)
+        f32x32 = vec(F32, _QK8_0)
+        ps = splat(builder, pv, _QK8_0)
+        with cgutils.for_range(builder, n) as loop:
+            b = loop.index
+            o = builder.mul(b, ir.Constant(I64, _Q8_0_BYTES))
+            dv = splat(builder, builder.fpext(load(builder, rp, o, ir.HalfType()), F32), _QK8_0)
+            vals = builder.sitofp(load(builder, rp, builder.add(o, ir.Constant(I64, 2)), vec(I8, _QK8_0)), f32x32)
+            a = builder.bitcast(builder.gep(ap, [builder.mul(b, ir.Constant(I64, 4 * _QK8_0))]), f32x32.as_pointer())
+            builder.store(builder.fadd(builder.load(a, align=1), builder.fmul(builder.fmul(vals, dv), ps)), a, align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @njit(cache=True, inline="always")
 def _cell(pool, table, j, base, n):
     """The n values at ``base`` of position j's K or V row: pool[table[j // bs], j % bs]."""
     bs = pool.shape[1]
     return pool[table[j // bs], j % bs, base:base + n]
-
-
-@njit(cache=True, inline="always")
-def _q8_0_scale(row, o):
-    """The f16 scale (little-endian bytes o, o+1) of the q8_0 block at byte o of a pool row."""
-    return f16_to_f32(np.uint16(row[o]) | (np.uint16(row[o + 1]) << np.uint16(8)))
 
 
 def _kdot(row, qv, hd, tiny):
@@ -104,8 +176,8 @@ def _kdot_impl(row, qv, hd, tiny):
     """f16 K (uint16 bits): tinyBLAS (16 lanes) or ggml_vec_dot_f16 order (64 lanes, then the
     hd % 64 leftover products added in float64), qv the query rounded to f16. f32 K: 16 float32
     lanes in order. q8_0 K (uint8 rows of hd/32 blocks: f16 scale, 32 int8): per block the exact
-    integer dot with qv's Q8_0 quants (qv[:hd], integers stored as float32) times both scales
-    (qv[hd + b]), summed in order (ggml_vec_dot_q8_0_q8_0's arithmetic in plain order)."""
+    integer dot with the query's Q8_0 quants times both scales, summed in order (qv = (quants
+    int8[hd], scales float32[hd/32]); _dot_q8_0_row)."""
     if row.dtype == types.uint16:
         def f16(row, qv, hd, tiny):
             if tiny:
@@ -128,15 +200,7 @@ def _kdot_impl(row, qv, hd, tiny):
         return f32
     if row.dtype == types.uint8:
         def q8_0(row, qv, hd, tiny):
-            s = np.float32(0.0)
-            for b in range(hd // _QK8_0):
-                o = b * _Q8_0_BYTES
-                dk = _q8_0_scale(row, o)
-                isum = np.float32(0.0)
-                for e in range(_QK8_0):
-                    isum += np.float32(np.int8(row[o + 2 + e])) * qv[b * _QK8_0 + e]
-                s += isum * (dk * qv[hd + b])
-            return s
+            return _dot_q8_0_row(row, qv[0], qv[1], hd // _QK8_0)
         return q8_0
     return None
 
@@ -162,15 +226,10 @@ def _prep_q_impl(q, t, h, pool):
     if pool.dtype == types.uint8:
         def q8_0(q, t, h, pool):
             hd = q.shape[2]
-            nb = hd // _QK8_0
-            qs = np.empty(hd, np.int16)
-            d = np.empty(nb, np.float32)
+            qs = np.empty(hd, np.int8)
+            d = np.empty(hd // _QK8_0, np.float32)
             _q8_0_row(q[t, h], qs, d, d, False)
-            out = np.empty(hd + nb, np.float32)
-            for i in range(hd):
-                out[i] = np.float32(qs[i])
-            out[hd:] = d
-            return out
+            return qs, d
         return q8_0
     return None
 
@@ -196,11 +255,7 @@ def _vacc_impl(acc, row, p, hd_v):
         return f32
     if row.dtype == types.uint8:
         def q8_0(acc, row, p, hd_v):
-            for b in range(hd_v // _QK8_0):
-                o = b * _Q8_0_BYTES
-                dv = _q8_0_scale(row, o)
-                for e in range(_QK8_0):
-                    acc[b * _QK8_0 + e] += (np.float32(np.int8(row[o + 2 + e])) * dv) * p
+            _mad_q8_0_row(acc, row, p, hd_v // _QK8_0)
         return q8_0
     return None
 

@@ -242,9 +242,45 @@ def hadamard(n: int) -> np.ndarray:
     return h
 
 
+@njit(cache=True)
+def _fwht_rows(x, r0, r1):
+    """Fast Walsh-Hadamard transform of rows r0..r1-1 of x f32[R, n] in place (Sylvester
+    order, butterflies of span 1, 2, 4, ...), scaled by 1/sqrt(n) at the end."""
+    n = x.shape[1]
+    scale = np.float32(1.0 / np.sqrt(n))
+    for r in range(r0, r1):
+        h = 1
+        while h < n:
+            for i in range(0, n, 2 * h):
+                for j in range(i, i + h):
+                    a = x[r, j]
+                    b = x[r, j + h]
+                    x[r, j] = a + b
+                    x[r, j + h] = a - b
+            h *= 2
+        for j in range(n):
+            x[r, j] *= scale
+
+
+@njit(parallel=True, cache=True)
+def _fwht_par(x):
+    n_chunks = min(x.shape[0], 64)
+    step = (x.shape[0] + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        _fwht_rows(x, c * step, min(x.shape[0], (c + 1) * step))
+
+
 def rotate_chunks(x: np.ndarray, n: int) -> None:
-    """In place x = x @ H over every run of n values (x C-contiguous, size a multiple of n):
-    llama.cpp rotates Q and K (and V) this way before a quantized KV cache, so that outliers
-    spread over the block the quantizer scales (llama_mul_mat_hadamard)."""
+    """In place x = x @ H over every run of n values (x f32, C-contiguous, size a multiple of
+    n; H = hadamard(n)): llama.cpp rotates Q and K (and V) this way before a quantized KV cache,
+    so that outliers spread over the block the quantizer scales (llama_mul_mat_hadamard, a
+    matrix product there; a fast Walsh-Hadamard transform here, equal to rounding). Runs on
+    numba's threads, never on a BLAS library's own (whose spinning threads slowed the
+    following kernels twofold on 2 cores)."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"rotate_chunks: n must be a power of two, got {n}")
     flat = x.reshape(-1, n)
-    flat[...] = flat @ hadamard(n)
+    if x.size >= PARALLEL_MIN:
+        _fwht_par(flat)
+    else:
+        _fwht_rows(flat, 0, flat.shape[0])

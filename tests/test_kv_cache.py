@@ -153,15 +153,84 @@ def test_window_blocks_forgotten_and_memory_returned(tmp_path):
     assert not local[0].any() and not local[1].any() and local[m.block_table(s, 1)[2]].any()
 
 
-def test_q8_0_kv_perplexity_real_model(qwen_path):
-    """Qwen2.5's K has outliers (|K| up to ~160 where the median is ~2): without llama.cpp's
-    Hadamard rotation of Q and K, 8-bit K and V cost it 3-4% perplexity here; with it about
-    1.1% on 12 chunks, as llama.cpp's own q8_0 cache (1.06%, flash attention, same text)."""
+@pytest.mark.parametrize("model", ["qwen_path", "gemma_path"])
+def test_q8_0_kv_perplexity_real_model(model, request):
+    """The issue's measure: q8_0 K and V within 1% of f16 perplexity on all of ppl_text.txt
+    (-c 256, 13 chunks). Qwen2.5's K has outliers (|K| up to ~210 where the rest varies by a
+    few units): llama.cpp's Hadamard rotation alone leaves +1.1% (+1.06% in llama.cpp itself
+    on 12 chunks); storing K minus the static part of its bias (static_k_bias) brings it to
+    about -0.4%. Gemma 3 (no K bias, K normed) is about +0.5%; runs move by ~0.5% with rounding
+    details, so the bound is the issue's, not a tighter one."""
     from edge.engine import Engine
     from edge.perplexity import perplexity
     from tests.conftest import GOLDEN
 
+    path = request.getfixturevalue(model)
     text = (GOLDEN / "ppl_text.txt").read_text()
-    ppl = {t: perplexity(Engine(qwen_path, n_ctx=256, cache_type_k=t, cache_type_v=t), text, 256, max_chunks=4).ppl
+    ppl = {t: perplexity(Engine(path, n_ctx=256, cache_type_k=t, cache_type_v=t), text, 256).ppl
            for t in ("f16", "q8_0")}
-    assert abs(ppl["q8_0"] / ppl["f16"] - 1) < 0.02, ppl
+    assert abs(ppl["q8_0"] / ppl["f16"] - 1) < 0.01, ppl
+
+
+def test_static_k_bias_pairs():
+    """Qwen2.5's RoPE (base 1e6, 64 rotated dims, 32768 training positions): pairs 25..31 turn
+    by at most 1 radian over the training context, so their bias is the shift; dims that RoPE
+    does not rotate always are; a non-NeoX model pairs dims (2i, 2i+1)."""
+    from dataclasses import replace
+
+    from edge.models.common import static_k_bias
+    _, model = _tiny_qwen2()
+    a = replace(model.args, head_dim=64, n_head_kv=2, n_rot=64, rope_freq_base=1e6, rope_freq_scale=1.0,
+                n_ctx_train=32768, rope_neox=True)
+    bias = np.arange(1, 129, dtype=np.float32)
+    c = static_k_bias(a, bias)
+    assert c.shape == (2, 64) and c.dtype == np.float32
+    static = [d for d in range(64) if c[0, d]]
+    assert static == list(range(25, 32)) + list(range(57, 64))
+    assert np.array_equal(c[1, static], bias[64:][static])
+    c = static_k_bias(replace(a, rope_neox=False), bias)
+    assert [d for d in range(64) if c[0, d]] == list(range(50, 64))
+    c = static_k_bias(replace(a, n_rot=32), bias)   # pairs (i, i+16) of 32 rotated dims, 32..63 not rotated
+    assert [d for d in range(64) if c[0, d]] == list(range(13, 16)) + list(range(29, 64))
+    c = static_k_bias(replace(a, n_ctx_train=4096), bias)
+    assert [d for d in range(64) if c[0, d]] == list(range(20, 32)) + list(range(52, 64))  # fewer turns
+
+
+def _tiny_qwen2(tmp=[]):
+    if not tmp:
+        import tempfile
+        path = tempfile.mkdtemp() + "/qwen2.gguf"
+        write_tiny_model(path, **CASES["qwen2-quant"])
+        tmp.append(load_model(GGUFFile(path)))
+    return "qwen2-quant", tmp[0]
+
+
+def test_q8_0_k_shift_exact_and_effective():
+    """A quantized K cache stores K minus the static part of the K bias: attention is unchanged
+    in exact arithmetic (the logits stay close to an f32 cache's), while without the shift a
+    large constant bias (as Qwen2.5's, up to 210) costs the rest of K its 8 bits."""
+    from edge.models.common import static_k_bias
+    _, model = _tiny_qwen2()
+    a = model.args
+    saved = [(b.attn_k_bias, b.k_shift) for b in model.blocks]
+    try:
+        for b in model.blocks:
+            mask = static_k_bias(a, np.ones_like(b.attn_k_bias)).reshape(-1) != 0
+            assert 0 < mask.sum() < mask.size
+            b.attn_k_bias = b.attn_k_bias + np.float32(200) * mask
+            b.k_shift = static_k_bias(a, b.attn_k_bias)
+
+        def logits(type_k):
+            cache = PagedKVCache(a, 128, type_k=type_k, type_v="f32", storage="anon")
+            return _run(model, cache, LONG, [40, 30])
+        ref = logits("f32")
+        shifted = logits("q8_0")
+        for b in model.blocks:
+            b.k_shift = None
+        unshifted = logits("q8_0")
+    finally:
+        for b, (bias, shift) in zip(model.blocks, saved):
+            b.attn_k_bias, b.k_shift = bias, shift
+    err = lambda x: np.median(np.abs(x - ref).max(axis=1)) / np.abs(ref).max()   # as test_q8_0_kv_close_to_f16
+    assert err(shifted) < 0.05, err(shifted)
+    assert err(unshifted) > 4 * err(shifted), (err(unshifted), err(shifted))
