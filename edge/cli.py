@@ -215,7 +215,7 @@ def cmd_run(args) -> int:
           f"{stats.gen_tps:.1f} tokens/s | finish: {stats.finish_reason}"
           f"{f' (context full: -c {args.ctx_size})' if stats.context_full else ''} | total {total:.1f} s"
           + (f" | {stats.n_restored} prompt tokens restored from {args.session}" if stats.n_restored else "")
-          + (f" | {args.session} held another prompt and was replaced" if stats.session_replaced else ""),
+          + (f" | {args.session} held another prompt; it now holds this one" if stats.session_replaced else ""),
           file=sys.stderr)
     return 0
 

@@ -183,9 +183,11 @@ class Engine:
         """Yield generated token ids until an end-of-generation token (not yielded), max_tokens
         (-1 = no limit) or the end of the context. ``stats`` (optional) is filled in as it goes.
 
-        ``session``: a session file (llama.cpp's --prompt-cache). When it exists and its
-        tokens start the prompt, their KV cache and logits are restored instead of computed;
-        after the prompt, its state is saved there (atomically) for the next run.
+        ``session``: a session file (llama.cpp's --prompt-cache). When it exists, the KV cache
+        of the tokens it shares with the start of the prompt is restored instead of computed
+        (with the saved logits when it holds the whole prompt; a sliding-window model reuses a
+        shorter common prefix only while the file still holds that prefix's window); after the
+        prompt, its state is saved there (atomically) for the next run.
 
         Raises ContextLengthExceeded if the prompt does not leave room for one token,
         SessionError for a session file made with another model or KV type, or damaged.
@@ -215,9 +217,11 @@ class Engine:
         if session is not None and Path(session).exists() and not _empty_file(session):
             saved = load_session(session, self)
             n = len(saved.tokens)
-            if not (n <= len(prompt_ids) and saved.tokens.tolist() == prompt_ids[:n]):
-                saved = None  # another prompt: computed, and the file replaced below
+            common = _common_prefix(saved.tokens.tolist(), prompt_ids)
+            if common < n or n > len(prompt_ids):   # another prompt: reuse what they share
                 stats.session_replaced = True
+                m = min(common, len(prompt_ids) - 1)   # the last prompt token is computed again
+                saved = saved.prefix(m, kv.first_position) if m > 0 else None
         if saved is None:
             slot, stats.n_cached = kv.new_sequence(prompt_ids)
         else:
@@ -266,6 +270,16 @@ class Engine:
                 return
             kv.append(slot, [tok])
             logits = self.model.forward([tok], kv, seq_ids=seq_ids)[-1]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _empty_file(path) -> bool:

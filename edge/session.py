@@ -68,6 +68,23 @@ class Session:
     ks: list[np.ndarray]
     vs: list[np.ndarray]
 
+    def prefix(self, m: int, first_position) -> Session | None:
+        """The state after the first m tokens (0 < m <= n), or None when the file lacks rows
+        it needs: ``first_position(il, n)`` gives the first position layer il keeps (a
+        sliding-window layer keeps only its window, so a shorter prefix needs older rows).
+        The prefix has no logits (its last token must be computed again)."""
+        n = len(self.tokens)
+        if m == n:
+            return self
+        ks, vs = [], []
+        for il, (k, v) in enumerate(zip(self.ks, self.vs)):
+            lo_n, lo_m = first_position(il, n), first_position(il, m)
+            if lo_m < lo_n:
+                return None
+            ks.append(k[lo_m - lo_n : m - lo_n])
+            vs.append(v[lo_m - lo_n : m - lo_n])
+        return Session(self.tokens[:m], np.empty(0, np.float32), ks, vs)
+
 
 def _header(engine, n_tokens: int, ks, vs) -> dict:
     kv = engine.kv

@@ -52,10 +52,32 @@ def test_restored_session_continues_like_uninterrupted(model_path, tmp_path, kv_
 def test_other_prompt_replaces_the_session(model_path, tmp_path):
     f = tmp_path / "s.session"
     _generate(_engine(model_path), PROMPT, 2, f)
-    other = [1, 9, 9, 9, 9, 9]
+    other = [2, 9, 9, 9, 9, 9]   # nothing in common
     got, stats = _generate(_engine(model_path), other, 4, f)
-    assert stats.n_restored == 0 and got == _generate(_engine(model_path), other, 4)[0]
+    assert stats.n_restored == 0 and stats.session_replaced and got == _generate(_engine(model_path), other, 4)[0]
     assert load_session(f, _engine(model_path)).tokens.tolist() == other
+
+
+def test_shared_prefix_of_another_prompt_is_reused(model_path, tmp_path):
+    """As llama.cpp's --prompt-cache: a prompt that shares its first tokens with the session
+    restores those (the last prompt token is always computed, for its logits), then the file
+    holds the new prompt. Gemma's window layers (window 5) keep only the last 4 positions of a
+    19-token session, so a 10-token prefix cannot come from it; a session shorter than the
+    window keeps every position."""
+    gemma = "gemma3" in str(model_path)
+    f = tmp_path / "s.session"
+    _generate(_engine(model_path), PROMPT, 2, f)
+    for prompt, n_restored in ((PROMPT[:10] + [2, 2, 2], 0 if gemma else 10),
+                               (PROMPT[:7], 0 if gemma else 6)):
+        _generate(_engine(model_path), PROMPT, 2, f)          # the file holds PROMPT again
+        got, stats = _generate(_engine(model_path), prompt, 6, f)
+        assert (stats.n_restored, stats.session_replaced) == (n_restored, True), prompt
+        assert got == _generate(_engine(model_path), prompt, 6)[0]
+        assert load_session(f, _engine(model_path)).tokens.tolist() == prompt
+    short = PROMPT[:4]                                        # shorter than Gemma's window
+    _generate(_engine(model_path), short, 2, f)
+    got, stats = _generate(_engine(model_path), short[:3] + [8, 8], 6, f)
+    assert stats.n_restored == 3 and got == _generate(_engine(model_path), short[:3] + [8, 8], 6)[0]
 
 
 def test_damaged_and_foreign_files_are_refused(model_path, tmp_path):
