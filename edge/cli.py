@@ -165,9 +165,15 @@ def _load_engine(args):
     return engine
 
 
+_SAMPLING_FLAGS = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
+                   "repeat_penalty": "--repeat-penalty", "repeat_last_n": "--repeat-last-n",
+                   "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
+                   "seed": "-s/--seed"}
+
+
 def cmd_run(args) -> int:
     from edge.engine import GenerationStats
-    from edge.sampling import SamplingParams
+    from edge.sampling import InvalidParameter, SamplingParams
     from edge.tokenizer import StreamDecoder
 
     if args.prompt is not None and args.prompt_arg is not None:
@@ -179,11 +185,14 @@ def cmd_run(args) -> int:
         prompt = sys.stdin.read()
         if prompt.endswith("\n"):   # one trailing newline, as llama.cpp's -f and `echo` add
             prompt = prompt[:-1]
-    params = SamplingParams(
-        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        seed=None if args.seed < 0 else args.seed)
+    try:
+        params = SamplingParams(
+            temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+            repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+            seed=None if args.seed < 0 else args.seed)
+    except InvalidParameter as e:   # name the flag the user typed
+        raise ValueError(f"{_SAMPLING_FLAGS.get(e.param, e.param)} must be {e.rule}, got {e.value!r}") from None
     t_start = time.perf_counter()
     engine = _load_engine(args)
     if args.raw or engine.template is None:
@@ -223,6 +232,8 @@ def cmd_run(args) -> int:
 def cmd_perplexity(args) -> int:
     from edge.perplexity import perplexity
 
+    if args.ctx_size < 4 or args.ctx_size % 2:
+        raise ValueError(f"-c/--ctx-size must be an even number >= 4 for perplexity, got {args.ctx_size}")
     try:
         text = Path(args.file).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -299,7 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     except MemoryError:
         print(f"{command}: error: out of memory (a smaller -c/--ctx-size needs less)", file=sys.stderr)
         return 1
-    except (GGUFError, ValueError, OSError, RuntimeError) as e:
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"{command}: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
+    except (GGUFError, ValueError, RuntimeError) as e:
         print(f"{command}: error: {e}", file=sys.stderr)
         return 1
 

@@ -40,6 +40,15 @@ class SamplingError(ValueError):
     """The logits or history cannot be sampled from (NaN, no finite logit, bad token id)."""
 
 
+class InvalidParameter(ValueError):
+    """A SamplingParams field out of range: ``param`` is the field's name (OpenAI's parameter
+    name where one exists), ``rule`` what it must be, ``value`` what it was."""
+
+    def __init__(self, param: str, rule: str, value):
+        super().__init__(f"{param} must be {rule}, got {value!r}")
+        self.param, self.rule, self.value = param, rule, value
+
+
 def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
@@ -65,7 +74,8 @@ class SamplingParams:
         logit_bias: {token id (int >= 0): bias (finite float, or -inf to ban)}; stored read-only.
 
     Raises:
-        ValueError: naming the field, when a value is of the wrong type or out of range.
+        InvalidParameter (a ValueError): naming the field, when a value is of the wrong type or
+            out of range.
     """
 
     temperature: float = 0.8
@@ -82,7 +92,7 @@ class SamplingParams:
     def __post_init__(self):
         def check(name: str, ok: bool, rule: str) -> None:
             if not ok:
-                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+                raise InvalidParameter(name, rule, getattr(self, name))
 
         for name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty",
                      "frequency_penalty"):

@@ -136,3 +136,16 @@ def test_rich_tables(bench_json):
     assert f"{bench_json['peak_rss_mb']['edge']:.0f}" in text
     if not HAS_LLAMA_CPP:
         assert "pip install 'edge[bench]'" in text   # not eaten as rich markup
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--temp", "-1", "hi"], "edge run: error: --temp must be >= 0, got -1.0"),
+    (["run", "--min-p", "2", "hi"], "edge run: error: --min-p must be in [0, 1], got 2.0"),
+    (["run", "--repeat-last-n", "-5", "hi"], "edge run: error: --repeat-last-n must be >= -1"),
+    (["perplexity", "-c", "7", "-f", "x.txt"], "edge perplexity: error: -c/--ctx-size must be an even number >= 4"),
+    (["perplexity", "-f", "/nonexistent/ppl.txt"], "edge perplexity: error: /nonexistent/ppl.txt: No such file or directory"),
+])
+def test_cli_errors_name_the_flag(argv, message, capsys):
+    """Errors found before any model is loaded name the flag (or file) the user typed."""
+    assert main(argv) == 1
+    assert message in capsys.readouterr().err
