@@ -321,17 +321,19 @@ def _visible(p, window):
     return 0
 
 
-@njit(cache=True, inline="always")
-def _paths(T, hd, hd_v):
+def _paths(T, hd, hd_v, batch_invariant=False):
     """(tinyBLAS for KQ, tinyBLAS for KQV): llamafile_sgemm takes n >= 2 rows when the dot length
-    is a multiple of 16 and the output rows (cells for KQ, hd_v for KQV) a multiple of 4."""
-    return T >= 2 and hd % _TINY_LANES == 0, T >= 2 and hd_v % 4 == 0
+    is a multiple of 16 and the output rows (cells for KQ, hd_v for KQV) a multiple of 4.
+    ``batch_invariant``: every row as a batch of one (ggml_vec_dot_f16 orders)."""
+    multi = T >= 2 and not batch_invariant
+    return multi and hd % _TINY_LANES == 0, multi and hd_v % 4 == 0
 
 
 @njit(cache=True)
-def _attention_rows(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out, first, step):
+def _attention_rows(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out, first, step,
+                    tiny_kq, tiny_kqv):
     """attention_f16 for the (row, head) pairs first, first + step, ... (pair th = row th // H,
-    head th % H)."""
+    head th % H), with the lane orders of _paths."""
     T, H, hd = q.shape
     n_blocks, bs, H_kv = k_pool.shape[0], k_pool.shape[1], k_pool.shape[2]
     hd_v = out.shape[2]
@@ -339,7 +341,6 @@ def _attention_rows(q, k_pool, v_pool, tables, seq_ids, positions, window, scale
     group = H // H_kv
     kflat = k_pool.reshape(n_blocks, bs, -1)
     vflat = v_pool.reshape(n_blocks, bs, -1)
-    tiny_kq, tiny_kqv = _paths(T, hd, hd_v)
     block = np.empty(16, np.float32)
     acc = np.empty((_VEC_STEP, hd_v), np.float32)
     for th in range(first, T * H, step):
@@ -356,11 +357,12 @@ def _attention_rows(q, k_pool, v_pool, tables, seq_ids, positions, window, scale
 
 
 @njit(parallel=True, cache=True)
-def _attention_par(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out):
+def _attention_par(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out, tiny_kq, tiny_kqv):
     # interleaved pairs: numba splits a prange into contiguous ranges, and causal rows grow
     n_chunks = min(q.shape[0] * q.shape[1], 64)
     for c in prange(n_chunks):
-        _attention_rows(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out, c, n_chunks)
+        _attention_rows(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out, c, n_chunks,
+                        tiny_kq, tiny_kqv)
 
 
 # Below this many multiply-adds (rows x heads x visible cells x head_dim) attention runs on the
@@ -368,7 +370,7 @@ def _attention_par(q, k_pool, v_pool, tables, seq_ids, positions, window, scale,
 PARALLEL_MIN_MACS = 1 << 18
 
 
-def attention_f16(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out):
+def attention_f16(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out, batch_invariant=False):
     """Multi-head causal attention with GQA over a paged f16 KV cache, bit-exact with
     llama.cpp's non-flash CPU path.
 
@@ -382,15 +384,17 @@ def attention_f16(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, 
     1.0 for Gemma). Query head h reads KV head h // (H / H_kv). A query at position p sees
     the cells j <= p of its own sequence, and with ``window`` > 0 only j > p - window (blocks
     wholly before that may be holes). The T rows pick the kernel lanes as llama.cpp does for a
-    batch of T tokens (module docstring). Callers check the tables; a wrong block id is an
-    out-of-bounds read.
+    batch of T tokens (module docstring), or with ``batch_invariant`` each as a batch of one
+    (so a row's result does not depend on the other rows). Callers check the tables; a wrong
+    block id is an out-of-bounds read.
     """
     T, H, hd = q.shape
+    tiny_kq, tiny_kqv = _paths(T, hd, out.shape[2], batch_invariant)
     cells = int(positions.max()) + 1 if window <= 0 else min(int(positions.max()) + 1, window)
     if T * H * cells * hd >= PARALLEL_MIN_MACS:
-        _attention_par(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out)
+        _attention_par(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out, tiny_kq, tiny_kqv)
     else:
-        _attention_rows(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out, 0, 1)
+        _attention_rows(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out, 0, 1, tiny_kq, tiny_kqv)
 
 
 def _store_row(dst, src):

@@ -912,6 +912,55 @@ def round_to_bf16(x, out):
             bits_out[t, k] = (h & np.uint32(0xFFFF)) << np.uint32(16)
 
 
+# Batch-invariant kernels: every activation row gets the arithmetic llama.cpp gives a batch of
+# one row (GEMV for repacked weights, VEC_DOT for the others), whatever T is, in multi-row
+# tiles. A row's result then depends on that row alone, not on the batch it is computed in
+# (the server's requirement: a request's text must not depend on what else is being served).
+# Types whose llama.cpp paths are already one arithmetic for every T need no variant.
+
+
+@njit(parallel=True, cache=True)
+def matmul_q2_k_q8_k_bi(w, xqs, xd, xbsums, out):
+    """Q2_K, batch-invariant (VEC_DOT for every T)."""
+    _tiled(_Q2_K, VEC_DOT, NR, w, xqs, xd, xbsums, out)
+
+
+@njit(parallel=True, cache=True)
+def matmul_q2_k_q8_k_repacked_bi(w, xqs, xd, xbsums, out):
+    """Q2_K repacked, batch-invariant (GEMV for every T)."""
+    _tiled(_Q2_K, GEMV, NR, w, xqs, xd, xbsums, out)
+
+
+@njit(parallel=True, cache=True)
+def matmul_q3_k_q8_k_bi(w, xqs, xd, xbsums, out):
+    """Q3_K, batch-invariant (VEC_DOT for every T)."""
+    _tiled(_Q3_K, VEC_DOT, NR, w, xqs, xd, xbsums, out)
+
+
+@njit(parallel=True, cache=True)
+def matmul_q4_k_q8_k_bi(w, xqs, xd, xbsums, out):
+    """Q4_K, batch-invariant (VEC_DOT for every T)."""
+    _tiled(_Q4_K, VEC_DOT, NR, w, xqs, xd, xbsums, out)
+
+
+@njit(parallel=True, cache=True)
+def matmul_q4_k_q8_k_repacked_bi(w, xqs, xd, xbsums, out):
+    """Q4_K repacked, batch-invariant (GEMV for every T)."""
+    _tiled(_Q4_K, GEMV, NR_ROWS, w, xqs, xd, xbsums, out)
+
+
+@njit(parallel=True, cache=True)
+def matmul_q5_k_q8_k_bi(w, xqs, xd, xbsums, out):
+    """Q5_K, batch-invariant (VEC_DOT for every T)."""
+    _tiled(_Q5_K, VEC_DOT, NR, w, xqs, xd, xbsums, out)
+
+
+@njit(parallel=True, cache=True)
+def matmul_q6_k_q8_k_bi(w, xqs, xd, xbsums, out):
+    """Q6_K, batch-invariant (VEC_DOT for every T)."""
+    _tiled(_Q6_K, VEC_DOT, ND_Q6_K, w, xqs, xd, xbsums, out)
+
+
 ROWS_TYPES = (T_.Q5_0, T_.Q8_0, T_.Q4_K, T_.Q6_K) if HAS_VNNI else ()  # VNNI kernels: int8 quants
 
 QUANT_KERNELS = {  # llama.cpp's plain CPU buffer
@@ -925,13 +974,24 @@ REPACKED_KERNELS = {  # weights llama.cpp repacks on x86 (ggml_repack_get_optima
 }
 
 
-def quant_kernel(t: GGMLQuantizationType, n_rows: int):
+BATCH_INVARIANT_KERNELS = {
+    T_.Q2_K: matmul_q2_k_q8_k_bi, T_.Q3_K: matmul_q3_k_q8_k_bi, T_.Q4_K: matmul_q4_k_q8_k_bi,
+    T_.Q5_K: matmul_q5_k_q8_k_bi, T_.Q6_K: matmul_q6_k_q8_k_bi,
+}
+BATCH_INVARIANT_REPACKED = {T_.Q2_K: matmul_q2_k_q8_k_repacked_bi, T_.Q4_K: matmul_q4_k_q8_k_repacked_bi}
+
+
+def quant_kernel(t: GGMLQuantizationType, n_rows: int, batch_invariant: bool = False):
     """The per-type kernel llama.cpp's choice calls for: REPACKED_KERNELS[t] when t is repacked
     and n_rows % 8 == 0, else QUANT_KERNELS[t] (separate functions, so that a process compiles
-    only the paths its matrices take)."""
-    if n_rows % 8 == 0 and t in REPACKED_KERNELS:
-        return REPACKED_KERNELS[t]
-    return QUANT_KERNELS[t]
+    only the paths its matrices take). ``batch_invariant``: the kernel that gives every row
+    llama.cpp's one-row arithmetic (BATCH_INVARIANT_*), where it differs."""
+    repacked = n_rows % 8 == 0 and t in REPACKED_KERNELS
+    if batch_invariant:
+        kernel = (BATCH_INVARIANT_REPACKED if repacked else BATCH_INVARIANT_KERNELS).get(t)
+        if kernel is not None:
+            return kernel
+    return REPACKED_KERNELS[t] if repacked else QUANT_KERNELS[t]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1064,7 +1124,8 @@ def quantize_activations(ggml_type, x: np.ndarray, workspace: MatmulWorkspace | 
 
 
 def matmul(w: np.ndarray, ggml_type, x: np.ndarray, out: np.ndarray | None = None,
-           workspace: MatmulWorkspace | None = None, xq: QuantizedActivations | None = None) -> np.ndarray:
+           workspace: MatmulWorkspace | None = None, xq: QuantizedActivations | None = None,
+           batch_invariant: bool = False) -> np.ndarray:
     """out[t, r] = sum_k W[r, k] * x[t, k] with W stored as GGML ``ggml_type`` rows, as llama.cpp.
 
     Shapes: w uint8[R, row_bytes] (zero-copy GGUF rows, also for F32/F16/BF16), x float32[T, K]
@@ -1074,6 +1135,9 @@ def matmul(w: np.ndarray, ggml_type, x: np.ndarray, out: np.ndarray | None = Non
     anew, outside the workspace so that xq stays valid). Raises QuantFormatError for an
     unsupported type or mismatched shapes/dtypes (K-quant rows need K % 256 == 0), ValueError
     when the workspace is too small. Python-side cost is a few microseconds per call.
+    ``batch_invariant``: row t of out depends on x[t] alone, bit for bit, whatever T is (each
+    row gets llama.cpp's arithmetic for a batch of one; see quant_kernel). Without it, llama.cpp
+    switches K-quant kernels at T >= 4 (repacked) or T >= 8, which changes the last bits.
     """
     t = _TYPES.get(ggml_type)
     if t is None:
@@ -1090,5 +1154,5 @@ def matmul(w: np.ndarray, ggml_type, x: np.ndarray, out: np.ndarray | None = Non
     else:
         if xq is None or xq.key != _act_key(t) or xq.shape != (T, K):
             xq = _quantize(t, x, buf)
-        quant_kernel(t, w.shape[0])(w, *xq.arrays, out)
+        quant_kernel(t, w.shape[0], batch_invariant)(w, *xq.arrays, out)
     return out

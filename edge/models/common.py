@@ -119,7 +119,7 @@ class Weight:
     -> f32[T, n_out], through kernels_cpu.matmul (activations quantized as llama.cpp does).
     """
 
-    __slots__ = ("name", "ggml_type", "rows", "n_in", "n_out")
+    __slots__ = ("name", "ggml_type", "rows", "n_in", "n_out", "batch_invariant")
 
     def __init__(self, gf: GGUFFile, name: str, n_in: int, n_out: int | None = None):
         t = gf.tensors[name]
@@ -130,11 +130,12 @@ class Weight:
         self.ggml_type = t.ggml_type
         self.rows = gf.tensor_rows(name)
         self.n_in, self.n_out = t.shape
+        self.batch_invariant = False   # see Transformer.set_batch_invariant
 
     def __call__(self, x: np.ndarray, out: np.ndarray | None = None, xq=None, workspace=None) -> np.ndarray:
         """x f32[T, n_in] -> out f32[T, n_out] (kernels_cpu.matmul.matmul: ``xq`` x already
         quantized for a weight of the same activation format, ``workspace`` its buffers)."""
-        return matmul(self.rows, self.ggml_type, x, out, workspace, xq)
+        return matmul(self.rows, self.ggml_type, x, out, workspace, xq, self.batch_invariant)
 
     def get_rows(self, ids: np.ndarray) -> np.ndarray:
         """Dequantized rows ``ids`` (embedding lookup, ggml_get_rows): f32[len(ids), n_in]."""
@@ -303,6 +304,7 @@ class Block:
         self.window = a.sliding_window if self.is_swa else 0
         self.k_rotation = _k_rotation(hd) if hd % 64 == 0 else 0
         self.k_shift: np.ndarray | None = None   # f32[n_head_kv, hd], set by Transformer (static_k_bias)
+        self.batch_invariant = False             # see Transformer.set_batch_invariant
         self.args = a
 
     def __call__(self, x: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray, rope_cs, k_pool, v_pool,
@@ -353,7 +355,7 @@ class Block:
         store_kv(v.reshape(T, -1), v_pool, tables, seq_ids, positions)
         attn = sc.get("attn", (T, a.n_head, a.head_dim_v))
         scale = np.float32(a.attention_scale) if a.attention_scale else np.float32(1) / np.sqrt(np.float32(a.head_dim))
-        attention_f16(q, k_pool, v_pool, tables, seq_ids, positions, self.window, scale, attn)
+        attention_f16(q, k_pool, v_pool, tables, seq_ids, positions, self.window, scale, attn, self.batch_invariant)
         if rot_v:
             ops.rotate_chunks(attn, 64)
         o = self.attn_output(attn.reshape(T, -1), sc.get("o", x.shape), workspace=ws)  # [T, n_embd]
@@ -403,7 +405,23 @@ class Transformer:
             if blk.attn_k_bias is not None and blk.attn_k_norm is None:
                 blk.k_shift = static_k_bias(args, blk.attn_k_bias, blk.is_swa, self.rope_freqs)
         self.scratch = Scratch(max(args.n_embd, args.n_ff, args.n_head * args.head_dim_v))
+        self.batch_invariant = False
         ld.check_all_used(args.arch)
+
+    def set_batch_invariant(self, on: bool = True) -> None:
+        """With ``on``, every row of a batch gets the arithmetic llama.cpp gives a batch of one
+        row (matmul and attention kernels), so a token's logits depend only on its sequence,
+        not on the batch or prefill chunking it was computed in. The server turns this on: a
+        request's text must not depend on what else is being served. Decode of one sequence is
+        unchanged; prompt processing then differs from llama.cpp's batched kernels in the last
+        bits (default off: llama.cpp's choice of kernel per batch size)."""
+        for owner in [self, *self.blocks]:
+            for value in vars(owner).values():
+                if isinstance(value, Weight):
+                    value.batch_invariant = bool(on)
+        for blk in self.blocks:
+            blk.batch_invariant = bool(on)
+        self.batch_invariant = bool(on)
 
     def new_cache(self, n_ctx: int, n_seq: int = 1, kv_type: str = "f16") -> KVCache:
         """An empty contiguous KV cache of n_ctx positions for each of n_seq sequences."""

@@ -1,0 +1,98 @@
+"""Batch-invariant mode (Transformer.set_batch_invariant), which the server runs in: a token's
+logits are bit-identical whatever batch or prefill chunking computed it, so a request's text
+does not depend on what else is being served. Without it (llama.cpp's kernel choice per batch
+size) they differ in the last bits, which these tests also check, so that they can fail."""
+import numpy as np
+import pytest
+
+from edge.gguf_file import GGUFFile
+from edge.kv.cache import PagedKVCache
+from edge.models import load_model
+from tests.test_models import CASES
+from tests.tiny_models import write_tiny_model
+
+rng = np.random.default_rng(7)
+PROMPTS = [list(rng.integers(1, 90, n)) for n in (37, 21, 50, 9)]
+
+
+@pytest.fixture(scope="module", params=["llama-quant", "llama-quant-2", "qwen2-quant", "gemma3-quant-swa",
+                                        "gemma3-f32-swa"])
+def model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("bi") / f"{request.param}.gguf"
+    write_tiny_model(path, **CASES[request.param])
+    m = load_model(GGUFFile(path))
+    m.set_batch_invariant(True)
+    return request.param, m
+
+
+def _alone(model, prompt, chunks, n_decode, next_tokens):
+    """Logits of each prompt chunk's rows and of n_decode decode steps, the sequence alone."""
+    cache = PagedKVCache(model.args, 128, 1, 16, storage="anon")
+    s, _ = cache.new_sequence(prompt)
+    out, i = [], 0
+    for n in chunks:
+        out.append(model.forward(prompt[i : i + n], cache, slice(None), seq_ids=np.full(n, s)))
+        i += n
+    for tok in next_tokens[:n_decode]:
+        cache.append(s, [tok])
+        out.append(model.forward([tok], cache, slice(None), seq_ids=[s]))
+    return np.concatenate(out)
+
+
+def test_rows_do_not_depend_on_the_batch(model):
+    """Four sequences prefilled in one mixed batch (with chunks of other sizes) and decoded
+    together give each sequence's logits bit for bit as computed alone, whole or chunked."""
+    name, model = model
+    nxt = [5, 17, 33, 2, 71, 8]
+    alone = [_alone(model, p, [len(p)], len(nxt), nxt) for p in PROMPTS]
+    chunked = _alone(model, PROMPTS[0], [3, 16, 1, 17], len(nxt), nxt)
+    assert np.array_equal(chunked, alone[0])
+
+    cache = PagedKVCache(model.args, 128, 4, 16, storage="anon")
+    slots = [cache.new_sequence(p)[0] for p in PROMPTS]
+    toks = np.concatenate(PROMPTS)
+    ids = np.concatenate([np.full(len(p), s) for p, s in zip(PROMPTS, slots)])
+    rows = model.forward(toks, cache, slice(None), seq_ids=ids)
+    got = [[rows[ids == s]] for s in slots]
+    for tok in nxt:
+        for s in slots:
+            cache.append(s, [tok])
+        step = model.forward([tok] * 4, cache, slice(None), seq_ids=slots)
+        for i in range(4):
+            got[i].append(step[i : i + 1])
+    for i in range(4):
+        assert np.array_equal(np.concatenate(got[i]), alone[i]), i
+
+    model.set_batch_invariant(False)    # llama.cpp's kernels: the chunking shows in the last bits
+    try:
+        whole = _alone(model, PROMPTS[0], [len(PROMPTS[0])], len(nxt), nxt)
+        one_by_one = _alone(model, PROMPTS[0], [1] * len(PROMPTS[0]), len(nxt), nxt)
+    finally:
+        model.set_batch_invariant(True)
+    # (llama-quant-2's K-quant rows are one super-block long, where llama.cpp's paths coincide)
+    assert np.array_equal(whole, one_by_one) == (name == "llama-quant-2")
+
+
+def test_real_model_rows_do_not_depend_on_the_batch(qwen_path):
+    """The default model (Q4_K repacked, Q6_K, Q5_0, Q8_0 weights): three prompts prefilled
+    together in one batch of 27 rows and decoded together give the logits of each alone."""
+    from edge.engine import Engine
+    m = Engine(qwen_path, n_ctx=64).model
+    m.set_batch_invariant(True)
+    prompts = [[9707, 11, 1879, 0, 358, 1079, 264, 2025, 13], [785, 6722, 315, 9625, 374],
+               [750, 38418, 1445, 982, 262, 470, 308, 421, 308, 366, 220, 17, 770, 15801, 1445]]
+    nxt = [220, 16, 17]
+    alone = [_alone(m, p, [len(p)], len(nxt), nxt) for p in prompts]
+    cache = PagedKVCache(m.args, 64, 3, 16, storage="anon")
+    slots = [cache.new_sequence(p)[0] for p in prompts]
+    ids = np.concatenate([np.full(len(p), s) for p, s in zip(prompts, slots)])
+    rows = m.forward(np.concatenate(prompts), cache, slice(None), seq_ids=ids)
+    got = [[rows[ids == s]] for s in slots]
+    for tok in nxt:
+        for s in slots:
+            cache.append(s, [tok])
+        step = m.forward([tok] * 3, cache, slice(None), seq_ids=slots)
+        for i in range(3):
+            got[i].append(step[i : i + 1])
+    for i in range(3):
+        assert np.array_equal(np.concatenate(got[i]), alone[i]), i
