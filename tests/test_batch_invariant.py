@@ -39,6 +39,23 @@ def _alone(model, prompt, chunks, n_decode, next_tokens):
     return np.concatenate(out)
 
 
+def _together(model, prompts, next_tokens):
+    """The same logits as _alone for every prompt, all prompts prefilled in one batch and
+    each decode step one batch of a row per sequence."""
+    cache = PagedKVCache(model.args, 128, len(prompts), 16, storage="anon")
+    slots = [cache.new_sequence(p)[0] for p in prompts]
+    ids = np.concatenate([np.full(len(p), s) for p, s in zip(prompts, slots)])
+    rows = model.forward(np.concatenate(prompts), cache, slice(None), seq_ids=ids)
+    got = [[rows[ids == s]] for s in slots]
+    for tok in next_tokens:
+        for s in slots:
+            cache.append(s, [tok])
+        step = model.forward([tok] * len(slots), cache, slice(None), seq_ids=slots)
+        for i in range(len(slots)):
+            got[i].append(step[i : i + 1])
+    return [np.concatenate(g) for g in got]
+
+
 def test_rows_do_not_depend_on_the_batch(model):
     """Four sequences prefilled in one mixed batch (with chunks of other sizes) and decoded
     together give each sequence's logits bit for bit as computed alone, whole or chunked."""
@@ -48,20 +65,8 @@ def test_rows_do_not_depend_on_the_batch(model):
     chunked = _alone(model, PROMPTS[0], [3, 16, 1, 17], len(nxt), nxt)
     assert np.array_equal(chunked, alone[0])
 
-    cache = PagedKVCache(model.args, 128, 4, 16, storage="anon")
-    slots = [cache.new_sequence(p)[0] for p in PROMPTS]
-    toks = np.concatenate(PROMPTS)
-    ids = np.concatenate([np.full(len(p), s) for p, s in zip(PROMPTS, slots)])
-    rows = model.forward(toks, cache, slice(None), seq_ids=ids)
-    got = [[rows[ids == s]] for s in slots]
-    for tok in nxt:
-        for s in slots:
-            cache.append(s, [tok])
-        step = model.forward([tok] * 4, cache, slice(None), seq_ids=slots)
-        for i in range(4):
-            got[i].append(step[i : i + 1])
-    for i in range(4):
-        assert np.array_equal(np.concatenate(got[i]), alone[i]), i
+    for i, got in enumerate(_together(model, PROMPTS, nxt)):
+        assert np.array_equal(got, alone[i]), i
 
     model.set_batch_invariant(False)    # llama.cpp's kernels: the chunking shows in the last bits
     try:
@@ -77,22 +82,11 @@ def test_real_model_rows_do_not_depend_on_the_batch(qwen_path):
     """The default model (Q4_K repacked, Q6_K, Q5_0, Q8_0 weights): three prompts prefilled
     together in one batch of 27 rows and decoded together give the logits of each alone."""
     from edge.engine import Engine
-    m = Engine(qwen_path, n_ctx=64).model
+    m = Engine(qwen_path, n_ctx=128).model
     m.set_batch_invariant(True)
     prompts = [[9707, 11, 1879, 0, 358, 1079, 264, 2025, 13], [785, 6722, 315, 9625, 374],
                [750, 38418, 1445, 982, 262, 470, 308, 421, 308, 366, 220, 17, 770, 15801, 1445]]
     nxt = [220, 16, 17]
     alone = [_alone(m, p, [len(p)], len(nxt), nxt) for p in prompts]
-    cache = PagedKVCache(m.args, 64, 3, 16, storage="anon")
-    slots = [cache.new_sequence(p)[0] for p in prompts]
-    ids = np.concatenate([np.full(len(p), s) for p, s in zip(prompts, slots)])
-    rows = m.forward(np.concatenate(prompts), cache, slice(None), seq_ids=ids)
-    got = [[rows[ids == s]] for s in slots]
-    for tok in nxt:
-        for s in slots:
-            cache.append(s, [tok])
-        step = m.forward([tok] * 3, cache, slice(None), seq_ids=slots)
-        for i in range(3):
-            got[i].append(step[i : i + 1])
-    for i in range(3):
-        assert np.array_equal(np.concatenate(got[i]), alone[i]), i
+    for i, got in enumerate(_together(m, prompts, nxt)):
+        assert np.array_equal(got, alone[i]), i
