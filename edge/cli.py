@@ -105,9 +105,55 @@ def build_parser() -> argparse.ArgumentParser:
                        help="interpreter that has llama-cpp-python (default: this one)")
     bench.set_defaults(func=cmd_bench)
 
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions) with continuous batching",
+                           description="Serve the model over the OpenAI API (POST /v1/chat/completions, "
+                                       "/v1/completions; GET /v1/models, /health, /metrics) on loopback.")
+    _add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8080, help="TCP port (default: 8080)")
+    serve.add_argument("--unix-socket", default=None, metavar="PATH",
+                       help="listen on this Unix domain socket instead of TCP")
+    serve.add_argument("-np", "--parallel", type=_positive_int, default=4,
+                       help="sequences generated at once (default: 4); each may use the whole -c")
+    serve.add_argument("--max-queue", type=int, default=64,
+                       help="requests that may wait for a free sequence; more get HTTP 503 (default: 64)")
+    serve.add_argument("--api-key", default=os.environ.get("EDGE_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on every route but /health "
+                            "(default: $EDGE_API_KEY, else none)")
+    serve.set_defaults(func=cmd_serve)
+
     add_pull_parser(sub)
     add_list_parser(sub)
     return parser
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from edge.server.app import ServerConfig, create_app
+    from edge.store import resolve_model
+
+    for flag, value in (("-c/--ctx-size", args.ctx_size), ("-b/--batch-size", args.batch_size)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be 0 or more, got {args.max_queue}")
+    if not 0 < args.port < 65536 and not args.unix_socket:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    _set_threads(args.threads)
+    model = str(resolve_model(args.model))      # pull before listening: errors show here
+    config = ServerConfig(model=model, n_ctx=args.ctx_size, n_parallel=args.parallel, max_queue=args.max_queue,
+                          n_batch=args.batch_size, threads=args.threads or physical_cores(), api_key=args.api_key,
+                          cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.unix_socket and not args.api_key:
+        print(f"warning: listening on {args.host} without --api-key: anyone who can reach this port can use "
+              "the model", file=sys.stderr)
+    where = f"unix:{args.unix_socket}" if args.unix_socket else f"http://{args.host}:{args.port}"
+    print(f"edge serve: {Path(model).name} on {where} (-np {args.parallel}, -c {args.ctx_size}); "
+          "Ctrl+C stops after the running requests", file=sys.stderr, flush=True)
+    uvicorn.run(create_app(config), host=args.host, port=args.port, uds=args.unix_socket, log_level="warning",
+                timeout_graceful_shutdown=None)
+    return 0
 
 
 def _positive_int(text: str) -> int:

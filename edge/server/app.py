@@ -1,0 +1,542 @@
+"""`edge serve`: an OpenAI-compatible HTTP server (Starlette on uvicorn) over the scheduler.
+
+Routes: POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events or
+not), GET /v1/models, POST /tokenize, POST /detokenize (llama-server's shapes), GET /health
+(503 while the model loads, then 200), GET /metrics (Prometheus text).
+
+Every error is ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for the
+client's mistakes (bad JSON, wrong types, out-of-range values, unknown model, a prompt longer
+than the context, a chat template's own error) and 503 when the queue is full or the model is
+not loaded yet; an unexpected exception becomes a 500 of the same shape and the server goes
+on. With an API key, every route but /health needs ``Authorization: Bearer KEY``.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from edge.chat_template import ChatTemplateError
+from edge.engine import ContextLengthExceeded
+from edge.sampling import InvalidParameter, SamplingParams
+from edge.server import protocol as P
+from edge.server.scheduler import Delta, Failed, Finished, QueueFull, Scheduler
+from edge.server.scheduler import Request as GenRequest
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class ServerConfig:
+    """What `edge serve` was started with (see edge.cli)."""
+
+    model: str | None = None
+    n_ctx: int = 4096
+    n_parallel: int = 4
+    max_queue: int = 64
+    n_batch: int = 512
+    threads: int | None = None
+    api_key: str | None = None
+    kv_storage: str = "file"
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+
+
+class _Metrics:
+    """Prometheus metrics: histograms observed by the scheduler thread, the rest read from
+    the scheduler's counters when scraped."""
+
+    def __init__(self, state: "ServerState"):
+        self.registry = CollectorRegistry()
+        buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        self.ttft = Histogram("edge_time_to_first_token_seconds", "Time from request to first token",
+                              buckets=buckets, registry=self.registry)
+        self.tpot = Histogram("edge_time_per_output_token_seconds", "Time between generated tokens",
+                              buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56),
+                              registry=self.registry)
+        self._state = state
+        self.registry.register(self)
+
+    def collect(self):
+        sched = self._state.scheduler
+        if sched is None:
+            return
+        s = sched.stats
+        for name, doc, value in (("edge_prompt_tokens", "Prompt tokens received", s.prompt_tokens),
+                                 ("edge_generation_tokens", "Tokens generated", s.generated_tokens),
+                                 ("edge_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                                  s.cached_tokens),
+                                 ("edge_requests_finished", "Requests finished", s.requests_finished)):
+            yield CounterMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily("edge_requests_running", "Requests being generated", value=s.running)
+        yield GaugeMetricFamily("edge_requests_waiting", "Requests waiting for a slot", value=s.waiting)
+        groups = sched.kv.manager.stats().groups
+        yield GaugeMetricFamily("edge_kv_blocks_used", "KV cache blocks held by running sequences",
+                                value=sum(g.used for g in groups))
+        yield GaugeMetricFamily("edge_kv_blocks_free", "KV cache blocks free (empty or holding a cached prefix)",
+                                value=sum(g.free for g in groups))
+
+    def observe(self, ttft=None, tpot=None):
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if tpot is not None:
+            self.tpot.observe(tpot)
+
+
+class ServerState:
+    """The loaded engine and scheduler (None until loaded; load() runs on a thread)."""
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.engine = None
+        self.scheduler: Scheduler | None = None
+        self.load_error: str | None = None
+        self.metrics = _Metrics(self)
+        self.created = int(time.time())
+
+    def load(self) -> None:
+        from edge.engine import Engine
+        from edge.store import resolve_model
+        try:
+            c = self.config
+            engine = Engine(resolve_model(c.model), n_ctx=c.n_ctx, n_batch=c.n_batch, n_seq=c.n_parallel,
+                            cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v, kv_storage=c.kv_storage)
+            self.scheduler = Scheduler(engine, max_queue=c.max_queue, n_batch=c.n_batch, threads=c.threads,
+                                       observe=self.metrics.observe)
+            self.engine = engine
+        except Exception as e:   # reported by /health and every request
+            self.load_error = f"{type(e).__name__}: {e}"
+
+    def model_names(self) -> set[str]:
+        """Names a request's ``model`` may use: the GGUF's general.name, the -m argument, the
+        file's name and stem."""
+        from pathlib import Path
+        names = {self.engine.name, Path(self.engine.path).name, Path(self.engine.path).stem}
+        if self.config.model:
+            names |= {self.config.model, Path(self.config.model).name, Path(self.config.model).stem}
+        return {n for n in names if n}
+
+    def require(self):
+        if self.load_error:
+            raise P.APIError(503, f"the model failed to load: {self.load_error}", code="model_load_failed")
+        if self.scheduler is None:
+            raise P.APIError(503, "the model is loading; retry shortly", code="loading")
+        return self.engine, self.scheduler
+
+
+async def _body(request: Request, model_cls):
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise P.APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise P.APIError(400, "the request body must be a JSON object", code="invalid_json")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        raise P.validation_error(e) from None
+
+
+def _sampling(body, engine) -> SamplingParams:
+    kw = {}
+    for name in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n",
+                 "presence_penalty", "frequency_penalty", "seed"):
+        value = getattr(body, name)
+        if value is not None:
+            kw[name] = value
+    if kw.get("seed") is not None and kw["seed"] < 0:
+        kw["seed"] = None                          # llama-server: -1 = random
+    if body.logit_bias:
+        bias = {}
+        for key, value in body.logit_bias.items():
+            try:
+                tok = int(key)
+            except ValueError:
+                raise P.APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias",
+                                 code="invalid_value") from None
+            if not 0 <= tok < engine.model.args.n_vocab:
+                raise P.APIError(400, f"logit_bias token {tok} is not in the vocabulary (0..{engine.model.args.n_vocab - 1})",
+                                 param="logit_bias", code="invalid_value")
+            bias[tok] = value
+        kw["logit_bias"] = bias
+    try:
+        return SamplingParams(**kw)
+    except InvalidParameter as e:
+        raise P.APIError(400, str(e), param=e.param, code="invalid_value") from None
+
+
+def _check_common(body, state: ServerState, max_tokens) -> None:
+    if body.model is not None and body.model not in state.model_names():
+        raise P.APIError(400, f"model {body.model!r} is not served here; this server serves "
+                              f"{state.engine.name!r} (GET /v1/models)", param="model", code="model_not_found")
+    if body.n is not None and body.n != 1:
+        raise P.APIError(400, f"n must be 1 (one choice per request), got {body.n}", param="n", code="invalid_value")
+    if max_tokens is not None and max_tokens < 1:
+        raise P.APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens",
+                         code="invalid_value")
+
+
+def _piece(engine, tok: int) -> tuple[str, list[int]]:
+    raw = engine.tokenizer.token_to_piece(tok)
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+class _Stream:
+    """A submitted request's events, received on the event loop."""
+
+    def __init__(self, scheduler: Scheduler, gen: GenRequest):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        gen.emit = lambda ev: loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+        self.scheduler, self.gen = scheduler, gen
+        self.finished = False
+
+    def submit(self) -> None:
+        try:
+            self.scheduler.submit(self.gen)
+        except ContextLengthExceeded as e:
+            raise P.APIError(400, str(e), param="messages", code="context_length_exceeded") from None
+        except QueueFull as e:
+            raise P.APIError(503, str(e), code="queue_full") from None
+        except RuntimeError as e:
+            raise P.APIError(503, str(e), code="shutting_down") from None
+
+    async def events(self):
+        while True:
+            ev = await self.queue.get()
+            if isinstance(ev, Failed):
+                self.finished = True
+                raise P.APIError(500, ev.message, code="internal_error")
+            yield ev
+            if isinstance(ev, Finished):
+                self.finished = True
+                return
+
+    def cancel(self) -> None:
+        if not self.finished:
+            self.scheduler.cancel(self.gen)
+
+
+async def _watch_disconnect(request: Request, stream: _Stream) -> None:
+    """For a non-streamed request: cancel its generation when the client goes away."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            stream.cancel()
+            return
+
+
+def _usage(fin: Finished) -> dict:
+    return {"prompt_tokens": fin.prompt_tokens, "completion_tokens": fin.completion_tokens,
+            "total_tokens": fin.prompt_tokens + fin.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": fin.cached_tokens}}
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class _Handlers:
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    # ---- chat -----------------------------------------------------------------------------------
+
+    async def chat(self, request: Request):
+        state = self.state
+        engine, scheduler = state.require()
+        body = await _body(request, P.ChatCompletionRequest)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        _check_common(body, state, max_tokens)
+        if body.top_logprobs is not None:
+            if not body.logprobs:
+                raise P.APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+            if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise P.APIError(400, f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {body.top_logprobs}",
+                                 param="top_logprobs", code="invalid_value")
+        params = _sampling(body, engine)
+        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
+                    for m in body.messages]
+        try:
+            ids = await run_in_threadpool(engine.chat_prompt, messages)
+        except ChatTemplateError as e:   # also NoChatTemplateError: the client's request, C2/C3
+            raise P.APIError(400, str(e), param="messages", code="chat_template_error") from None
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        gen = GenRequest(ids, params, emit=None, max_tokens=max_tokens, stop=body.stop_list(), logprobs=logprobs)
+        stream = _Stream(scheduler, gen)
+        stream.submit()
+        rid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), engine.name
+
+        def lp_content(lps):
+            out = []
+            for lp in lps:
+                text, raw = _piece(engine, lp.token)
+                top = []
+                for t, v in lp.top:
+                    tt, tb = _piece(engine, t)
+                    top.append({"token": tt, "logprob": v, "bytes": tb})
+                out.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
+            return out
+
+        if not body.stream:
+            watcher = asyncio.create_task(_watch_disconnect(request, stream))
+            try:
+                text, content, fin = [], [], None
+                async for ev in stream.events():
+                    if isinstance(ev, Delta):
+                        text.append(ev.text)
+                        content.extend(lp_content(ev.logprobs))
+                    else:
+                        fin = ev
+            finally:
+                watcher.cancel()
+                stream.cancel()
+            return JSONResponse({
+                "id": rid, "object": "chat.completion", "created": created, "model": name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+                             "logprobs": {"content": content} if logprobs is not None else None,
+                             "finish_reason": fin.finish_reason}],
+                "usage": _usage(fin)})
+
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def chunk(delta, finish=None, lps=None):
+            c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
+                 "choices": [{"index": 0, "delta": delta,
+                              "logprobs": {"content": lp_content(lps)} if lps else None,
+                              "finish_reason": finish}]}
+            if include_usage:
+                c["usage"] = None
+            return _sse(c)
+
+        async def events():
+            try:
+                yield chunk({"role": "assistant", "content": ""})
+                async for ev in stream.events():
+                    if isinstance(ev, Delta):
+                        yield chunk({"content": ev.text}, lps=ev.logprobs)
+                    else:
+                        yield chunk({}, finish=ev.finish_reason)
+                        if include_usage:
+                            yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                        "model": name, "choices": [], "usage": _usage(ev)})
+                yield "data: [DONE]\n\n"
+            except P.APIError as e:
+                yield _sse(e.body())
+            finally:
+                stream.cancel()
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    # ---- completions -----------------------------------------------------------------------------
+
+    async def completions(self, request: Request):
+        state = self.state
+        engine, scheduler = state.require()
+        body = await _body(request, P.CompletionRequest)
+        _check_common(body, state, body.max_tokens)
+        if body.echo:
+            raise P.APIError(400, "echo is not supported", param="echo", code="unsupported_value")
+        if body.suffix:
+            raise P.APIError(400, "suffix is not supported", param="suffix", code="unsupported_value")
+        if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
+            raise P.APIError(400, f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {body.logprobs}",
+                             param="logprobs", code="invalid_value")
+        params = _sampling(body, engine)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = await run_in_threadpool(engine.raw_prompt, prompt)
+        else:
+            n_vocab = engine.model.args.n_vocab
+            bad = [t for t in prompt if not 0 <= t < n_vocab]
+            if bad:
+                raise P.APIError(400, f"prompt token {bad[0]} is not in the vocabulary (0..{n_vocab - 1})",
+                                 param="prompt", code="invalid_value")
+            ids = list(prompt)
+        if not ids:
+            raise P.APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
+        gen = GenRequest(ids, params, emit=None, max_tokens=body.max_tokens if body.max_tokens is not None else 16,
+                         stop=body.stop_list(), logprobs=body.logprobs)
+        stream = _Stream(scheduler, gen)
+        try:
+            stream.submit()
+        except P.APIError as e:
+            if e.code == "context_length_exceeded":
+                e.param = "prompt"
+            raise
+        rid, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), engine.name
+        offset = [0]
+
+        def lp_block(lps, text_start):
+            tokens, token_lps, tops, offsets = [], [], [], []
+            pos = text_start
+            for lp in lps:
+                text, _ = _piece(engine, lp.token)
+                tokens.append(text)
+                token_lps.append(lp.logprob)
+                tops.append({_piece(engine, t)[0]: v for t, v in lp.top})
+                offsets.append(pos)
+                pos += len(text)
+            return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+        if not body.stream:
+            watcher = asyncio.create_task(_watch_disconnect(request, stream))
+            try:
+                text, lps, fin = [], [], None
+                async for ev in stream.events():
+                    if isinstance(ev, Delta):
+                        text.append(ev.text)
+                        lps.extend(ev.logprobs)
+                    else:
+                        fin = ev
+            finally:
+                watcher.cancel()
+                stream.cancel()
+            return JSONResponse({
+                "id": rid, "object": "text_completion", "created": created, "model": name,
+                "choices": [{"index": 0, "text": "".join(text),
+                             "logprobs": lp_block(lps, 0) if body.logprobs is not None else None,
+                             "finish_reason": fin.finish_reason}],
+                "usage": _usage(fin)})
+
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def chunk(text, finish=None, lps=None):
+            c = {"id": rid, "object": "text_completion", "created": created, "model": name,
+                 "choices": [{"index": 0, "text": text,
+                              "logprobs": lp_block(lps, offset[0]) if lps is not None and body.logprobs is not None
+                              else None, "finish_reason": finish}]}
+            if include_usage:
+                c["usage"] = None
+            offset[0] += len(text)
+            return _sse(c)
+
+        async def events():
+            try:
+                async for ev in stream.events():
+                    if isinstance(ev, Delta):
+                        yield chunk(ev.text, lps=ev.logprobs)
+                    else:
+                        yield chunk("", finish=ev.finish_reason)
+                        if include_usage:
+                            yield _sse({"id": rid, "object": "text_completion", "created": created, "model": name,
+                                        "choices": [], "usage": _usage(ev)})
+                yield "data: [DONE]\n\n"
+            except P.APIError as e:
+                yield _sse(e.body())
+            finally:
+                stream.cancel()
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    # ---- the rest --------------------------------------------------------------------------------
+
+    async def models(self, request: Request):
+        engine, _ = self.state.require()
+        return JSONResponse({"object": "list", "data": [
+            {"id": engine.name, "object": "model", "created": self.state.created, "owned_by": "edge",
+             "meta": {"n_ctx": engine.n_ctx, "n_vocab": engine.model.args.n_vocab,
+                      "architecture": engine.model.args.arch}}]})
+
+    async def tokenize(self, request: Request):
+        engine, _ = self.state.require()
+        body = await _body(request, P.TokenizeRequest)
+        ids = await run_in_threadpool(engine.tokenizer.encode, body.content, body.add_special, body.parse_special)
+        return JSONResponse({"tokens": [int(t) for t in ids]})
+
+    async def detokenize(self, request: Request):
+        engine, _ = self.state.require()
+        body = await _body(request, P.DetokenizeRequest)
+        n_vocab = engine.model.args.n_vocab
+        bad = [t for t in body.tokens if not 0 <= t < n_vocab]
+        if bad:
+            raise P.APIError(400, f"token {bad[0]} is not in the vocabulary (0..{n_vocab - 1})", param="tokens",
+                             code="invalid_value")
+        text = engine.tokenizer.decode(body.tokens).decode("utf-8", errors="replace")
+        return JSONResponse({"content": text})
+
+    async def health(self, request: Request):
+        if self.state.load_error:
+            return JSONResponse({"status": "error", "error": self.state.load_error}, status_code=503)
+        if self.state.scheduler is None:
+            return JSONResponse({"status": "loading model"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(self, request: Request):
+        return Response(generate_latest(self.state.metrics.registry),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def create_app(config: ServerConfig, load: bool = True) -> Starlette:
+    """The ASGI app. With ``load``, the model loads on a thread at startup (/health answers
+    503 until it is ready); the scheduler is stopped at shutdown after its requests finish."""
+    state = ServerState(config)
+    h = _Handlers(state)
+
+    async def on_error(request: Request, exc: Exception):
+        if isinstance(exc, P.APIError):
+            return JSONResponse(exc.body(), status_code=exc.status)
+        if isinstance(exc, HTTPException):
+            code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+            msg = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+            err = P.APIError(exc.status_code, msg.get(exc.status_code, str(exc.detail)), code=code)
+            return JSONResponse(err.body(), status_code=exc.status_code)
+        err = P.APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    routes = [
+        Route("/v1/chat/completions", h.chat, methods=["POST"]),
+        Route("/v1/completions", h.completions, methods=["POST"]),
+        Route("/v1/models", h.models, methods=["GET"]),
+        Route("/tokenize", h.tokenize, methods=["POST"]),
+        Route("/detokenize", h.detokenize, methods=["POST"]),
+        Route("/health", h.health, methods=["GET"]),
+        Route("/metrics", h.metrics, methods=["GET"]),
+    ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if load:
+            threading.Thread(target=state.load, name="edge-load", daemon=True).start()
+        yield
+        if state.scheduler is not None:
+            await run_in_threadpool(state.scheduler.stop)
+
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={Exception: on_error, HTTPException: on_error, P.APIError: on_error})
+    app.state.edge = state
+    key = config.api_key
+
+    if key:
+        @app.middleware("http")
+        async def auth(request: Request, call_next):
+            if request.url.path != "/health":
+                given = request.headers.get("authorization", "")
+                want = f"Bearer {key}"
+                if not hmac.compare_digest(given.encode(), want.encode()):
+                    err = P.APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                                     code="invalid_api_key")
+                    return JSONResponse(err.body(), status_code=401)
+            return await call_next(request)
+
+    return app
