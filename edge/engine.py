@@ -189,14 +189,14 @@ class Engine:
         shorter common prefix only while the file still holds that prefix's window); after the
         prompt, its state is saved there (atomically) for the next run.
 
-        Raises ContextLengthExceeded if the prompt does not leave room for one token,
+        Raises ContextLengthExceeded if the prompt is longer than n_ctx,
         SessionError for a session file made with another model or KV type, or damaged.
         """
         stats = stats if stats is not None else GenerationStats()
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        if len(prompt_ids) >= self.n_ctx:
+        if len(prompt_ids) > self.n_ctx:      # a prompt of n_ctx tokens still gets one token
             raise ContextLengthExceeded(len(prompt_ids), self.n_ctx)
         sampler = Sampler(params or SamplingParams())
         stats.n_prompt = len(prompt_ids)
@@ -219,9 +219,14 @@ class Engine:
             n = len(saved.tokens)
             common = _common_prefix(saved.tokens.tolist(), prompt_ids)
             if common < n or n > len(prompt_ids):   # another prompt: reuse what they share
-                stats.session_replaced = True
+                # a prompt that starts the saved one leaves the file as it is (llama.cpp saves
+                # only when the prompt has tokens the file lacks)
+                keep_file = common == len(prompt_ids)
+                stats.session_replaced = not keep_file
                 m = min(common, len(prompt_ids) - 1)   # the last prompt token is computed again
                 saved = saved.prefix(m, kv.first_position) if m > 0 else None
+                if keep_file:
+                    session = None
         if saved is None:
             slot, stats.n_cached = kv.new_sequence(prompt_ids)
         else:

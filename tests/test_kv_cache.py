@@ -1,6 +1,8 @@
 """The paged KV cache (edge.kv.cache) in the forward pass, on tiny random-weight models of
 every architecture: the same logits as the contiguous reference cache for any block size,
 chunking and KV type; prefix caching; sliding-window blocks released and reused."""
+import os
+
 import numpy as np
 import pytest
 
@@ -119,6 +121,12 @@ def test_refusals_change_nothing(tmp_path):
     with pytest.raises(ValueError, match="context full"):
         cache.append(s, [1])
     assert cache.pos[s] == 3 and cache.num_tokens(s) == 8
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    per_token = kv_bytes_per_token(model.args, "f16", "f16")
+    n_ctx = ram // per_token + 16                  # one block more than the RAM could hold
+    with pytest.raises(ValueError, match=f"a KV cache of {n_ctx} positions needs .* GiB when full, more than "
+                                         r"this machine's .* GiB of RAM; lower -c/--ctx-size"):
+        PagedKVCache(model.args, n_ctx, storage="anon")
 
 
 def test_pool_file_and_bytes_per_token(tmp_path):

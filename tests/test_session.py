@@ -71,13 +71,26 @@ def test_shared_prefix_of_another_prompt_is_reused(model_path, tmp_path):
                                (PROMPT[:7], 0 if gemma else 6)):
         _generate(_engine(model_path), PROMPT, 2, f)          # the file holds PROMPT again
         got, stats = _generate(_engine(model_path), prompt, 6, f)
-        assert (stats.n_restored, stats.session_replaced) == (n_restored, True), prompt
         assert got == _generate(_engine(model_path), prompt, 6)[0]
-        assert load_session(f, _engine(model_path)).tokens.tolist() == prompt
-    short = PROMPT[:4]                                        # shorter than Gemma's window
-    _generate(_engine(model_path), short, 2, f)
-    got, stats = _generate(_engine(model_path), short[:3] + [8, 8], 6, f)
+        # a prompt that starts the saved one leaves the file (llama.cpp saves only new tokens)
+        starts_saved = PROMPT[: len(prompt)] == prompt
+        assert (stats.n_restored, stats.session_replaced) == (n_restored, not starts_saved), prompt
+        assert load_session(f, _engine(model_path)).tokens.tolist() == (PROMPT if starts_saved else prompt)
+    short, f2 = PROMPT[:4], tmp_path / "short.session"       # shorter than Gemma's window
+    _generate(_engine(model_path), short, 2, f2)
+    got, stats = _generate(_engine(model_path), short[:3] + [8, 8], 6, f2)
     assert stats.n_restored == 3 and got == _generate(_engine(model_path), short[:3] + [8, 8], 6)[0]
+
+
+def test_prompt_of_n_ctx_tokens_gets_one_token(model_path):
+    """A prompt that fills the context still gets its one token (the sampled token needs no
+    KV cell), finish reason length; one more token is an error naming both numbers."""
+    from edge.engine import ContextLengthExceeded
+    prompt = (PROMPT * 4)[:64]
+    got, stats = _generate(_engine(model_path), prompt, 5)
+    assert len(got) == 1 and stats.finish_reason == "length" and stats.context_full
+    with pytest.raises(ContextLengthExceeded, match="the prompt has 65 tokens but the context size .* is 64"):
+        _generate(_engine(model_path), prompt + [1], 5)
 
 
 def test_damaged_and_foreign_files_are_refused(model_path, tmp_path):
@@ -100,8 +113,8 @@ def test_damaged_and_foreign_files_are_refused(model_path, tmp_path):
         _generate(_engine(model_path), PROMPT, 1, "/dev/zero")     # endless: must not be read
     link = tmp_path / "link.session"
     link.symlink_to(f)
-    _generate(_engine(model_path), PROMPT[:-2], 1, link)          # another prompt: replaced through the link
-    assert link.is_symlink() and load_session(f, _engine(model_path)).tokens.tolist() == PROMPT[:-2]
+    _generate(_engine(model_path), PROMPT[:-2] + [2], 1, link)    # another prompt: replaced through the link
+    assert link.is_symlink() and load_session(f, _engine(model_path)).tokens.tolist() == PROMPT[:-2] + [2]
     _generate(_engine(model_path), PROMPT, 1, f)
     with pytest.raises(SessionError, match="KV cache types f16/f16 in the file, this run uses q8_0/f16"):
         _generate(_engine(model_path, cache_type_k="q8_0"), PROMPT, 1, f)

@@ -85,6 +85,7 @@ class PagedKVCache:
         window = args.sliding_window if any(args.swa_layers) else 0
         self.layer_group = [1 if (window and swa) else 0 for swa in args.swa_layers]
         n_blocks = n_seq * -(-n_ctx // block_size)
+        _check_fits_memory(n_blocks * block_size * kv_bytes_per_token(args, type_k, type_v), n_ctx, n_seq)
         groups = [KVGroup(n_blocks, window=0)]
         if 1 in self.layer_group:
             groups.append(KVGroup(n_blocks, window=window))
@@ -259,6 +260,20 @@ class PagedKVCache:
             self._map.close()
         except BufferError:  # views still held elsewhere: the map goes with the last of them
             pass
+
+
+def _check_fits_memory(full_bytes: int, n_ctx: int, n_seq: int) -> None:
+    """Refuse a KV cache that could never be filled: one larger than the machine's RAM.
+    (Unused pages cost nothing, but the block bookkeeping grows with n_ctx, and a context
+    that cannot be held is a mistake better reported at once.)"""
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return
+    if full_bytes > ram:
+        seqs = f" x {n_seq} sequences" if n_seq > 1 else ""
+        raise ValueError(f"a KV cache of {n_ctx} positions{seqs} needs {full_bytes / 2**30:.1f} GiB when full, "
+                         f"more than this machine's {ram / 2**30:.1f} GiB of RAM; lower -c/--ctx-size")
 
 
 def _map_memory(size: int, storage: str, home: Path | None) -> mmap.mmap:

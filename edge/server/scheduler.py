@@ -158,11 +158,11 @@ class Scheduler:
     # ---- any thread ----------------------------------------------------------------------------
 
     def submit(self, req: Request) -> None:
-        """Queue a request. Raises ContextLengthExceeded (the prompt leaves no room for one
-        token), QueueFull, or RuntimeError when the scheduler is stopping."""
+        """Queue a request. Raises ContextLengthExceeded (the prompt is longer than n_ctx; a
+        prompt of n_ctx tokens gets one token), QueueFull, or RuntimeError when stopping."""
         if not req.prompt_ids:
             raise ValueError("the prompt is empty")
-        if len(req.prompt_ids) >= self.n_ctx:
+        if len(req.prompt_ids) > self.n_ctx:
             raise ContextLengthExceeded(len(req.prompt_ids), self.n_ctx)
         with self._cv:
             if self._stopping:
