@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -39,6 +40,7 @@ from edge.server.scheduler import Delta, Failed, Finished, QueueFull, Scheduler
 from edge.server.scheduler import Request as GenRequest
 
 MAX_TOP_LOGPROBS = 20
+CLIENT_GONE = 499      # nginx's "client closed request": the status of a response nobody reads
 
 
 @dataclass
@@ -139,11 +141,15 @@ class ServerState:
         return self.engine, self.scheduler
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
 async def _body(request: Request, model_cls):
     raw = await request.body()
     try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = json.loads(raw, parse_constant=_no_constant)    # NaN, Infinity: Python's, not JSON's
+    except ValueError as e:       # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise P.APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise P.APIError(400, "the request body must be a JSON object", code="invalid_json")
@@ -181,14 +187,14 @@ def _sampling(body, engine) -> SamplingParams:
         raise P.APIError(400, str(e), param=e.param, code="invalid_value") from None
 
 
-def _check_common(body, state: ServerState, max_tokens) -> None:
+def _check_common(body, state: ServerState, max_tokens, max_tokens_param: str = "max_tokens") -> None:
     if body.model is not None and body.model not in state.model_names():
         raise P.APIError(400, f"model {body.model!r} is not served here; this server serves "
                               f"{state.engine.name!r} (GET /v1/models)", param="model", code="model_not_found")
     if body.n is not None and body.n != 1:
         raise P.APIError(400, f"n must be 1 (one choice per request), got {body.n}", param="n", code="invalid_value")
     if max_tokens is not None and max_tokens < 1:
-        raise P.APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens",
+        raise P.APIError(400, f"{max_tokens_param} must be at least 1, got {max_tokens}", param=max_tokens_param,
                          code="invalid_value")
 
 
@@ -218,8 +224,13 @@ class _Stream:
             raise P.APIError(503, str(e), code="shutting_down") from None
 
     async def events(self):
+        """The request's Delta events, then its Finished; ends early, without Finished, once
+        cancel() was called. Raises APIError(500) for Failed."""
         while True:
             ev = await self.queue.get()
+            if ev is None:                  # cancel(): the scheduler emits nothing more
+                self.finished = True
+                return
             if isinstance(ev, Failed):
                 self.finished = True
                 raise P.APIError(500, ev.message, code="internal_error")
@@ -229,8 +240,10 @@ class _Stream:
                 return
 
     def cancel(self) -> None:
+        """Stop the generation (its client went away) and end events(). Event loop only."""
         if not self.finished:
             self.scheduler.cancel(self.gen)
+            self.queue.put_nowait(None)
 
 
 async def _watch_disconnect(request: Request, stream: _Stream) -> None:
@@ -240,6 +253,23 @@ async def _watch_disconnect(request: Request, stream: _Stream) -> None:
         if message["type"] == "http.disconnect":
             stream.cancel()
             return
+
+
+async def _collect(request: Request, stream: _Stream) -> tuple[list[Delta], Finished | None]:
+    """A non-streamed request's events: (deltas, Finished), or (deltas, None) when the client
+    went away first (its generation is then cancelled)."""
+    watcher = asyncio.create_task(_watch_disconnect(request, stream))
+    deltas, fin = [], None
+    try:
+        async for ev in stream.events():
+            if isinstance(ev, Delta):
+                deltas.append(ev)
+            else:
+                fin = ev
+    finally:
+        watcher.cancel()
+        stream.cancel()
+    return deltas, fin
 
 
 def _usage(fin: Finished) -> dict:
@@ -262,8 +292,11 @@ class _Handlers:
         state = self.state
         engine, scheduler = state.require()
         body = await _body(request, P.ChatCompletionRequest)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        _check_common(body, state, max_tokens)
+        if body.max_completion_tokens is not None:     # OpenAI's newer name wins
+            max_tokens, max_tokens_param = body.max_completion_tokens, "max_completion_tokens"
+        else:
+            max_tokens, max_tokens_param = body.max_tokens, "max_tokens"
+        _check_common(body, state, max_tokens, max_tokens_param)
         if body.top_logprobs is not None:
             if not body.logprobs:
                 raise P.APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
@@ -295,21 +328,13 @@ class _Handlers:
             return out
 
         if not body.stream:
-            watcher = asyncio.create_task(_watch_disconnect(request, stream))
-            try:
-                text, content, fin = [], [], None
-                async for ev in stream.events():
-                    if isinstance(ev, Delta):
-                        text.append(ev.text)
-                        content.extend(lp_content(ev.logprobs))
-                    else:
-                        fin = ev
-            finally:
-                watcher.cancel()
-                stream.cancel()
+            deltas, fin = await _collect(request, stream)
+            if fin is None:
+                return Response(status_code=CLIENT_GONE)
+            content = lp_content([lp for d in deltas for lp in d.logprobs])
             return JSONResponse({
                 "id": rid, "object": "chat.completion", "created": created, "model": name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
                              "logprobs": {"content": content} if logprobs is not None else None,
                              "finish_reason": fin.finish_reason}],
                 "usage": _usage(fin)})
@@ -399,21 +424,13 @@ class _Handlers:
             return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
         if not body.stream:
-            watcher = asyncio.create_task(_watch_disconnect(request, stream))
-            try:
-                text, lps, fin = [], [], None
-                async for ev in stream.events():
-                    if isinstance(ev, Delta):
-                        text.append(ev.text)
-                        lps.extend(ev.logprobs)
-                    else:
-                        fin = ev
-            finally:
-                watcher.cancel()
-                stream.cancel()
+            deltas, fin = await _collect(request, stream)
+            if fin is None:
+                return Response(status_code=CLIENT_GONE)
+            lps = [lp for d in deltas for lp in d.logprobs]
             return JSONResponse({
                 "id": rid, "object": "text_completion", "created": created, "model": name,
-                "choices": [{"index": 0, "text": "".join(text),
+                "choices": [{"index": 0, "text": "".join(d.text for d in deltas),
                              "logprobs": lp_block(lps, 0) if body.logprobs is not None else None,
                              "finish_reason": fin.finish_reason}],
                 "usage": _usage(fin)})
@@ -472,7 +489,8 @@ class _Handlers:
         if bad:
             raise P.APIError(400, f"token {bad[0]} is not in the vocabulary (0..{n_vocab - 1})", param="tokens",
                              code="invalid_value")
-        text = engine.tokenizer.decode(body.tokens).decode("utf-8", errors="replace")
+        # special tokens as their text, as llama-server's /detokenize: /tokenize's ids round-trip
+        text = engine.tokenizer.decode(body.tokens, unparse_special=True).decode("utf-8", errors="replace")
         return JSONResponse({"content": text})
 
     async def health(self, request: Request):
@@ -522,21 +540,26 @@ def create_app(config: ServerConfig, load: bool = True) -> Starlette:
         if state.scheduler is not None:
             await run_in_threadpool(state.scheduler.stop)
 
-    app = Starlette(routes=routes, lifespan=lifespan,
+    middleware = [Middleware(_RequireAPIKey, key=config.api_key)] if config.api_key else []
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={Exception: on_error, HTTPException: on_error, P.APIError: on_error})
     app.state.edge = state
-    key = config.api_key
-
-    if key:
-        @app.middleware("http")
-        async def auth(request: Request, call_next):
-            if request.url.path != "/health":
-                given = request.headers.get("authorization", "")
-                want = f"Bearer {key}"
-                if not hmac.compare_digest(given.encode(), want.encode()):
-                    err = P.APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                                     code="invalid_api_key")
-                    return JSONResponse(err.body(), status_code=401)
-            return await call_next(request)
-
     return app
+
+
+class _RequireAPIKey:
+    """ASGI middleware: every HTTP route but /health needs ``Authorization: Bearer KEY``
+    (compared in constant time); otherwise a 401 in the OpenAI error shape."""
+
+    def __init__(self, app, key: str):
+        self.app = app
+        self.want = f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.want):
+                err = P.APIError(401, "invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key")
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -89,7 +89,8 @@ class _Sampling(_Body):
     n: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, Number] | None = None
+    # OpenAI's range: +-100 already bans or forces a token; larger values overflow the logits
+    logit_bias: dict[str, Annotated[Number, Field(ge=-100, le=100)]] | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
