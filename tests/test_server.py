@@ -254,11 +254,11 @@ def test_health_and_models(server, client, model_id, qwen_path):
     finally:
         gf.close()
     models = client.models.list().data
-    assert [m.id for m in models] == [name] == [model_id]
+    assert [m.id for m in models] == [qwen_path.stem] == [model_id]
     status, body = server.get("/v1/models")
     assert body["data"][0]["meta"] == {"n_ctx": N_CTX, "n_vocab": n_vocab, "architecture": "qwen2"}
-    # the file's stem names the model too
-    r = _complete(client, qwen_path.stem, [9707], max_tokens=1)
+    # the GGUF's general.name names the model too
+    r = _complete(client, name, [9707], max_tokens=1)
     assert r.usage.completion_tokens == 1
 
 

@@ -124,6 +124,12 @@ class ServerState:
         except Exception as e:   # reported by /health and every request
             self.load_error = f"{type(e).__name__}: {e}"
 
+    def model_id(self) -> str:
+        """The model's id in responses and /v1/models: the GGUF file's stem, the name `edge list`
+        and `-m` use (e.g. qwen2.5-coder-0.5b-instruct)."""
+        from pathlib import Path
+        return Path(self.engine.path).stem
+
     def model_names(self) -> set[str]:
         """Names a request's ``model`` may use: the GGUF's general.name, the -m argument, the
         file's name and stem."""
@@ -190,7 +196,7 @@ def _sampling(body, engine) -> SamplingParams:
 def _check_common(body, state: ServerState, max_tokens, max_tokens_param: str = "max_tokens") -> None:
     if body.model is not None and body.model not in state.model_names():
         raise P.APIError(400, f"model {body.model!r} is not served here; this server serves "
-                              f"{state.engine.name!r} (GET /v1/models)", param="model", code="model_not_found")
+                              f"{state.model_id()!r} (GET /v1/models)", param="model", code="model_not_found")
     if body.n is not None and body.n != 1:
         raise P.APIError(400, f"n must be 1 (one choice per request), got {body.n}", param="n", code="invalid_value")
     if max_tokens is not None and max_tokens < 1:
@@ -314,7 +320,7 @@ class _Handlers:
         gen = GenRequest(ids, params, emit=None, max_tokens=max_tokens, stop=body.stop_list(), logprobs=logprobs)
         stream = _Stream(scheduler, gen)
         stream.submit()
-        rid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), engine.name
+        rid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_id()
 
         def lp_content(lps):
             out = []
@@ -408,7 +414,7 @@ class _Handlers:
             if e.code == "context_length_exceeded":
                 e.param = "prompt"
             raise
-        rid, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), engine.name
+        rid, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_id()
         offset = [0]
 
         def lp_block(lps, text_start):
@@ -471,7 +477,7 @@ class _Handlers:
     async def models(self, request: Request):
         engine, _ = self.state.require()
         return JSONResponse({"object": "list", "data": [
-            {"id": engine.name, "object": "model", "created": self.state.created, "owned_by": "edge",
+            {"id": self.state.model_id(), "object": "model", "created": self.state.created, "owned_by": "edge",
              "meta": {"n_ctx": engine.n_ctx, "n_vocab": engine.model.args.n_vocab,
                       "architecture": engine.model.args.arch}}]})
 

@@ -167,7 +167,8 @@ class Scheduler:
         with self._cv:
             if self._stopping:
                 raise RuntimeError("the server is shutting down")
-            if len(self._waiting) >= self.max_queue:
+            free_slots = max(0, self.kv.n_seq - len(self._running))   # admitted at the next step
+            if len(self._waiting) >= self.max_queue + free_slots:
                 raise QueueFull(f"{len(self._waiting)} requests are already waiting (--max-queue "
                                 f"{self.max_queue}); retry later")
             req.t_submit = time.perf_counter()
@@ -267,13 +268,20 @@ class Scheduler:
                 owners.append(seq)
         if not tokens:
             return
-        logits = self.model.forward(np.asarray(tokens, np.int64), self.kv, logits_rows=np.asarray(logits_rows),
+        if not logits_rows:          # only part of a long prompt: one unused row (forward needs one)
+            logits_rows.append(len(tokens) - 1)
+        logits = self.model.forward(np.asarray(tokens, np.int64), self.kv,
+                                    logits_rows=np.asarray(logits_rows, np.int64),
                                     seq_ids=np.asarray(seq_ids, np.int64))
         now = time.perf_counter()
         for row, seq in enumerate(owners):
             if seq.req.cancelled:
                 continue
-            self._sample(seq, logits[row], now)
+            try:
+                self._sample(seq, logits[row], now)
+            except Exception as e:   # this request's fault (e.g. its logit_bias): it alone fails
+                self._safe_emit(seq.req, Failed(f"{type(e).__name__}: {e}"))
+                seq.done = True
         for seq in [s for s in self._running if s.req.cancelled or s.done]:
             self._retire(seq)
         self._update_gauges()
