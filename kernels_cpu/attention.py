@@ -321,6 +321,7 @@ def _visible(p, window):
     return 0
 
 
+@njit(cache=True)
 def _paths(T, hd, hd_v, batch_invariant=False):
     """(tinyBLAS for KQ, tinyBLAS for KQV): llamafile_sgemm takes n >= 2 rows when the dot length
     is a multiple of 16 and the output rows (cells for KQ, hd_v for KQV) a multiple of 4.
