@@ -152,8 +152,9 @@ def start_edge(model: str | None, n_parallel: int, n_ctx: int, threads: int | No
 
 def start_llama(python: str, model_path: str, n_ctx: int, threads: int | None) -> tuple[subprocess.Popen, str]:
     port = _free_port()
+    # --interrupt_requests False: by default a new request cuts the running stream short
     cmd = [python, "-m", "llama_cpp.server", "--model", model_path, "--port", str(port), "--n_ctx", str(n_ctx),
-           "--n_batch", "512"]
+           "--n_batch", "512", "--interrupt_requests", "False"]
     if threads:
         cmd += ["--n_threads", str(threads), "--n_threads_batch", str(threads)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
