@@ -7,6 +7,7 @@ stderr and exit with status 1, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -148,12 +149,66 @@ def cmd_serve(args) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.unix_socket and not args.api_key:
         print(f"warning: listening on {args.host} without --api-key: anyone who can reach this port can use "
               "the model", file=sys.stderr)
+    sock = _listen_socket(args.host, args.port, args.unix_socket)   # errors before the banner
     where = f"unix:{args.unix_socket}" if args.unix_socket else f"http://{args.host}:{args.port}"
     print(f"edge serve: {Path(model).name} on {where} (-np {args.parallel}, -c {args.ctx_size}); "
-          "Ctrl+C stops after the running requests", file=sys.stderr, flush=True)
-    uvicorn.run(create_app(config), host=args.host, port=args.port, uds=args.unix_socket, log_level="warning",
-                timeout_graceful_shutdown=None)
+          "Ctrl+C stops after the running requests (twice: at once)", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(create_app(config), log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=None))
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:   # uvicorn re-raises the Ctrl+C it handled: the drain is done
+        pass
+    finally:
+        sock.close()
+        if args.unix_socket:
+            with contextlib.suppress(OSError):
+                os.unlink(args.unix_socket)
     return 0
+
+
+def _listen_socket(host: str, port: int, unix_path: str | None):
+    """The server's listening socket, bound here so that errors are ours and clear: a Unix
+    socket only the user can open (mode 0600; a path where another server listens is refused,
+    a stale one replaced), or a TCP socket (address in use, unknown host)."""
+    import socket
+
+    if unix_path:
+        path = Path(unix_path)
+        if not path.parent.is_dir():
+            raise ValueError(f"--unix-socket {unix_path}: the folder {path.parent} does not exist")
+        if path.exists() or path.is_symlink():
+            if not path.is_socket():
+                raise ValueError(f"--unix-socket {unix_path}: a file that is not a socket is there")
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(str(path))
+                raise ValueError(f"--unix-socket {unix_path}: another server is listening there")
+            except (ConnectionRefusedError, FileNotFoundError):
+                path.unlink(missing_ok=True)          # left by a server that is gone
+            finally:
+                probe.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            sock.bind(str(path))
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        return sock
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: {e.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
 
 
 def _positive_int(text: str) -> int:

@@ -20,6 +20,7 @@ import math
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -559,6 +560,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": HI, "seed": 1.5}, "seed", "invalid_value"),
     ("/v1/chat/completions", {"messages": HI, "stop": 5}, "stop", "invalid_value"),
     ("/v1/chat/completions", {"messages": HI, "n": 2}, "n", "invalid_value"),
+    ("/v1/chat/completions", {"messages": HI, "stop": [str(i) for i in range(17)]}, "stop", "invalid_value"),
     ("/v1/chat/completions", {"messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
     ("/v1/chat/completions", {"messages": HI, "logprobs": True, "top_logprobs": -1}, "top_logprobs", "invalid_value"),
     ("/v1/chat/completions", {"messages": HI, "top_logprobs": 2}, "top_logprobs", "invalid_value"),
@@ -623,6 +625,18 @@ def test_context_length_exceeded(server, client, model_id):
     assert str(n_empty + n_content) in msg and str(N_CTX) in msg
     after = server.wait_idle()
     assert after["edge_prompt_tokens_total"] == before["edge_prompt_tokens_total"]
+
+
+def test_huge_prompt_refused_without_tokenizing(server):
+    """A prompt that cannot fit n_ctx whatever its tokens (more bytes than n_ctx times the
+    longest token) is refused at once, not after tokenizing megabytes; the message says so."""
+    big = "x" * 5_000_000
+    for route, body, param in (("/v1/completions", {"prompt": big}, "prompt"),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": big}]}, "messages")):
+        t0 = time.monotonic()
+        status, out = server.post(route, body)
+        msg = _assert_error(status, out, 400, param=param, code="context_length_exceeded")["message"]
+        assert time.monotonic() - t0 < 3 and "the prompt has at least" in msg and str(N_CTX) in msg
 
 
 def test_user_text_cannot_forge_a_turn(server, client, model_id):
@@ -736,6 +750,19 @@ def test_api_key(tiny_server):
             status, _, raw = tiny_server.request(method, path, {"prompt": [1], "content": "x"},
                                                  headers={"Authorization": auth})
             _assert_error(status, json.loads(raw), 401, param=None, code="invalid_api_key")
+    assert tiny_server.get("/v1/models")[0] == 200
+    for auth in (f"bearer {API_KEY}", f"BEARER  {API_KEY}"):      # the scheme is case-insensitive
+        assert tiny_server.get("/v1/models", headers={"Authorization": auth})[0] == 200
+
+
+def test_unix_socket_is_private_and_not_taken_over(tiny_server, tiny_model, tmp_path):
+    """The socket is the user's alone (0600); a second server on the same path is refused
+    with a clear error and the first keeps serving."""
+    assert stat.S_IMODE(os.stat(tiny_server.uds).st_mode) == 0o600
+    second = subprocess.run([sys.executable, "-m", "edge.cli", "serve", "-m", str(tiny_model), "--unix-socket",
+                             tiny_server.uds], capture_output=True, text=True, timeout=120)
+    assert second.returncode == 1
+    assert second.stderr.strip() == f"edge serve: error: --unix-socket {tiny_server.uds}: another server is listening there"
     assert tiny_server.get("/v1/models")[0] == 200
 
 

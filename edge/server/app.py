@@ -32,7 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from edge.chat_template import ChatTemplateError
+from edge.chat_template import ChatTemplateError, NoChatTemplateError
 from edge.engine import ContextLengthExceeded
 from edge.sampling import InvalidParameter, SamplingParams
 from edge.server import protocol as P
@@ -108,6 +108,7 @@ class ServerState:
         self.engine = None
         self.scheduler: Scheduler | None = None
         self.load_error: str | None = None
+        self._max_piece: int | None = None
         self.metrics = _Metrics(self)
         self.created = int(time.time())
 
@@ -121,8 +122,17 @@ class ServerState:
             self.scheduler = Scheduler(engine, max_queue=c.max_queue, n_batch=c.n_batch, threads=c.threads,
                                        observe=self.metrics.observe)
             self.engine = engine
+            self.max_piece_bytes()
         except Exception as e:   # reported by /health and every request
             self.load_error = f"{type(e).__name__}: {e}"
+
+    def max_piece_bytes(self) -> int:
+        """Bytes of the vocabulary's longest token (computed once)."""
+        if self._max_piece is None:
+            tok = self.engine.tokenizer
+            self._max_piece = max(1, max(len(tok.token_to_piece(i, special=True))
+                                         for i in range(self.engine.model.args.n_vocab)))
+        return self._max_piece
 
     def model_id(self) -> str:
         """The model's id in responses and /v1/models: the GGUF file's stem, the name `edge list`
@@ -204,6 +214,18 @@ def _check_common(body, state: ServerState, max_tokens, max_tokens_param: str = 
                          code="invalid_value")
 
 
+def _too_long_to_tokenize(state: "ServerState", n_bytes: int, param: str) -> None:
+    """400 at once for text that cannot fit n_ctx whatever its tokens: no token is longer than
+    the vocabulary's longest piece, so it has at least n_bytes / that many tokens (spares
+    the server from tokenizing megabytes only to refuse them)."""
+    n_ctx = state.engine.n_ctx
+    at_least = -(-n_bytes // state.max_piece_bytes())
+    if at_least > n_ctx:
+        raise P.APIError(400, f"the prompt has at least {at_least} tokens but the context size (n_ctx) is "
+                              f"{n_ctx}; shorten the prompt or raise -c/--ctx-size", param=param,
+                         code="context_length_exceeded")
+
+
 def _piece(engine, tok: int) -> tuple[str, list[int]]:
     raw = engine.tokenizer.token_to_piece(tok)
     return raw.decode("utf-8", errors="replace"), list(raw)
@@ -225,7 +247,7 @@ class _Stream:
         except ContextLengthExceeded as e:
             raise P.APIError(400, str(e), param="messages", code="context_length_exceeded") from None
         except QueueFull as e:
-            raise P.APIError(503, str(e), code="queue_full") from None
+            raise P.APIError(503, str(e), code="queue_full", headers={"Retry-After": "1"}) from None
         except RuntimeError as e:
             raise P.APIError(503, str(e), code="shutting_down") from None
 
@@ -312,9 +334,14 @@ class _Handlers:
         params = _sampling(body, engine)
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
                     for m in body.messages]
+        _too_long_to_tokenize(state, sum(len(m["content"].encode()) for m in messages), "messages")
         try:
             ids = await run_in_threadpool(engine.chat_prompt, messages)
-        except ChatTemplateError as e:   # also NoChatTemplateError: the client's request, C2/C3
+        except NoChatTemplateError:       # C3
+            raise P.APIError(400, f"model {state.model_id()!r} has no chat template, so it cannot take chat "
+                                  "messages; send the text to POST /v1/completions instead", param="messages",
+                             code="no_chat_template") from None
+        except ChatTemplateError as e:   # the template's own error: the client's request (C2)
             raise P.APIError(400, str(e), param="messages", code="chat_template_error") from None
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         gen = GenRequest(ids, params, emit=None, max_tokens=max_tokens, stop=body.stop_list(), logprobs=logprobs)
@@ -395,6 +422,7 @@ class _Handlers:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
+            _too_long_to_tokenize(state, len(prompt.encode()), "prompt")
             ids = await run_in_threadpool(engine.raw_prompt, prompt)
         else:
             n_vocab = engine.model.args.n_vocab
@@ -519,7 +547,7 @@ def create_app(config: ServerConfig, load: bool = True) -> Starlette:
 
     async def on_error(request: Request, exc: Exception):
         if isinstance(exc, P.APIError):
-            return JSONResponse(exc.body(), status_code=exc.status)
+            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
         if isinstance(exc, HTTPException):
             code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
             msg = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
@@ -559,12 +587,13 @@ class _RequireAPIKey:
 
     def __init__(self, app, key: str):
         self.app = app
-        self.want = f"Bearer {key}".encode()
+        self.want = key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] != "/health":
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.want):
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.want):
                 err = P.APIError(401, "invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key")
                 await JSONResponse(err.body(), status_code=401)(scope, receive, send)
                 return

@@ -16,9 +16,10 @@ class APIError(Exception):
     """An error the client gets as ``{"error": {"message", "type", "param", "code"}}``."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str | None = None):
+                 type_: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
         self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict:
@@ -71,6 +72,7 @@ class Message(_Body):
 
 
 Number = float  # strict float accepts JSON integers too
+MAX_STOP = 16
 
 
 class _Sampling(_Body):
@@ -85,7 +87,7 @@ class _Sampling(_Body):
     presence_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None
     seed: int | None = None
-    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    stop: str | list[str] | None = None
     n: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -93,8 +95,12 @@ class _Sampling(_Body):
     logit_bias: dict[str, Annotated[Number, Field(ge=-100, le=100)]] | None = None
 
     def stop_list(self) -> list[str]:
+        """The stop strings; raises APIError (400) for more than MAX_STOP."""
         if self.stop is None:
             return []
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
+            raise APIError(400, f"stop: at most {MAX_STOP} stop strings, got {len(self.stop)}", param="stop",
+                           code="invalid_value")
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 

@@ -169,8 +169,8 @@ class Scheduler:
                 raise RuntimeError("the server is shutting down")
             free_slots = max(0, self.kv.n_seq - len(self._running))   # admitted at the next step
             if len(self._waiting) >= self.max_queue + free_slots:
-                raise QueueFull(f"{len(self._waiting)} requests are already waiting (--max-queue "
-                                f"{self.max_queue}); retry later")
+                raise QueueFull(f"the server is busy: {len(self._running)} running, {len(self._waiting)} waiting "
+                                f"(-np {self.kv.n_seq}, --max-queue {self.max_queue}); retry later")
             req.t_submit = time.perf_counter()
             self._waiting.append(req)
             self.stats.waiting = len(self._waiting)
