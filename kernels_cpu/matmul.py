@@ -655,7 +655,8 @@ def qdot_tile(typingctx, fmt, path, nr, nt, w, r0, r_step, xq, xd, xa, t0, out):
             fn = builder.module.globals.get(name)
         elif HAS_VNNI and p == VEC_DOT and f.ggml_type in (T_.Q5_0, T_.Q8_0, T_.Q6_K):
             fn = build_vnni_tile(builder.module, f.ggml_type.name, n_r, n_t, name, x16)
-        elif n_r == ROWS and HAS_VNNI and f.ggml_type in (T_.Q4_K, T_.Q6_K):
+        elif n_r == ROWS and HAS_VNNI and (f.ggml_type in (T_.Q4_K, T_.Q6_K)
+                                           or (p == GEMV and f.ggml_type in (T_.Q8_0, T_.Q5_0))):
             fn = build_rows_tile(builder.module, f.ggml_type.name, PATH_NAMES[p], n_t, name, x16)
         else:
             fn = build_tile(builder.module, f, p, n_r, n_t, name, x16)
@@ -961,6 +962,33 @@ def matmul_q6_k_q8_k_bi(w, xqs, xd, xbsums, out):
     _tiled(_Q6_K, VEC_DOT, ND_Q6_K, w, xqs, xd, xbsums, out)
 
 
+@njit(parallel=True, cache=True)
+def matmul_q5_0_q8_0_bi(w, xqs, xd, xsums, out):
+    """Q5_0, batch-invariant and faster than llama.cpp's VEC_DOT: GEMV structure (one float
+    update of the exact block total per 32 values; xsums int32[T, K/32] the activation quant
+    sums of each block), VNNI tiles with one weight row per lane (kernels_cpu.matmul_rows)."""
+    _tiled(_Q5_0, GEMV, NR_ROWS, w, xqs, xd, xsums, out)
+
+
+@njit(parallel=True, cache=True)
+def matmul_q8_0_q8_0_bi(w, xqs, xd, xsums, out):
+    """Q8_0, batch-invariant (see matmul_q5_0_q8_0_bi)."""
+    _tiled(_Q8_0, GEMV, NR_ROWS, w, xqs, xd, xsums, out)
+
+
+@njit(parallel=True, cache=True)
+def block_sums_32(xqs, out):
+    """out[t, b] = sum of xqs[t, 32b : 32b + 32] (int32[T, K/32]; quants int8 or int16)."""
+    for t in prange(xqs.shape[0]):
+        for blk in range(out.shape[1]):
+            total = 0
+            for j in range(32 * blk, 32 * blk + 32):
+                total += np.int32(xqs[t, j])
+            out[t, blk] = total
+
+
+BATCH_INVARIANT_Q0 = {T_.Q5_0: matmul_q5_0_q8_0_bi, T_.Q8_0: matmul_q8_0_q8_0_bi}
+
 ROWS_TYPES = (T_.Q5_0, T_.Q8_0, T_.Q4_K, T_.Q6_K) if HAS_VNNI else ()  # VNNI kernels: int8 quants
 
 QUANT_KERNELS = {  # llama.cpp's plain CPU buffer
@@ -1135,9 +1163,11 @@ def matmul(w: np.ndarray, ggml_type, x: np.ndarray, out: np.ndarray | None = Non
     anew, outside the workspace so that xq stays valid). Raises QuantFormatError for an
     unsupported type or mismatched shapes/dtypes (K-quant rows need K % 256 == 0), ValueError
     when the workspace is too small. Python-side cost is a few microseconds per call.
-    ``batch_invariant``: row t of out depends on x[t] alone, bit for bit, whatever T is (each
-    row gets llama.cpp's arithmetic for a batch of one; see quant_kernel). Without it, llama.cpp
-    switches K-quant kernels at T >= 4 (repacked) or T >= 8, which changes the last bits.
+    ``batch_invariant``: row t of out depends on x[t] alone, bit for bit, whatever T is: K-quants
+    get llama.cpp's arithmetic for a batch of one (quant_kernel); Q5_0 / Q8_0 get the GEMV
+    structure of llama.cpp's repacked q4_0 (one float update per block), faster than their
+    VEC_DOT at every T but not bit-equal to llama.cpp's. Without it, llama.cpp switches K-quant
+    kernels at T >= 4 (repacked) or T >= 8, which changes the last bits.
     """
     t = _TYPES.get(ggml_type)
     if t is None:
@@ -1154,5 +1184,11 @@ def matmul(w: np.ndarray, ggml_type, x: np.ndarray, out: np.ndarray | None = Non
     else:
         if xq is None or xq.key != _act_key(t) or xq.shape != (T, K):
             xq = _quantize(t, x, buf)
-        quant_kernel(t, w.shape[0], batch_invariant)(w, *xq.arrays, out)
+        if batch_invariant and t in BATCH_INVARIANT_Q0:
+            qs, d = xq.arrays
+            sums = np.empty((T, K // 32), np.int32)
+            block_sums_32(qs, sums)
+            BATCH_INVARIANT_Q0[t](w, qs, d, sums, out)
+        else:
+            quant_kernel(t, w.shape[0], batch_invariant)(w, *xq.arrays, out)
     return out

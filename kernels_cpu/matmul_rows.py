@@ -194,12 +194,67 @@ def _q6_k_block(b, w_rows, acts, kind, accs):
     return {"acc": acc}
 
 
+Q0_ROWS = {"Q8_0": (34, 128), "Q5_0": (22, 16)}  # block bytes, offset that makes the codes unsigned
+_SPREAD = 0x02040810  # t * _SPREAD puts bit i of a 4-bit t at bit 8 * i + 4 (no carries)
+
+
+def _q0_rows_block(b, name, w_rows, rows, blk, accs, x16):
+    """One 32-value Q8_0 / Q5_0 block of the GEMV path: per output the exact integer block total
+    I (lanes = weight rows), then acc = fma(I, d_w * d_x, acc) (the structure of llama.cpp's
+    repacked q4_0 gemv). Codes are made unsigned (q + offset) for vpdpbusd; offset * (sum of the
+    activation quants of the block), given per (row, block) as int32 in xa, is subtracted."""
+    block_bytes, offset = Q0_ROWS[name]
+    if name == "Q8_0":
+        head = _load_rows(b, w_rows, 0, 4)[0]                       # f16 d | q0 q1
+        codes = [b.xor(v, _c(0x80808080 - (1 << 32))) for v in _load_rows(b, w_rows, 2, 8)]
+    else:  # Q5_0: f16 d | u32 qh | u8 qs[16]; value j: low nibble of qs[j] (j < 16) or high of qs[j - 16]
+        words = _load_rows(b, w_rows, 0, 4)                         # bytes 0..15 (no read past the block)
+        head = words[0]
+        qh = b.or_(b.lshr(words[0], _c(16)), b.shl(words[1], _c(16)))  # bytes 2..5
+        qs = _load_rows(b, w_rows, 6, 4)                            # bytes 6..21: qs[4k..4k+3] in vector k
+        codes = []
+        for c in range(8):
+            nib = b.and_(qs[c % 4], _c(0x0F0F0F0F)) if c < 4 else b.and_(b.lshr(qs[c % 4], _c(4)), _c(0x0F0F0F0F))
+            bits = b.and_(b.lshr(qh, _c(4 * c)), _c(0xF))
+            codes.append(b.or_(nib, b.and_(b.mul(bits, _c(_SPREAD)), _c(0x10101010))))
+    d = _halves_to_f32(b, head, 0)
+    acc = list(accs["acc"])
+    for t, (xq, xd, xa) in enumerate(zip(rows["xq"], rows["xd"], rows["xa"])):
+        act = _Q0Act(b, xq, x16, blk)
+        total = b.mul(splat(b, load(b, xa, b.mul(blk, ir.Constant(I64, 4)), I32), ROWS), _c(-offset))
+        total = _dot_chunks(b, codes, act, 0, total)
+        d_x = splat(b, load(b, xd, b.mul(blk, ir.Constant(I64, 4)), F32), ROWS)
+        acc[t] = fmuladd(b, b.sitofp(total, V8F32), b.fmul(d, d_x), acc[t])
+    return {"acc": acc}
+
+
+class _Q0Act(_Act):
+    """Activation row of a 32-value block (Q8_0 quants): only quad() is used."""
+
+    def __init__(self, b, xq, x16, blk):
+        self.b, self.xq, self.x16 = b, xq, x16
+        self.x_at = b.mul(blk, ir.Constant(I64, 32))
+
+
 def build_rows_tile(module: ir.Module, ggml_type_name: str, kind: str, nt: int, name: str,
                     x16: bool) -> ir.Function:
     """Define ``void name(w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride,
     out_r_stride, nb)`` as kernels_cpu.matmul.build_tile does, for 8 weight rows x ``nt``
-    activation rows of Q4_K (kind "gemv" / "gemm") or Q6_K ("tiled")."""
+    activation rows of Q4_K (kind "gemv" / "gemm"), Q6_K ("tiled"), or Q8_0 / Q5_0 ("gemv";
+    xa: int32 sums of each block's activation quants)."""
     names = ["acc", "accm"] if ggml_type_name == "Q4_K" else ["acc"]
+    if ggml_type_name in Q0_ROWS:
+        assert kind == "gemv", "Q8_0 / Q5_0 rows tiles compute the GEMV structure"
+
+        def q0_body(b, rows, blk, accs):
+            at = b.mul(blk, ir.Constant(I64, Q0_ROWS[ggml_type_name][0]))
+            return _q0_rows_block(b, ggml_type_name, [b.gep(p, [at]) for p in rows["w"]], rows, blk, accs, x16)
+
+        def q0_finish(b, new):
+            return {(r, t): b.extract_element(new["acc"][t], ir.Constant(I32, r)) for t in range(nt) for r in range(ROWS)}
+
+        return tile_function(module, name, ROWS, nt, {"acc": [ir.Constant(V8F32, [0.0] * ROWS)] * nt},
+                             q0_body, q0_finish)
     block_bytes, emit = (Q4_K_BYTES, _q4_k_block) if ggml_type_name == "Q4_K" else (Q6_K_BYTES, _q6_k_block)
 
     def body(b, rows, blk, accs):

@@ -4,6 +4,9 @@ does not depend on what else is being served. Without it (llama.cpp's kernel cho
 size) they differ in the last bits, which these tests also check, so that they can fail."""
 import numpy as np
 import pytest
+from numba import njit
+
+from kernels_cpu.matmul import _Q5_0, _Q8_0, GEMV, NR, _tiled
 
 from edge.gguf_file import GGUFFile
 from edge.kv.cache import PagedKVCache
@@ -90,3 +93,42 @@ def test_real_model_rows_do_not_depend_on_the_batch(qwen_path):
     alone = [_alone(m, p, [len(p)], len(nxt), nxt) for p in prompts]
     for i, got in enumerate(_together(m, prompts, nxt)):
         assert np.array_equal(got, alone[i]), i
+
+
+@njit(parallel=True)
+def _generic_gemv_q5_0(w, xqs, xd, out):
+    _tiled(_Q5_0, GEMV, NR, w, xqs, xd, xd, out)
+
+
+@njit(parallel=True)
+def _generic_gemv_q8_0(w, xqs, xd, out):
+    _tiled(_Q8_0, GEMV, NR, w, xqs, xd, xd, out)
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q8_0"])
+def test_q0_batch_invariant_kernels_are_the_gemv_structure(qtype):
+    """The server's Q5_0 / Q8_0 kernels (VNNI tiles, one weight row per lane) give bit for bit
+    the generic GEMV tile's results (one fma of each block's exact integer total times
+    d_w * d_x, llama.cpp's repacked-q4_0 structure), for any number of rows and tokens, and
+    stay within float rounding of the dequantized product."""
+    from gguf import GGMLQuantizationType as T
+
+    from kernels_cpu import matmul as M
+    from kernels_cpu.dequant import dequantize
+    from tests.test_matmul import random_weights
+
+    t = T[qtype]
+    generic = _generic_gemv_q5_0 if qtype == "Q5_0" else _generic_gemv_q8_0
+
+    rng = np.random.default_rng(3)
+    for R, K in ((5, 64), (13, 256), (64, 96)):
+        w = random_weights(t, R, K, rng)
+        for n in (1, 3, 4, 9):
+            x = rng.standard_normal((n, K)).astype(np.float32)
+            got = M.matmul(w, t, x, batch_invariant=True)
+            xq = M._quantize(t, x, M._allocate)
+            want = np.empty((n, R), np.float32)
+            generic(w, *xq.arrays, want)
+            assert np.array_equal(got, want), (R, K, n)
+            exact = x.astype(np.float64) @ dequantize(w, t).reshape(R, K).astype(np.float64).T
+            assert np.abs(got - exact).max() <= 0.05 * np.abs(exact).max() + 1e-3

@@ -409,12 +409,13 @@ class Transformer:
         ld.check_all_used(args.arch)
 
     def set_batch_invariant(self, on: bool = True) -> None:
-        """With ``on``, every row of a batch gets the arithmetic llama.cpp gives a batch of one
-        row (matmul and attention kernels), so a token's logits depend only on its sequence,
-        not on the batch or prefill chunking it was computed in. The server turns this on: a
-        request's text must not depend on what else is being served. Decode of one sequence is
-        unchanged; prompt processing then differs from llama.cpp's batched kernels in the last
-        bits (default off: llama.cpp's choice of kernel per batch size)."""
+        """With ``on``, every row of a batch is computed with one arithmetic whatever the batch
+        (kernels_cpu.matmul's batch_invariant kernels, attention in ggml_vec_dot_f16 order), so
+        a token's logits depend only on its sequence, not on the batch or prefill chunking it
+        was computed in. The server turns this on: a request's text must not depend on what
+        else is being served. K-quant matmuls and attention keep llama.cpp's one-row
+        arithmetic; Q5_0 / Q8_0 take the GEMV structure (faster in batches, last bits differ
+        from llama.cpp's VEC_DOT). Default off: llama.cpp's choice of kernel per batch size."""
         for owner in [self, *self.blocks]:
             for value in vars(owner).values():
                 if isinstance(value, Weight):
