@@ -561,6 +561,11 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": HI, "stop": 5}, "stop", "invalid_value"),
     ("/v1/chat/completions", {"messages": HI, "n": 2}, "n", "invalid_value"),
     ("/v1/chat/completions", {"messages": HI, "stop": [str(i) for i in range(17)]}, "stop", "invalid_value"),
+    ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools", "unsupported_value"),
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_object"}}, "response_format",
+     "unsupported_value"),
+    ("/v1/chat/completions", {"messages": HI, "response_format": "json"}, "response_format", "invalid_value"),
     ("/v1/chat/completions", {"messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
     ("/v1/chat/completions", {"messages": HI, "logprobs": True, "top_logprobs": -1}, "top_logprobs", "invalid_value"),
     ("/v1/chat/completions", {"messages": HI, "top_logprobs": 2}, "top_logprobs", "invalid_value"),
@@ -596,7 +601,8 @@ def test_bad_request_then_good_one(server, route, body, param, code):
 
 def test_unknown_fields_ignored(server):
     status, body = server.post("/v1/chat/completions", {"messages": HI, "max_tokens": 1, "frequency": 3,
-                                                        "response_format_x": {"a": [1]}, "user": "me"})
+                                                        "response_format_x": {"a": [1]}, "user": "me",
+                                                        "response_format": {"type": "text"}, "tools": []})
     assert status == 200 and body["usage"]["completion_tokens"] == 1
 
 

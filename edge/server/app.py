@@ -320,6 +320,7 @@ class _Handlers:
         state = self.state
         engine, scheduler = state.require()
         body = await _body(request, P.ChatCompletionRequest)
+        body.check_unsupported()
         if body.max_completion_tokens is not None:     # OpenAI's newer name wins
             max_tokens, max_tokens_param = body.max_completion_tokens, "max_completion_tokens"
         else:

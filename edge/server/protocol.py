@@ -109,6 +109,20 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # not served yet: a request that depends on them gets a 400 rather than a silent plain answer
+    tools: list | None = None
+    response_format: dict | None = None
+
+    def check_unsupported(self) -> None:
+        """Raise APIError (400) for features this server does not provide: tool calling, and a
+        response_format other than plain text (JSON mode / schemas)."""
+        if self.tools:
+            raise APIError(400, "tools (function calling) are not supported by this server", param="tools",
+                           code="unsupported_value")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise APIError(400, f"response_format {kind!r} is not supported by this server (only 'text')",
+                           param="response_format", code="unsupported_value")
 
 
 class CompletionRequest(_Sampling):
