@@ -917,7 +917,9 @@ def round_to_bf16(x, out):
 # one row (GEMV for repacked weights, VEC_DOT for the others), whatever T is, in multi-row
 # tiles. A row's result then depends on that row alone, not on the batch it is computed in
 # (the server's requirement: a request's text must not depend on what else is being served).
-# Types whose llama.cpp paths are already one arithmetic for every T need no variant.
+# Q5_0 / Q8_0 instead take the GEMV structure at every T (faster in batches than their
+# VEC_DOT, last bits not llama.cpp's). Other types' llama.cpp paths are already one
+# arithmetic for every T.
 
 
 @njit(parallel=True, cache=True)
@@ -962,32 +964,32 @@ def matmul_q6_k_q8_k_bi(w, xqs, xd, xbsums, out):
     _tiled(_Q6_K, VEC_DOT, ND_Q6_K, w, xqs, xd, xbsums, out)
 
 
-@njit(parallel=True, cache=True)
-def matmul_q5_0_q8_0_bi(w, xqs, xd, xsums, out):
-    """Q5_0, batch-invariant and faster than llama.cpp's VEC_DOT: GEMV structure (one float
-    update of the exact block total per 32 values; xsums int32[T, K/32] the activation quant
-    sums of each block), VNNI tiles with one weight row per lane (kernels_cpu.matmul_rows)."""
-    _tiled(_Q5_0, GEMV, NR_ROWS, w, xqs, xd, xsums, out)
-
-
-@njit(parallel=True, cache=True)
-def matmul_q8_0_q8_0_bi(w, xqs, xd, xsums, out):
-    """Q8_0, batch-invariant (see matmul_q5_0_q8_0_bi)."""
-    _tiled(_Q8_0, GEMV, NR_ROWS, w, xqs, xd, xsums, out)
-
-
-@njit(parallel=True, cache=True)
-def block_sums_32(xqs, out):
-    """out[t, b] = sum of xqs[t, 32b : 32b + 32] (int32[T, K/32]; quants int8 or int16)."""
+@njit(cache=True, inline="always")
+def _block_sums_32(xqs):
+    """int32[T, K/32]: the sum of each 32-value block of the activation quants (int8 or int16)."""
+    out = np.empty((xqs.shape[0], xqs.shape[1] // 32), np.int32)
     for t in prange(xqs.shape[0]):
         for blk in range(out.shape[1]):
             total = 0
             for j in range(32 * blk, 32 * blk + 32):
                 total += np.int32(xqs[t, j])
             out[t, blk] = total
+    return out
 
 
-BATCH_INVARIANT_Q0 = {T_.Q5_0: matmul_q5_0_q8_0_bi, T_.Q8_0: matmul_q8_0_q8_0_bi}
+@njit(parallel=True, cache=True)
+def matmul_q5_0_q8_0_bi(w, xqs, xd, out):
+    """Q5_0, batch-invariant and faster than llama.cpp's VEC_DOT: GEMV structure (one float
+    update of the exact block total per 32 values), VNNI tiles with one weight row per lane
+    (kernels_cpu.matmul_rows, which take the activation quant sums of each block)."""
+    _tiled(_Q5_0, GEMV, NR_ROWS, w, xqs, xd, _block_sums_32(xqs), out)
+
+
+@njit(parallel=True, cache=True)
+def matmul_q8_0_q8_0_bi(w, xqs, xd, out):
+    """Q8_0, batch-invariant (see matmul_q5_0_q8_0_bi)."""
+    _tiled(_Q8_0, GEMV, NR_ROWS, w, xqs, xd, _block_sums_32(xqs), out)
+
 
 ROWS_TYPES = (T_.Q5_0, T_.Q8_0, T_.Q4_K, T_.Q6_K) if HAS_VNNI else ()  # VNNI kernels: int8 quants
 
@@ -1005,6 +1007,7 @@ REPACKED_KERNELS = {  # weights llama.cpp repacks on x86 (ggml_repack_get_optima
 BATCH_INVARIANT_KERNELS = {
     T_.Q2_K: matmul_q2_k_q8_k_bi, T_.Q3_K: matmul_q3_k_q8_k_bi, T_.Q4_K: matmul_q4_k_q8_k_bi,
     T_.Q5_K: matmul_q5_k_q8_k_bi, T_.Q6_K: matmul_q6_k_q8_k_bi,
+    T_.Q5_0: matmul_q5_0_q8_0_bi, T_.Q8_0: matmul_q8_0_q8_0_bi,
 }
 BATCH_INVARIANT_REPACKED = {T_.Q2_K: matmul_q2_k_q8_k_repacked_bi, T_.Q4_K: matmul_q4_k_q8_k_repacked_bi}
 
@@ -1012,8 +1015,9 @@ BATCH_INVARIANT_REPACKED = {T_.Q2_K: matmul_q2_k_q8_k_repacked_bi, T_.Q4_K: matm
 def quant_kernel(t: GGMLQuantizationType, n_rows: int, batch_invariant: bool = False):
     """The per-type kernel llama.cpp's choice calls for: REPACKED_KERNELS[t] when t is repacked
     and n_rows % 8 == 0, else QUANT_KERNELS[t] (separate functions, so that a process compiles
-    only the paths its matrices take). ``batch_invariant``: the kernel that gives every row
-    llama.cpp's one-row arithmetic (BATCH_INVARIANT_*), where it differs."""
+    only the paths its matrices take). ``batch_invariant``: the kernel whose arithmetic does not
+    depend on the number of rows (BATCH_INVARIANT_*; see matmul), where llama.cpp's does or
+    where a faster one exists (Q5_0 / Q8_0)."""
     repacked = n_rows % 8 == 0 and t in REPACKED_KERNELS
     if batch_invariant:
         kernel = (BATCH_INVARIANT_REPACKED if repacked else BATCH_INVARIANT_KERNELS).get(t)
@@ -1184,11 +1188,5 @@ def matmul(w: np.ndarray, ggml_type, x: np.ndarray, out: np.ndarray | None = Non
     else:
         if xq is None or xq.key != _act_key(t) or xq.shape != (T, K):
             xq = _quantize(t, x, buf)
-        if batch_invariant and t in BATCH_INVARIANT_Q0:
-            qs, d = xq.arrays
-            sums = np.empty((T, K // 32), np.int32)
-            block_sums_32(qs, sums)
-            BATCH_INVARIANT_Q0[t](w, qs, d, sums, out)
-        else:
-            quant_kernel(t, w.shape[0], batch_invariant)(w, *xq.arrays, out)
+        quant_kernel(t, w.shape[0], batch_invariant)(w, *xq.arrays, out)
     return out

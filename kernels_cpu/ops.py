@@ -225,23 +225,6 @@ def softcap(x, cap):
         flat[i] = math.tanh(flat[i] * inv) * cap
 
 
-_HADAMARD: dict[int, np.ndarray] = {}
-
-
-def hadamard(n: int) -> np.ndarray:
-    """The orthonormal Walsh-Hadamard matrix float32[n, n] (n a power of two; Sylvester's
-    construction scaled by 1/sqrt(n), as llama.cpp's ggml_gen_hadamard): symmetric, H @ H = I."""
-    h = _HADAMARD.get(n)
-    if h is None:
-        if n < 1 or n & (n - 1):
-            raise ValueError(f"hadamard: n must be a power of two, got {n}")
-        m = np.ones((1, 1), np.float64)
-        while m.shape[0] < n:
-            m = np.block([[m, m], [m, -m]])
-        h = _HADAMARD[n] = (m / np.sqrt(n)).astype(np.float32)
-    return h
-
-
 @njit(cache=True)
 def _fwht_rows(x, r0, r1):
     """Fast Walsh-Hadamard transform of rows r0..r1-1 of x f32[R, n] in place (Sylvester
@@ -272,11 +255,12 @@ def _fwht_par(x):
 
 def rotate_chunks(x: np.ndarray, n: int) -> None:
     """In place x = x @ H over every run of n values (x f32, C-contiguous, size a multiple of
-    n; H = hadamard(n)): llama.cpp rotates Q and K (and V) this way before a quantized KV cache,
-    so that outliers spread over the block the quantizer scales (llama_mul_mat_hadamard, a
-    matrix product there; a fast Walsh-Hadamard transform here, equal to rounding). Runs on
-    numba's threads, never on a BLAS library's own (whose spinning threads slowed the
-    following kernels twofold on 2 cores)."""
+    n; H the orthonormal Walsh-Hadamard matrix of order n: Sylvester's construction scaled by
+    1/sqrt(n), as ggml_gen_hadamard; symmetric, H @ H = I). llama.cpp rotates Q and K (and V)
+    this way before a quantized KV cache, so that outliers spread over the block the quantizer
+    scales (llama_mul_mat_hadamard, a matrix product there; a fast Walsh-Hadamard transform
+    here, equal to rounding). Runs on numba's threads, never on a BLAS library's own (whose
+    spinning threads slowed the following kernels twofold on 2 cores)."""
     if n < 1 or n & (n - 1):
         raise ValueError(f"rotate_chunks: n must be a power of two, got {n}")
     flat = x.reshape(-1, n)

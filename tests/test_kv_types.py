@@ -68,8 +68,18 @@ def test_paged_attention_kv_types(kind, window):
     np.testing.assert_allclose(out, ref, rtol=0, atol=tol)
 
 
+def hadamard(n: int) -> np.ndarray:
+    """The orthonormal Walsh-Hadamard matrix float32[n, n] (n a power of two; Sylvester's
+    construction scaled by 1/sqrt(n), as llama.cpp's ggml_gen_hadamard): the reference for
+    rotate_chunks, which computes x @ H by butterflies."""
+    m = np.ones((1, 1), np.float64)
+    while m.shape[0] < n:
+        m = np.block([[m, m], [m, -m]])
+    return (m / np.sqrt(n)).astype(np.float32)
+
+
 def test_hadamard_is_orthonormal_and_symmetric():
-    from kernels_cpu.ops import hadamard, rotate_chunks
+    from kernels_cpu.ops import rotate_chunks
 
     for n in (64, 128, 256):
         h = hadamard(n).astype(np.float64)

@@ -19,15 +19,12 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import socket
-import statistics
 import subprocess
 import sys
 import threading
 import time
 import urllib.parse
-from pathlib import Path
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",

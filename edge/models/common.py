@@ -315,7 +315,8 @@ class Block:
 
         Returns the block output f32[T, n_embd] (x, updated in place), or only the rows
         ``out_rows`` when given: as llama.cpp's last layer (inp_out_ids), attention runs on
-        every row and the rest of the block on the output rows alone.
+        every row and the rest of the block on the output rows alone (none: K/V stored, no
+        attention, an empty result).
         """
         a = self.args
         T = x.shape[0]
@@ -353,6 +354,8 @@ class Block:
             ops.rotate_chunks(v, 64)
         store_kv(k.reshape(T, -1), k_pool, tables, seq_ids, positions)
         store_kv(v.reshape(T, -1), v_pool, tables, seq_ids, positions)
+        if isinstance(out_rows, np.ndarray) and out_rows.size == 0:   # only this layer's K/V was wanted
+            return x[:0]
         attn = sc.get("attn", (T, a.n_head, a.head_dim_v))
         scale = np.float32(a.attention_scale) if a.attention_scale else np.float32(1) / np.sqrt(np.float32(a.head_dim))
         attention_f16(q, k_pool, v_pool, tables, seq_ids, positions, self.window, scale, attn, self.batch_invariant)
@@ -446,7 +449,7 @@ class Transformer:
 
         Returns logits f32[len(rows), n_vocab] for the batch rows ``logits_rows`` (default: the
         last row of each sequence in the batch, in order of appearance; ``slice(None)`` for
-        all). Raises ValueError for an empty batch, a token id outside the vocabulary, a bad or
+        all; no rows: only the K/V are computed, f32[0, n_vocab]). Raises ValueError for an empty batch, a token id outside the vocabulary, a bad or
         interleaved sequence id, or rows that do not fit in n_ctx.
         """
         tokens = np.asarray(tokens, dtype=np.int64)
@@ -462,6 +465,8 @@ class Transformer:
             x *= np.float32(self.args.embed_scale)
         if logits_rows is None:
             logits_rows = last_rows
+        elif not isinstance(logits_rows, slice):
+            logits_rows = np.asarray(logits_rows, np.int64)
         glob, local = self._rope_tables(positions)
         cache.prepare(runs, lengths)
         last = len(self.blocks) - 1
@@ -469,6 +474,8 @@ class Transformer:
             x = blk(x, seq_ids, positions, local if blk.is_swa else glob, cache.k[il], cache.v[il],
                     cache.layer_tables(il), self.scratch, logits_rows if il == last else None)
         cache.commit(runs, lengths)
+        if x.shape[0] == 0:                                                # no logits asked for
+            return np.empty((0, self.args.n_vocab), np.float32)
         h = x                                                              # [rows, n_embd]
         ops.rms_norm(h, self.output_norm, self.args.rms_eps, h)
         logits = self.output(h)                                            # [rows, n_vocab]

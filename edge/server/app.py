@@ -85,8 +85,9 @@ class _Metrics:
                                   s.cached_tokens),
                                  ("edge_requests_finished", "Requests finished", s.requests_finished)):
             yield CounterMetricFamily(name, doc, value=value)
-        yield GaugeMetricFamily("edge_requests_running", "Requests being generated", value=s.running)
-        yield GaugeMetricFamily("edge_requests_waiting", "Requests waiting for a slot", value=s.waiting)
+        running, waiting = sched.counts()
+        yield GaugeMetricFamily("edge_requests_running", "Requests being generated", value=running)
+        yield GaugeMetricFamily("edge_requests_waiting", "Requests waiting for a slot", value=waiting)
         groups = sched.kv.manager.stats().groups
         yield GaugeMetricFamily("edge_kv_blocks_used", "KV cache blocks held by running sequences",
                                 value=sum(g.used for g in groups))
@@ -306,6 +307,32 @@ def _usage(fin: Finished) -> dict:
             "prompt_tokens_details": {"cached_tokens": fin.cached_tokens}}
 
 
+def _sse_response(stream: _Stream, head: dict, include_usage: bool, first, delta, final) -> StreamingResponse:
+    """A streamed response: ``first`` (an SSE event or None), ``delta(ev)`` per Delta,
+    ``final(ev)`` at Finished, then with include_usage one chunk of ``head`` fields with empty
+    choices and the usage, then [DONE]. An error mid-stream becomes an error event; the
+    generation is cancelled when the stream ends early (the client went away)."""
+    async def events():
+        try:
+            if first is not None:
+                yield first
+            async for ev in stream.events():
+                if isinstance(ev, Delta):
+                    yield delta(ev)
+                else:
+                    yield final(ev)
+                    if include_usage:
+                        yield _sse({**head, "choices": [], "usage": _usage(ev)})
+            yield "data: [DONE]\n\n"
+        except P.APIError as e:
+            yield _sse(e.body())
+        finally:
+            stream.cancel()
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -375,34 +402,19 @@ class _Handlers:
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name}
+
         def chunk(delta, finish=None, lps=None):
-            c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
-                 "choices": [{"index": 0, "delta": delta,
-                              "logprobs": {"content": lp_content(lps)} if lps else None,
-                              "finish_reason": finish}]}
+            c = {**head, "choices": [{"index": 0, "delta": delta,
+                                      "logprobs": {"content": lp_content(lps)} if lps else None,
+                                      "finish_reason": finish}]}
             if include_usage:
                 c["usage"] = None
             return _sse(c)
 
-        async def events():
-            try:
-                yield chunk({"role": "assistant", "content": ""})
-                async for ev in stream.events():
-                    if isinstance(ev, Delta):
-                        yield chunk({"content": ev.text}, lps=ev.logprobs)
-                    else:
-                        yield chunk({}, finish=ev.finish_reason)
-                        if include_usage:
-                            yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                        "model": name, "choices": [], "usage": _usage(ev)})
-                yield "data: [DONE]\n\n"
-            except P.APIError as e:
-                yield _sse(e.body())
-            finally:
-                stream.cancel()
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _sse_response(stream, head, include_usage, first=chunk({"role": "assistant", "content": ""}),
+                             delta=lambda ev: chunk({"content": ev.text}, lps=ev.logprobs),
+                             final=lambda ev: chunk({}, finish=ev.finish_reason))
 
     # ---- completions -----------------------------------------------------------------------------
 
@@ -472,34 +484,18 @@ class _Handlers:
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
+        head = {"id": rid, "object": "text_completion", "created": created, "model": name}
+
         def chunk(text, finish=None, lps=None):
-            c = {"id": rid, "object": "text_completion", "created": created, "model": name,
-                 "choices": [{"index": 0, "text": text,
-                              "logprobs": lp_block(lps, offset[0]) if lps is not None and body.logprobs is not None
-                              else None, "finish_reason": finish}]}
+            lp = lp_block(lps, offset[0]) if lps is not None and body.logprobs is not None else None
+            c = {**head, "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
             if include_usage:
                 c["usage"] = None
             offset[0] += len(text)
             return _sse(c)
 
-        async def events():
-            try:
-                async for ev in stream.events():
-                    if isinstance(ev, Delta):
-                        yield chunk(ev.text, lps=ev.logprobs)
-                    else:
-                        yield chunk("", finish=ev.finish_reason)
-                        if include_usage:
-                            yield _sse({"id": rid, "object": "text_completion", "created": created, "model": name,
-                                        "choices": [], "usage": _usage(ev)})
-                yield "data: [DONE]\n\n"
-            except P.APIError as e:
-                yield _sse(e.body())
-            finally:
-                stream.cancel()
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _sse_response(stream, head, include_usage, first=None, delta=lambda ev: chunk(ev.text, lps=ev.logprobs),
+                             final=lambda ev: chunk("", finish=ev.finish_reason))
 
     # ---- the rest --------------------------------------------------------------------------------
 

@@ -104,10 +104,14 @@ class _Seq:
     history: list[int]
     n_prompt_done: int          # prompt tokens whose K/V are computed
     next_token: int | None = None
-    n_generated: int = 0
     t_last: float = 0.0
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     done: bool = False
+
+    @property
+    def n_generated(self) -> int:
+        """Tokens generated so far (history holds the prompt, then them)."""
+        return len(self.history) - len(self.req.prompt_ids)
 
 
 @dataclass
@@ -118,8 +122,6 @@ class SchedulerStats:
     generated_tokens: int = 0
     cached_tokens: int = 0
     requests_finished: int = 0
-    running: int = 0
-    waiting: int = 0
 
 
 class Scheduler:
@@ -173,7 +175,6 @@ class Scheduler:
                                 f"(-np {self.kv.n_seq}, --max-queue {self.max_queue}); retry later")
             req.t_submit = time.perf_counter()
             self._waiting.append(req)
-            self.stats.waiting = len(self._waiting)
             self._cv.notify()
 
     def cancel(self, req: Request) -> None:
@@ -189,6 +190,11 @@ class Scheduler:
             self._stopping = True
             self._cv.notify()
         self._thread.join(timeout)
+
+    def counts(self) -> tuple[int, int]:
+        """(requests running, requests waiting), for /metrics."""
+        with self._cv:
+            return len(self._running), len(self._waiting)
 
     def busy(self) -> bool:
         with self._cv:
@@ -215,7 +221,6 @@ class Scheduler:
                     self._safe_emit(seq.req, Failed(message))
                     self.kv.free(seq.slot)
                 self._running = []
-                self._update_gauges()
 
     def _admit(self) -> None:
         while True:
@@ -241,7 +246,6 @@ class Scheduler:
         for seq in [s for s in self._running if s.req.cancelled]:
             self._retire(seq)
         self._admit()
-        self._update_gauges()
         if not self._running:
             return
         tokens, seq_ids, logits_rows, owners = [], [], [], []
@@ -268,8 +272,6 @@ class Scheduler:
                 owners.append(seq)
         if not tokens:
             return
-        if not logits_rows:          # only part of a long prompt: one unused row (forward needs one)
-            logits_rows.append(len(tokens) - 1)
         logits = self.model.forward(np.asarray(tokens, np.int64), self.kv,
                                     logits_rows=np.asarray(logits_rows, np.int64),
                                     seq_ids=np.asarray(seq_ids, np.int64))
@@ -284,7 +286,6 @@ class Scheduler:
                 seq.done = True
         for seq in [s for s in self._running if s.req.cancelled or s.done]:
             self._retire(seq)
-        self._update_gauges()
 
     def _sample(self, seq: _Seq, logits: np.ndarray, now: float) -> None:
         req = seq.req
@@ -301,7 +302,6 @@ class Scheduler:
         if tokenizer.is_eog(tok):
             self._finish(seq, "stop")
             return
-        seq.n_generated += 1
         self.stats.generated_tokens += 1
         seq.history.append(tok)
         if lp is not None:
@@ -336,10 +336,6 @@ class Scheduler:
         self.kv.free(seq.slot)
         self._running.remove(seq)
 
-    def _update_gauges(self) -> None:
-        with self._cv:
-            self.stats.waiting = len(self._waiting)
-        self.stats.running = len(self._running)
 
     @staticmethod
     def _safe_emit(req: Request, event) -> None:
