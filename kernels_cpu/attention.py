@@ -160,13 +160,6 @@ def _mad_q8_0_row(typingctx, acc, row, p, nb):
     return sig, codegen
 
 
-@njit(cache=True, inline="always")
-def _cell(pool, table, j, base, n):
-    """The n values at ``base`` of position j's K or V row: pool[table[j // bs], j % bs]."""
-    bs = pool.shape[1]
-    return pool[table[j // bs], j % bs, base:base + n]
-
-
 def _kdot(row, qv, hd, tiny):
     """K row . query (typed by the pool: see the overload below)."""
 
@@ -263,9 +256,14 @@ def _vacc_impl(acc, row, p, hd_v):
 @njit(cache=True)
 def _kq_row(qv, pool, table, base, n, hd, start, end, tiny, kq):
     """kq[j] = K[j] . q for cells start..end-1 (see _kdot for the lane orders). K rows of n
-    pool elements through the block table: pool[table[j // bs], j % bs, base:base+n]."""
-    for j in range(start, end):
-        kq[j] = _kdot(_cell(pool, table, j, base, n), qv, hd, tiny)
+    pool elements through the block table: pool[table[j // bs], j % bs, base:base+n]
+    (walked block by block, no division per cell)."""
+    bs = pool.shape[1]
+    for b in range(start // bs, (end + bs - 1) // bs):
+        blk = pool[table[b]]
+        first = b * bs
+        for j in range(max(start, first), min(end, first + bs)):
+            kq[j] = _kdot(blk[j - first, base:base + n], qv, hd, tiny)
 
 
 @njit(cache=True)
@@ -301,16 +299,32 @@ def _kqv_row(probs, pool, table, base, n, hd_v, start, end, tiny, acc, out):
     acc: float32[64, hd_v] scratch."""
     lanes = _TINY_LANES if tiny else _VEC_STEP
     acc[:lanes, :] = 0.0
-    for j in range(start, end):
-        _vacc(acc[j % lanes], _cell(pool, table, j, base, n), probs[j], hd_v)
+    bs = pool.shape[1]
+    for b in range(start // bs, (end + bs - 1) // bs):
+        blk = pool[table[b]]
+        first = b * bs
+        for j in range(max(start, first), min(end, first + bs)):
+            _vacc(acc[j % lanes], blk[j - first, base:base + n], probs[j], hd_v)
     if not tiny:
         for j in range(16):
-            acc[j] = (acc[j] + acc[j + 32]) + (acc[j + 16] + acc[j + 48])
-    col = np.empty(16, np.float32)
+            for d in range(hd_v):
+                acc[j, d] = (acc[j, d] + acc[j + 32, d]) + (acc[j + 16, d] + acc[j + 48, d])
     for d in range(hd_v):
-        for j in range(16):
-            col[j] = acc[j, d]
-        out[d] = hsum16(col, 0)
+        out[d] = _hsum16_column(acc, d)
+
+
+@njit(cache=True, inline="always")
+def _hsum16_column(acc, d):
+    """hsum16 of the column acc[0:16, d] (_mm512_reduce_add_ps order)."""
+    a0 = acc[0, d] + acc[8, d]
+    a1 = acc[1, d] + acc[9, d]
+    a2 = acc[2, d] + acc[10, d]
+    a3 = acc[3, d] + acc[11, d]
+    a4 = acc[4, d] + acc[12, d]
+    a5 = acc[5, d] + acc[13, d]
+    a6 = acc[6, d] + acc[14, d]
+    a7 = acc[7, d] + acc[15, d]
+    return ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
 
 
 @njit(cache=True, inline="always")

@@ -77,6 +77,7 @@ TC = 64  # activation rows per prefill chunk
 ND = 4  # decode tile rows, R // ND apart (adjacent rows in one tile stream from DRAM at half speed)
 # Q4_K (repacked) and Q6_K with AVX-512 VNNI: tiles of 8 rows, one per lane (kernels_cpu.matmul_rows)
 NR_ROWS = ROWS if HAS_VNNI else NR
+NT_WIDE = 8 if HAS_VNNI else 0  # Q5_0 / Q8_0 GEMV rows tiles: 8 activation rows per weight decoding
 NR_Q0 = 8 if HAS_VNNI else NR  # Q5_0 / Q8_0 with AVX-512 VNNI: 8 rows in pairs (kernels_cpu.matmul_vnni)
 ND_Q6_K = 2 if HAS_VNNI else NR  # Q6_K vec_dot (T < 8) with VNNI: one row pair per tile (kernels_cpu.matmul_vnni)
 
@@ -628,7 +629,7 @@ def build_tile(module: ir.Module, fmt: BlockFormat, path: int, nr: int, nt: int,
         return values
 
     return tile_function(module, name, nr, nt, {k: [zero] * len(labels) for k, (labels, _) in layout.items()},
-                         body, finish)
+                         body, finish, fmt.block_bytes)
 
 
 @intrinsic
@@ -701,12 +702,14 @@ def _rows(fmt, path, nd, w, xq, xd, xa, out):
 
 
 @njit(cache=True, inline="always")
-def _blocks(fmt, path, nr, tails, w, xq, xd, xa, out):
+def _blocks(fmt, path, nr, tails, w, xq, xd, xa, out, wide=0):
     """qdot_tile in NR x NT tiles (T >= NT) over chunks of at most TC activation rows (equal
     chunks, a multiple of NT, so threads share evenly and a chunk stays in cache); the last
     NT-tile of a chunk overlaps its neighbour, or with ``tails`` (a literal) the rows left are
     done in ND x 1 tiles. The last row tile overlaps its neighbour (recomputed values are
-    identical: results do not depend on tiling); with R < NR a tile repeats one row."""
+    identical: results do not depend on tiling); with R < NR a tile repeats one row.
+    ``wide`` (a literal, 0 or a multiple of NT): tiles of that many activation rows first, for
+    tiles whose cost is mostly preparing the weights (kernels_cpu.matmul_rows GEMV tiles)."""
     R, T = w.shape[0], xq.shape[0]
     n_rt = (R + nr - 1) // nr
     n_tc = (T + TC - 1) // TC
@@ -719,6 +722,10 @@ def _blocks(fmt, path, nr, tails, w, xq, xd, xa, out):
             r0 = min((job % n_rt) * nr, R - nr) if R >= nr else k
             step = 1 if R >= nr else 0
             t = t_lo
+            if wide:
+                while t + wide <= t_hi:
+                    qdot_tile(fmt, path, nr, wide, w, r0, step, xq, xd, xa, t, out)
+                    t += wide
             while t + NT <= t_hi:
                 qdot_tile(fmt, path, nr, NT, w, r0, step, xq, xd, xa, t, out)
                 t += NT
@@ -731,13 +738,13 @@ def _blocks(fmt, path, nr, tails, w, xq, xd, xa, out):
 
 
 @njit(cache=True, inline="always")
-def _tiled(fmt, path, nr, w, xq, xd, xa, out):
+def _tiled(fmt, path, nr, w, xq, xd, xa, out, wide=0):
     """Run qdot_tile of ``path`` over all outputs: ND x 1 tiles (_rows) for T < NT, else
-    NR x NT tiles (_blocks)."""
+    NR x NT tiles (_blocks; ``wide``: see there)."""
     if xq.shape[0] < NT:
         _rows(fmt, path, nr, w, xq, xd, xa, out)
     else:
-        _blocks(fmt, path, nr, True, w, xq, xd, xa, out)
+        _blocks(fmt, path, nr, True, w, xq, xd, xa, out, wide)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -982,13 +989,13 @@ def matmul_q5_0_q8_0_bi(w, xqs, xd, out):
     """Q5_0, batch-invariant and faster than llama.cpp's VEC_DOT: GEMV structure (one float
     update of the exact block total per 32 values), VNNI tiles with one weight row per lane
     (kernels_cpu.matmul_rows, which take the activation quant sums of each block)."""
-    _tiled(_Q5_0, GEMV, NR_ROWS, w, xqs, xd, _block_sums_32(xqs), out)
+    _tiled(_Q5_0, GEMV, NR_ROWS, w, xqs, xd, _block_sums_32(xqs), out, NT_WIDE)
 
 
 @njit(parallel=True, cache=True)
 def matmul_q8_0_q8_0_bi(w, xqs, xd, out):
     """Q8_0, batch-invariant (see matmul_q5_0_q8_0_bi)."""
-    _tiled(_Q8_0, GEMV, NR_ROWS, w, xqs, xd, _block_sums_32(xqs), out)
+    _tiled(_Q8_0, GEMV, NR_ROWS, w, xqs, xd, _block_sums_32(xqs), out, NT_WIDE)
 
 
 ROWS_TYPES = (T_.Q5_0, T_.Q8_0, T_.Q4_K, T_.Q6_K) if HAS_VNNI else ()  # VNNI kernels: int8 quants

@@ -254,7 +254,7 @@ def build_rows_tile(module: ir.Module, ggml_type_name: str, kind: str, nt: int, 
             return {(r, t): b.extract_element(new["acc"][t], ir.Constant(I32, r)) for t in range(nt) for r in range(ROWS)}
 
         return tile_function(module, name, ROWS, nt, {"acc": [ir.Constant(V8F32, [0.0] * ROWS)] * nt},
-                             q0_body, q0_finish)
+                             q0_body, q0_finish, Q0_ROWS[ggml_type_name][0])
     block_bytes, emit = (Q4_K_BYTES, _q4_k_block) if ggml_type_name == "Q4_K" else (Q6_K_BYTES, _q6_k_block)
 
     def body(b, rows, blk, accs):
@@ -271,4 +271,4 @@ def build_rows_tile(module: ir.Module, ggml_type_name: str, kind: str, nt: int, 
         return values
 
     return tile_function(module, name, ROWS, nt, {k: [ir.Constant(V8F32, [0.0] * ROWS)] * nt for k in names},
-                         body, finish)
+                         body, finish, block_bytes)

@@ -149,7 +149,7 @@ def _q6_k_block(b, name, rows, blk, accs, x16):
 def build_vnni_tile(module: ir.Module, ggml_type_name: str, nr: int, nt: int, name: str, x16: bool) -> ir.Function:
     """Define ``void name(w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride,
     out_r_stride, nb)`` as kernels_cpu.matmul.build_tile does for path VEC_DOT, for ``nr`` weight
-    rows x ``nt`` activation rows of Q4_0, Q5_0, Q8_0 or Q6_K; activation quants int8 (or int16
+    rows x ``nt`` activation rows of Q5_0, Q8_0 or Q6_K; activation quants int8 (or int16
     when ``x16``)."""
     emit = _q6_k_block if ggml_type_name == "Q6_K" else _q0_block
     assert nr % 2 == 0, "VNNI tiles take weight rows in pairs"
@@ -169,4 +169,5 @@ def build_vnni_tile(module: ir.Module, ggml_type_name: str, nr: int, nt: int, na
         return out
 
     zeros = [ir.Constant(V16F32, [0.0] * 16)] * (nr // 2 * nt)  # one accumulator per pair of weight rows
-    return tile_function(module, name, nr, nt, {"acc": zeros}, body, finish)
+    block_bytes = Q6_K_BYTES if ggml_type_name == "Q6_K" else Q0_FORMATS[ggml_type_name][0]
+    return tile_function(module, name, nr, nt, {"acc": zeros}, body, finish, block_bytes)
