@@ -253,7 +253,7 @@ def _vacc_impl(acc, row, p, hd_v):
     return None
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _kq_row(qv, pool, table, base, n, hd, start, end, tiny, kq):
     """kq[j] = K[j] . q for cells start..end-1 (see _kdot for the lane orders). K rows of n
     pool elements through the block table: pool[table[j // bs], j % bs, base:base+n]
@@ -266,7 +266,7 @@ def _kq_row(qv, pool, table, base, n, hd, start, end, tiny, kq):
             kq[j] = _kdot(blk[j - first, base:base + n], qv, hd, tiny)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _softmax_row(kq, start, end, scale, block, probs):
     """probs[j] for cells start..end-1 = ggml_compute_forward_soft_max_f32 of the row kq with
     every other cell masked to -inf: x = kq * scale; m = max x; e = ggml_v_expf(x - m); each
@@ -291,7 +291,7 @@ def _softmax_row(kq, start, end, scale, block, probs):
         probs[j] *= inv
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _kqv_row(probs, pool, table, base, n, hd_v, start, end, tiny, acc, out):
     """out[d] = sum over cells j of V[j, d] * probs[j] (f16-rounded for f16 V), cell j in lane
     j % 16 (tinyBLAS) or j % 64 (ggml_vec_dot_f16, lanes then combined as in _kq_row), lanes
@@ -335,7 +335,7 @@ def _visible(p, window):
     return 0
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _paths(T, hd, hd_v, batch_invariant=False):
     """(tinyBLAS for KQ, tinyBLAS for KQV): llamafile_sgemm takes n >= 2 rows when the dot length
     is a multiple of 16 and the output rows (cells for KQ, hd_v for KQV) a multiple of 4.
@@ -344,7 +344,7 @@ def _paths(T, hd, hd_v, batch_invariant=False):
     return multi and hd % _TINY_LANES == 0, multi and hd_v % 4 == 0
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _attention_rows(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out, first, step,
                     tiny_kq, tiny_kqv):
     """attention_f16 for the (row, head) pairs first, first + step, ... (pair th = row th // H,
@@ -371,7 +371,7 @@ def _attention_rows(q, k_pool, v_pool, tables, seq_ids, positions, window, scale
         _kqv_row(row, vflat, table, kh * nv, nv, hd_v, start, p + 1, tiny_kqv, acc, out[t, h])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _attention_par(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out, tiny_kq, tiny_kqv):
     # interleaved pairs: numba splits a prange into contiguous ranges, and causal rows grow
     n_chunks = min(q.shape[0] * q.shape[1], 64)
@@ -447,7 +447,7 @@ def _store_row_impl(dst, src):
     return None
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def store_kv(src, pool, tables, seq_ids, positions):
     """Write this chunk's K or V rows into the paged cache in the pool's type (f16: round to
     nearest even as ggml_cpy f32 -> f16; f32: as is; q8_0: quantize_row_q8_0 per 32 values):
@@ -465,7 +465,7 @@ def store_kv(src, pool, tables, seq_ids, positions):
         _store_row(flat[tables[seq_ids[t], p // bs], p % bs], src[t])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def attention_scores(q, k_cache, positions, window, scale, kq_out, probs_out):
     """The KQ product and the softmax of :func:`attention_f16` (llama.cpp's ``kq-L`` and
     ``kq_soft_max-L`` tensors, here [T, H, n] instead of ggml's [H, T, n_kv]); a testing and

@@ -27,7 +27,7 @@ class QuantFormatError(ValueError):
 # float formats
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def dequant_f32(raw, out):
     """F32: 4 bytes per element, copied bit for bit. Shapes: raw uint8[4n] -> out float32[n]."""
     bits = out.view(np.uint32)
@@ -37,7 +37,7 @@ def dequant_f32(raw, out):
                    | (np.uint32(raw[b + 2]) << np.uint32(16)) | (np.uint32(raw[b + 3]) << np.uint32(24)))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def dequant_f16(raw, out):
     """F16: IEEE binary16, widened exactly (NaN payloads kept). Shapes: uint8[2n] -> float32[n]."""
     bits = out.view(np.uint32)
@@ -45,7 +45,7 @@ def dequant_f16(raw, out):
         bits[i] = f16_bits_to_f32_bits(np.uint32(raw[2 * i]) | (np.uint32(raw[2 * i + 1]) << np.uint32(8)))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def dequant_bf16(raw, out):
     """BF16: the upper 16 bits of a float32 (ggml_compute_bf16_to_fp32). Shapes: uint8[2n] -> float32[n]."""
     bits = out.view(np.uint32)
@@ -57,7 +57,7 @@ def dequant_bf16(raw, out):
 # 32-element blocks
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def dequant_q4_0(raw, out):
     """Q4_0 (block_q4_0, 18 bytes / 32 values): ``f16 d | u8 qs[16]``.
 
@@ -73,7 +73,7 @@ def dequant_q4_0(raw, out):
             out[o + j + 16] = d * np.float32(np.int32(q >> 4) - 8)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def dequant_q4_1(raw, out):
     """Q4_1 (block_q4_1, 20 bytes / 32 values): ``f16 d | f16 m | u8 qs[16]``; x = d * q + m.
 
@@ -95,7 +95,7 @@ def _load_u32(raw, p):
             | (np.uint32(raw[p + 2]) << np.uint32(16)) | (np.uint32(raw[p + 3]) << np.uint32(24)))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def dequant_q5_0(raw, out):
     """Q5_0 (block_q5_0, 22 bytes / 32 values): ``f16 d | u32 qh | u8 qs[16]``.
 
@@ -114,7 +114,7 @@ def dequant_q5_0(raw, out):
             out[o + j + 16] = d * np.float32(hi - 16)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def dequant_q5_1(raw, out):
     """Q5_1 (block_q5_1, 24 bytes / 32 values): ``f16 d | f16 m | u32 qh | u8 qs[16]``; x = d * q + m.
 
@@ -133,7 +133,7 @@ def dequant_q5_1(raw, out):
             out[o + j + 16] = d * np.float32(hi) + m
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def dequant_q8_0(raw, out):
     """Q8_0 (block_q8_0, 34 bytes / 32 values): ``f16 d | i8 qs[32]``; x = q * d.
 
@@ -150,7 +150,7 @@ def dequant_q8_0(raw, out):
 # K-quants: 256-element super-blocks
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def dequant_q2_k(raw, out):
     """Q2_K (block_q2_K, 84 bytes / 256 values): ``u8 scales[16] | u8 qs[64] | f16 d | f16 dmin``.
 
@@ -174,7 +174,7 @@ def dequant_q2_k(raw, out):
                         out[o + 128 * h + 32 * g + i] = dl * np.float32(q) - ml
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def dequant_q3_k(raw, out):
     """Q3_K (block_q3_K, 110 bytes / 256 values): ``u8 hmask[32] | u8 qs[64] | u8 scales[12] | f16 d``.
 
@@ -241,7 +241,7 @@ def _dequant_q45_k(raw, out, block_bytes, has_qh):
                 out[o + 32 * j + i] = dl * np.float32(q) - ml
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def dequant_q4_k(raw, out):
     """Q4_K (block_q4_K, 144 bytes / 256 values): ``f16 d | f16 dmin | u8 scales[12] | u8 qs[128]``.
 
@@ -252,7 +252,7 @@ def dequant_q4_k(raw, out):
     _dequant_q45_k(raw, out, 144, False)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def dequant_q5_k(raw, out):
     """Q5_K (block_q5_K, 176 bytes / 256 values): ``f16 d | f16 dmin | u8 scales[12] | u8 qh[32] | u8 qs[128]``.
 
@@ -261,7 +261,7 @@ def dequant_q5_k(raw, out):
     _dequant_q45_k(raw, out, 176, True)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def dequant_q6_k(raw, out):
     """Q6_K (block_q6_K, 210 bytes / 256 values): ``u8 ql[128] | u8 qh[64] | i8 scales[16] | f16 d``.
 

@@ -64,7 +64,7 @@ from numba.extending import intrinsic
 from kernels_cpu import quantize_act as qa
 from kernels_cpu.dequant import QuantFormatError, as_ggml_type
 from kernels_cpu.f16 import f16_to_f32, f32_to_f16
-from kernels_cpu.matmul_rows import ROWS, build_rows_tile
+from kernels_cpu.matmul_rows import Q0_ROWS, ROWS, build_rows_tile
 from kernels_cpu.matmul_vnni import build_vnni_tile
 from kernels_cpu.simd import (BYTE_PTR, F32, HAS_VNNI, I8, I16, I32, I64, bit_lanes, concat, const_vec,
                               f32_from_bits, fmuladd, lanes_i8, load, load_half, madd_pairs, shuffle, splat,
@@ -756,13 +756,13 @@ _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0 = int(T_.Q4_0), int(T_.Q4_1), int(T_.Q5_0), in
 _Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K = int(T_.Q2_K), int(T_.Q3_K), int(T_.Q4_K), int(T_.Q5_K), int(T_.Q6_K)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def matmul_q4_0_q8_0(w, xqs, xd, out):
     """Q4_0 weights x Q8_0 activations (ggml_vec_dot_q4_0_q8_0, tinyBLAS_Q0_AVX)."""
     _tiled(_Q4_0, VEC_DOT, NR, w, xqs, xd, xd, out)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def matmul_q4_0_q8_0_repacked(w, xqs, xd, out):
     """Q4_0 weights with R % 8 == 0, repacked by llama.cpp to q4_0_8x8: ggml_gemv and
     ggml_gemm_q4_0_8x8_q8_0 share the GEMV structure (one fma of the block's integer total
@@ -770,25 +770,25 @@ def matmul_q4_0_q8_0_repacked(w, xqs, xd, out):
     _tiled(_Q4_0, GEMV, NR, w, xqs, xd, xd, out)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def matmul_q5_0_q8_0(w, xqs, xd, out):
     """Q5_0 weights x Q8_0 activations (ggml_vec_dot_q5_0_q8_0, tinyBLAS_Q0_AVX)."""
     _tiled(_Q5_0, VEC_DOT, NR_Q0, w, xqs, xd, xd, out)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def matmul_q8_0_q8_0(w, xqs, xd, out):
     """Q8_0 weights x Q8_0 activations (ggml_vec_dot_q8_0_q8_0, tinyBLAS_Q0_AVX)."""
     _tiled(_Q8_0, VEC_DOT, NR_Q0, w, xqs, xd, xd, out)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def matmul_q4_1_q8_1(w, xqs, xd, xs, out):
     """Q4_1 weights x Q8_1 activations (ggml_vec_dot_q4_1_q8_1)."""
     _tiled(_Q4_1, VEC_DOT, NR, w, xqs, xd, xs, out)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def matmul_q5_1_q8_1(w, xqs, xd, xs, out):
     """Q5_1 weights x Q8_1 activations (ggml_vec_dot_q5_1_q8_1)."""
     _tiled(_Q5_1, VEC_DOT, NR, w, xqs, xd, xs, out)
@@ -819,43 +819,43 @@ def _repacked_k(fmt, nr, w, xqs, xd, xbsums, out):
         _rows(fmt, GEMV, nr, w, xqs[n4:], xd[n4:], xbsums[n4:], out[n4:])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def matmul_q2_k_q8_k(w, xqs, xd, xbsums, out):
     """Q2_K weights x Q8_K activations (see _plain_k)."""
     _plain_k(_Q2_K, NR, NR, w, xqs, xd, xbsums, out)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def matmul_q2_k_q8_k_repacked(w, xqs, xd, xbsums, out):
     """Q2_K weights with R % 8 == 0 (see _repacked_k)."""
     _repacked_k(_Q2_K, NR, w, xqs, xd, xbsums, out)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def matmul_q3_k_q8_k(w, xqs, xd, xbsums, out):
     """Q3_K weights x Q8_K activations (see _plain_k)."""
     _plain_k(_Q3_K, NR, NR, w, xqs, xd, xbsums, out)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def matmul_q4_k_q8_k(w, xqs, xd, xbsums, out):
     """Q4_K weights x Q8_K activations (see _plain_k)."""
     _plain_k(_Q4_K, NR, NR, w, xqs, xd, xbsums, out)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def matmul_q4_k_q8_k_repacked(w, xqs, xd, xbsums, out):
     """Q4_K weights with R % 8 == 0 (see _repacked_k)."""
     _repacked_k(_Q4_K, NR_ROWS, w, xqs, xd, xbsums, out)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def matmul_q5_k_q8_k(w, xqs, xd, xbsums, out):
     """Q5_K weights x Q8_K activations (see _plain_k)."""
     _plain_k(_Q5_K, NR, NR, w, xqs, xd, xbsums, out)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def matmul_q6_k_q8_k(w, xqs, xd, xbsums, out):
     """Q6_K weights x Q8_K activations (see _plain_k)."""
     _plain_k(_Q6_K, NR_ROWS, ND_Q6_K, w, xqs, xd, xbsums, out)
@@ -864,7 +864,7 @@ def matmul_q6_k_q8_k(w, xqs, xd, xbsums, out):
 # float weights: ggml_vec_dot_f32 / _f16 / _bf16 (float32 accumulation, any summation order)
 
 
-@njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
+@njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc", "contract"})
 def matmul_f32_f32(w, x, out):
     """F32 weights w float32[R, K] x float32 x[T, K] -> out[T, R]."""
     for r in prange(w.shape[0]):
@@ -875,7 +875,7 @@ def matmul_f32_f32(w, x, out):
             out[t, r] = acc
 
 
-@njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
+@njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc", "contract"})
 def matmul_f16_f16(w, x, out):
     """F16 weights w uint16[R, K] (binary16 bits) x x[T, K] already rounded to f16 (as float32)."""
     for r in prange(w.shape[0]):
@@ -886,7 +886,7 @@ def matmul_f16_f16(w, x, out):
             out[t, r] = acc
 
 
-@njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
+@njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc", "contract"})
 def matmul_bf16_bf16(w, x, out):
     """BF16 weights w uint16[R, K] (bf16 bits) x x[T, K] already rounded to bf16 (as float32)."""
     for r in prange(w.shape[0]):
@@ -897,7 +897,7 @@ def matmul_bf16_bf16(w, x, out):
             out[t, r] = acc
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def round_to_f16(x, out):
     """out = float32(f16(x)), round to nearest even (ggml_cpu_fp32_to_fp16). Shapes: f32[T, K]."""
     for t in range(x.shape[0]):
@@ -905,7 +905,7 @@ def round_to_f16(x, out):
             out[t, k] = f16_to_f32(f32_to_f16(x[t, k]))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def round_to_bf16(x, out):
     """out = float32(bf16(x)) as ggml_compute_fp32_to_bf16: nearest even, NaN made quiet. f32[T, K]."""
     bits_in = x.view(np.uint32)
@@ -929,73 +929,77 @@ def round_to_bf16(x, out):
 # arithmetic for every T.
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def matmul_q2_k_q8_k_bi(w, xqs, xd, xbsums, out):
     """Q2_K, batch-invariant (VEC_DOT for every T)."""
     _tiled(_Q2_K, VEC_DOT, NR, w, xqs, xd, xbsums, out)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def matmul_q2_k_q8_k_repacked_bi(w, xqs, xd, xbsums, out):
     """Q2_K repacked, batch-invariant (GEMV for every T)."""
     _tiled(_Q2_K, GEMV, NR, w, xqs, xd, xbsums, out)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def matmul_q3_k_q8_k_bi(w, xqs, xd, xbsums, out):
     """Q3_K, batch-invariant (VEC_DOT for every T)."""
     _tiled(_Q3_K, VEC_DOT, NR, w, xqs, xd, xbsums, out)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def matmul_q4_k_q8_k_bi(w, xqs, xd, xbsums, out):
     """Q4_K, batch-invariant (VEC_DOT for every T)."""
     _tiled(_Q4_K, VEC_DOT, NR, w, xqs, xd, xbsums, out)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def matmul_q4_k_q8_k_repacked_bi(w, xqs, xd, xbsums, out):
     """Q4_K repacked, batch-invariant (GEMV for every T)."""
     _tiled(_Q4_K, GEMV, NR_ROWS, w, xqs, xd, xbsums, out)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def matmul_q5_k_q8_k_bi(w, xqs, xd, xbsums, out):
     """Q5_K, batch-invariant (VEC_DOT for every T)."""
     _tiled(_Q5_K, VEC_DOT, NR, w, xqs, xd, xbsums, out)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def matmul_q6_k_q8_k_bi(w, xqs, xd, xbsums, out):
     """Q6_K, batch-invariant (VEC_DOT for every T)."""
     _tiled(_Q6_K, VEC_DOT, ND_Q6_K, w, xqs, xd, xbsums, out)
 
 
+_Q5_0_NEG_OFFSET, _Q8_0_NEG_OFFSET = -Q0_ROWS["Q5_0"][1], -Q0_ROWS["Q8_0"][1]  # matmul_rows' unsigned codes
+
+
 @njit(cache=True, inline="always")
-def _block_sums_32(xqs):
-    """int32[T, K/32]: the sum of each 32-value block of the activation quants (int8 or int16)."""
+def _block_sums_32(xqs, factor):
+    """int32[T, K/32]: ``factor`` times the sum of each 32-value block of the activation quants
+    (int8 or int16); exact (|factor * sum| <= 128 * 32 * 128)."""
     out = np.empty((xqs.shape[0], xqs.shape[1] // 32), np.int32)
     for t in prange(xqs.shape[0]):
         for blk in range(out.shape[1]):
             total = 0
             for j in range(32 * blk, 32 * blk + 32):
                 total += np.int32(xqs[t, j])
-            out[t, blk] = total
+            out[t, blk] = total * factor
     return out
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def matmul_q5_0_q8_0_bi(w, xqs, xd, out):
     """Q5_0, batch-invariant and faster than llama.cpp's VEC_DOT: GEMV structure (one float
     update of the exact block total per 32 values), VNNI tiles with one weight row per lane
     (kernels_cpu.matmul_rows, which take the activation quant sums of each block)."""
-    _tiled(_Q5_0, GEMV, NR_ROWS, w, xqs, xd, _block_sums_32(xqs), out, NT_WIDE)
+    _tiled(_Q5_0, GEMV, NR_ROWS, w, xqs, xd, _block_sums_32(xqs, _Q5_0_NEG_OFFSET), out, NT_WIDE)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def matmul_q8_0_q8_0_bi(w, xqs, xd, out):
     """Q8_0, batch-invariant (see matmul_q5_0_q8_0_bi)."""
-    _tiled(_Q8_0, GEMV, NR_ROWS, w, xqs, xd, _block_sums_32(xqs), out, NT_WIDE)
+    _tiled(_Q8_0, GEMV, NR_ROWS, w, xqs, xd, _block_sums_32(xqs, _Q8_0_NEG_OFFSET), out, NT_WIDE)
 
 
 ROWS_TYPES = (T_.Q5_0, T_.Q8_0, T_.Q4_K, T_.Q6_K) if HAS_VNNI else ()  # VNNI kernels: int8 quants

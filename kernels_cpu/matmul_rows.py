@@ -201,9 +201,9 @@ _SPREAD = 0x02040810  # t * _SPREAD puts bit i of a 4-bit t at bit 8 * i + 4 (no
 def _q0_rows_block(b, name, w_rows, rows, blk, accs, x16):
     """One 32-value Q8_0 / Q5_0 block of the GEMV path: per output the exact integer block total
     I (lanes = weight rows), then acc = fma(I, d_w * d_x, acc) (the structure of llama.cpp's
-    repacked q4_0 gemv). Codes are made unsigned (q + offset) for vpdpbusd; offset * (sum of the
-    activation quants of the block), given per (row, block) as int32 in xa, is subtracted."""
-    block_bytes, offset = Q0_ROWS[name]
+    repacked q4_0 gemv). Codes are made unsigned (q + offset) for vpdpbusd; xa gives, per
+    activation row and block, -offset * (sum of the block's activation quants) (int32), which
+    starts each total."""
     if name == "Q8_0":
         head = _load_rows(b, w_rows, 0, 4)[0]                       # f16 d | q0 q1
         codes = [b.xor(v, _c(0x80808080 - (1 << 32))) for v in _load_rows(b, w_rows, 2, 8)]
@@ -221,7 +221,7 @@ def _q0_rows_block(b, name, w_rows, rows, blk, accs, x16):
     acc = list(accs["acc"])
     for t, (xq, xd, xa) in enumerate(zip(rows["xq"], rows["xd"], rows["xa"])):
         act = _Q0Act(b, xq, x16, blk)
-        total = b.mul(splat(b, load(b, xa, b.mul(blk, ir.Constant(I64, 4)), I32), ROWS), _c(-offset))
+        total = splat(b, load(b, xa, b.mul(blk, ir.Constant(I64, 4)), I32), ROWS)   # -offset * sum
         total = _dot_chunks(b, codes, act, 0, total)
         d_x = splat(b, load(b, xd, b.mul(blk, ir.Constant(I64, 4)), F32), ROWS)
         acc[t] = fmuladd(b, b.sitofp(total, V8F32), b.fmul(d, d_x), acc[t])
@@ -241,7 +241,7 @@ def build_rows_tile(module: ir.Module, ggml_type_name: str, kind: str, nt: int, 
     """Define ``void name(w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride,
     out_r_stride, nb)`` as kernels_cpu.matmul.build_tile does, for 8 weight rows x ``nt``
     activation rows of Q4_K (kind "gemv" / "gemm"), Q6_K ("tiled"), or Q8_0 / Q5_0 ("gemv";
-    xa: int32 sums of each block's activation quants)."""
+    xa: int32 -offset * the sum of each block's activation quants, see Q0_ROWS)."""
     names = ["acc", "accm"] if ggml_type_name == "Q4_K" else ["acc"]
     if ggml_type_name in Q0_ROWS:
         assert kind == "gemv", "Q8_0 / Q5_0 rows tiles compute the GEMV structure"

@@ -101,21 +101,21 @@ def _q8_k_row(x, qs, d, bsums):
         d[b] = _ONE / iscale
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def quantize_q8_0_kernel(x, qs, d):
     """Q8_0 rows. Shapes: x f32[T, K], qs i8[T, K], d f32[T, K/32]."""
     for t in range(x.shape[0]):
         _q8_0_row(x[t], qs[t], d[t], d[t], False)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def quantize_q8_1_kernel(x, qs, d, s):
     """Q8_1 rows. Shapes: x f32[T, K], qs i8[T, K], d and s f32[T, K/32]."""
     for t in range(x.shape[0]):
         _q8_0_row(x[t], qs[t], d[t], s[t], True)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def quantize_q8_k_kernel(x, qs, d, bsums):
     """Q8_K rows. Shapes: x f32[T, K], qs i8[T, K], d f32[T, K/256], bsums i16[T, K/16]."""
     for t in range(x.shape[0]):
