@@ -43,6 +43,28 @@ _QK8_0, _Q8_0_BYTES = 32, 34  # q8_0 KV: blocks of 32 values, f16 scale + 32 int
 # equal the plain multiply-then-add used below (which also vectorizes without FMA hardware).
 
 
+def _emit_dot_f16(builder, kp, qp, n_blocks, n_acc):
+    """float32 dot of the f16 row at i8* kp and the float32 row at i8* qp over n_blocks (i64)
+    blocks of 16 * n_acc elements, in ggml's lane order (see _dot_f16_lanes)."""
+    v16 = vec(F32, 16)
+    accs = [cgutils.alloca_once_value(builder, ir.Constant(v16, [0.0] * 16)) for _ in range(n_acc)]
+    with cgutils.for_range(builder, n_blocks) as loop:
+        first = builder.mul(loop.index, ir.Constant(I64, 16 * n_acc))
+        for a in range(n_acc):
+            e = builder.add(first, ir.Constant(I64, 16 * a))
+            kv = builder.fpext(load(builder, kp, builder.mul(e, ir.Constant(I64, 2)), vec(ir.HalfType(), 16)), v16)
+            qv = load(builder, qp, builder.mul(e, ir.Constant(I64, 4)), v16)
+            builder.store(builder.fadd(builder.load(accs[a]), builder.fmul(kv, qv)), accs[a])
+    v = [builder.load(a) for a in accs]
+    if n_acc == 4:
+        v = [builder.fadd(builder.fadd(v[0], v[2]), builder.fadd(v[1], v[3]))]
+    return hsum_f32(builder, v[0])
+
+
+def _lanes_literal(lanes):
+    return isinstance(lanes, types.IntegerLiteral) and lanes.literal_value in (16, 64)
+
+
 @intrinsic
 def _dot_f16_lanes(typingctx, k, q, n, lanes):
     """float32 dot product of k (uint16 f16 bits, 1-D contiguous) and q (float32, 1-D
@@ -51,33 +73,86 @@ def _dot_f16_lanes(typingctx, k, q, n, lanes):
     in order, block by block; 64 lanes are combined (a0 + a2) + (a1 + a3); the 16 lanes are
     reduced by halves (_mm512_reduce_add_ps). Emitted as LLVM vector IR (vcvtph2ps, vmulps,
     vaddps; no reassociation)."""
-    if not (isinstance(lanes, types.IntegerLiteral) and lanes.literal_value in (16, 64)):
-        return None
-    if not (isinstance(k, types.Array) and k.ndim == 1 and k.layout == "C" and k.dtype == types.uint16
-            and isinstance(q, types.Array) and q.ndim == 1 and q.layout == "C" and q.dtype == types.float32):
+    if not (_lanes_literal(lanes) and _is_vector(k, types.uint16) and _is_vector(q, types.float32)):
         return None
     n_acc = lanes.literal_value // 16
     sig = types.float32(k, q, n, lanes)
 
     def codegen(context, builder, signature, args):
-        ak = context.make_array(signature.args[0])(context, builder, args[0])
-        aq = context.make_array(signature.args[1])(context, builder, args[1])
-        kp, qp = builder.bitcast(ak.data, BYTE_PTR), builder.bitcast(aq.data, BYTE_PTR)
+        kp, qp, n, _ = _vector_args(context, builder, signature, args)
+        n = context.cast(builder, n, signature.args[2], types.int64)
+        return _emit_dot_f16(builder, kp, qp, builder.sdiv(n, ir.Constant(I64, 16 * n_acc)), n_acc)
+
+    return sig, codegen
+
+
+@intrinsic
+def _dot_f16_cells(typingctx, blk, base, q, n, s0, s1, kq, j0, lanes):
+    """kq[j0 + s - s0] = _dot_f16_lanes(blk[s, base:base + n], q, n, lanes) for the slots
+    s0 <= s < s1 of one KV block ``blk`` (uint16[bs, row elements], C-contiguous): the cells of
+    a block in one loop, so that their dot products overlap (as separate calls they did not)."""
+    if not (_lanes_literal(lanes) and isinstance(blk, types.Array) and blk.ndim == 2 and blk.layout == "C"
+            and blk.dtype == types.uint16 and _is_vector(q, types.float32) and _is_vector(kq, types.float32)):
+        return None
+    n_acc = lanes.literal_value // 16
+    sig = types.void(blk, base, q, n, s0, s1, kq, j0, lanes)
+
+    def codegen(context, builder, signature, args):
+        ab = context.make_array(signature.args[0])(context, builder, args[0])
+        row_bytes = cgutils.unpack_tuple(builder, ab.strides)[0]
+        bp = builder.bitcast(ab.data, BYTE_PTR)
+        _, base, qp, n, s0, s1, kqp, j0, _ = _vector_args(context, builder, signature, args)
+        i64 = lambda v, i: context.cast(builder, v, signature.args[i], types.int64)  # noqa: E731
+        base, n, s0, s1, j0 = i64(base, 1), i64(n, 3), i64(s0, 4), i64(s1, 5), i64(j0, 7)
+        n_blocks = builder.sdiv(n, ir.Constant(I64, 16 * n_acc))
+        with cgutils.for_range(builder, builder.sub(s1, s0)) as loop:
+            s = builder.add(s0, loop.index)
+            kp = builder.gep(bp, [builder.add(builder.mul(s, row_bytes), builder.mul(base, ir.Constant(I64, 2)))])
+            value = _emit_dot_f16(builder, kp, qp, n_blocks, n_acc)
+            at = builder.mul(builder.add(j0, loop.index), ir.Constant(I64, 4))
+            builder.store(value, builder.bitcast(builder.gep(kqp, [at]), F32.as_pointer()))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _mad_f16_cells(typingctx, acc, blk, base, probs, s0, s1, j0, n):
+    """acc[(j0 + s - s0) % lanes, d] += V[s, d] * f16(probs[j0 + s - s0]) for d < n (a multiple of
+    16) and the slots s0 <= s < s1 of one KV block ``blk`` (uint16[bs, row elements]; V[s] =
+    blk[s, base:base + n]); acc float32[lanes, >= n] C-contiguous, lanes its first dimension.
+    The product of two f16 values is exact in float32: one rounding, in the add (as _vacc)."""
+    if not (isinstance(acc, types.Array) and acc.ndim == 2 and acc.layout == "C" and acc.dtype == types.float32
+            and isinstance(blk, types.Array) and blk.ndim == 2 and blk.layout == "C" and blk.dtype == types.uint16
+            and _is_vector(probs, types.float32)):
+        return None
+    sig = types.void(acc, blk, base, probs, s0, s1, j0, n)
+
+    def codegen(context, builder, signature, args):
+        aa = context.make_array(signature.args[0])(context, builder, args[0])
+        ab = context.make_array(signature.args[1])(context, builder, args[1])
+        lanes = cgutils.unpack_tuple(builder, aa.shape)[0]
+        acc_row = cgutils.unpack_tuple(builder, aa.strides)[0]
+        row_bytes = cgutils.unpack_tuple(builder, ab.strides)[0]
+        ap, bp = builder.bitcast(aa.data, BYTE_PTR), builder.bitcast(ab.data, BYTE_PTR)
+        _, _, base, pp, s0, s1, j0, n = _vector_args(context, builder, signature, args)
+        i64 = lambda v, i: context.cast(builder, v, signature.args[i], types.int64)  # noqa: E731
+        base, s0, s1, j0, n = i64(base, 2), i64(s0, 4), i64(s1, 5), i64(j0, 6), i64(n, 7)
         v16 = vec(F32, 16)
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(v16, [0.0] * 16)) for _ in range(n_acc)]
-        n_blocks = builder.sdiv(context.cast(builder, args[2], signature.args[2], types.int64),
-                                ir.Constant(I64, 16 * n_acc))
-        with cgutils.for_range(builder, n_blocks) as loop:
-            first = builder.mul(loop.index, ir.Constant(I64, 16 * n_acc))
-            for a in range(n_acc):
-                e = builder.add(first, ir.Constant(I64, 16 * a))
-                kv = builder.fpext(load(builder, kp, builder.mul(e, ir.Constant(I64, 2)), vec(ir.HalfType(), 16)), v16)
-                qv = load(builder, qp, builder.mul(e, ir.Constant(I64, 4)), v16)
-                builder.store(builder.fadd(builder.load(accs[a]), builder.fmul(kv, qv)), accs[a])
-        v = [builder.load(a) for a in accs]
-        if n_acc == 4:
-            v = [builder.fadd(builder.fadd(v[0], v[2]), builder.fadd(v[1], v[3]))]
-        return hsum_f32(builder, v[0])
+        n16 = builder.sdiv(n, ir.Constant(I64, 16))
+        with cgutils.for_range(builder, builder.sub(s1, s0)) as loop:
+            j = builder.add(j0, loop.index)
+            p = load(builder, pp, builder.mul(j, ir.Constant(I64, 4)), F32)
+            p16 = splat(builder, builder.fpext(builder.fptrunc(p, ir.HalfType()), F32), 16)
+            vrow = builder.gep(bp, [builder.add(builder.mul(builder.add(s0, loop.index), row_bytes),
+                                                builder.mul(base, ir.Constant(I64, 2)))])
+            arow = builder.gep(ap, [builder.mul(builder.srem(j, lanes), acc_row)])
+            with cgutils.for_range(builder, n16) as inner:
+                e = builder.mul(inner.index, ir.Constant(I64, 16))
+                v = builder.fpext(load(builder, vrow, builder.mul(e, ir.Constant(I64, 2)), vec(ir.HalfType(), 16)), v16)
+                a = builder.bitcast(builder.gep(arow, [builder.mul(e, ir.Constant(I64, 4))]), v16.as_pointer())
+                builder.store(builder.fadd(builder.load(a, align=4), builder.fmul(v, p16)), a, align=4)
+        return context.get_dummy_value()
 
     return sig, codegen
 
@@ -260,10 +335,34 @@ def _kq_row(qv, pool, table, base, n, hd, start, end, tiny, kq):
     (walked block by block, no division per cell)."""
     bs = pool.shape[1]
     for b in range(start // bs, (end + bs - 1) // bs):
-        blk = pool[table[b]]
         first = b * bs
-        for j in range(max(start, first), min(end, first + bs)):
-            kq[j] = _kdot(blk[j - first, base:base + n], qv, hd, tiny)
+        j0 = max(start, first)
+        _kq_block(qv, pool[table[b]], base, n, hd, j0 - first, min(end, first + bs) - first, tiny, kq, j0)
+
+
+def _kq_block(qv, blk, base, n, hd, s0, s1, tiny, kq, j0):
+    """kq[j0 + s - s0] = K row of slot s of block blk . q, for s0 <= s < s1."""
+
+
+@overload(_kq_block, jit_options={"cache": True})
+def _kq_block_impl(qv, blk, base, n, hd, s0, s1, tiny, kq, j0):
+    """f16 K: the cells of the block in one vector loop (_dot_f16_cells) when hd is a whole
+    number of ggml blocks (else, and for other K types, _kdot per cell)."""
+    if blk.dtype == types.uint16:
+        def f16(qv, blk, base, n, hd, s0, s1, tiny, kq, j0):
+            if tiny:
+                _dot_f16_cells(blk, base, qv, hd, s0, s1, kq, j0, 16)
+            elif hd % _VEC_STEP == 0:
+                _dot_f16_cells(blk, base, qv, hd, s0, s1, kq, j0, 64)
+            else:
+                for s in range(s0, s1):
+                    kq[j0 + s - s0] = _kdot(blk[s, base:base + n], qv, hd, tiny)
+        return f16
+
+    def other(qv, blk, base, n, hd, s0, s1, tiny, kq, j0):
+        for s in range(s0, s1):
+            kq[j0 + s - s0] = _kdot(blk[s, base:base + n], qv, hd, tiny)
+    return other
 
 
 @njit(cache=True, nogil=True)
@@ -301,16 +400,40 @@ def _kqv_row(probs, pool, table, base, n, hd_v, start, end, tiny, acc, out):
     acc[:lanes, :] = 0.0
     bs = pool.shape[1]
     for b in range(start // bs, (end + bs - 1) // bs):
-        blk = pool[table[b]]
         first = b * bs
-        for j in range(max(start, first), min(end, first + bs)):
-            _vacc(acc[j % lanes], blk[j - first, base:base + n], probs[j], hd_v)
+        j0 = max(start, first)
+        _kqv_block(acc[:lanes], pool[table[b]], base, n, hd_v, probs, j0 - first, min(end, first + bs) - first, j0)
     if not tiny:
         for j in range(16):
             for d in range(hd_v):
                 acc[j, d] = (acc[j, d] + acc[j + 32, d]) + (acc[j + 16, d] + acc[j + 48, d])
     for d in range(hd_v):
         out[d] = _hsum16_column(acc, d)
+
+
+def _kqv_block(acc, blk, base, n, hd_v, probs, s0, s1, j0):
+    """acc[j % lanes] += V row of cell j * probs[j] for the cells j = j0 + s - s0 of block blk."""
+
+
+@overload(_kqv_block, jit_options={"cache": True})
+def _kqv_block_impl(acc, blk, base, n, hd_v, probs, s0, s1, j0):
+    """f16 V with hd_v a multiple of 16: one vector loop over the block's cells
+    (_mad_f16_cells); otherwise, and for other V types, _vacc per cell."""
+    if blk.dtype == types.uint16:
+        def f16(acc, blk, base, n, hd_v, probs, s0, s1, j0):
+            if hd_v % 16 == 0:
+                _mad_f16_cells(acc, blk, base, probs, s0, s1, j0, hd_v)
+            else:
+                for s in range(s0, s1):
+                    j = j0 + s - s0
+                    _vacc(acc[j % acc.shape[0]], blk[s, base:base + n], probs[j], hd_v)
+        return f16
+
+    def other(acc, blk, base, n, hd_v, probs, s0, s1, j0):
+        for s in range(s0, s1):
+            j = j0 + s - s0
+            _vacc(acc[j % acc.shape[0]], blk[s, base:base + n], probs[j], hd_v)
+    return other
 
 
 @njit(cache=True, inline="always")

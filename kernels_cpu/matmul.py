@@ -924,9 +924,9 @@ def round_to_bf16(x, out):
 # one row (GEMV for repacked weights, VEC_DOT for the others), whatever T is, in multi-row
 # tiles. A row's result then depends on that row alone, not on the batch it is computed in
 # (the server's requirement: a request's text must not depend on what else is being served).
-# Q5_0 / Q8_0 instead take the GEMV structure at every T (faster in batches than their
-# VEC_DOT, last bits not llama.cpp's). Other types' llama.cpp paths are already one
-# arithmetic for every T.
+# Q5_0 / Q8_0 instead take the GEMV structure at every T and Q6_K llama.cpp's tiled kernel
+# (faster in batches than their VEC_DOT, last bits not llama.cpp's for one row). Other types'
+# llama.cpp paths are already one arithmetic for every T.
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -956,7 +956,7 @@ def matmul_q4_k_q8_k_bi(w, xqs, xd, xbsums, out):
 @njit(parallel=True, cache=True, nogil=True)
 def matmul_q4_k_q8_k_repacked_bi(w, xqs, xd, xbsums, out):
     """Q4_K repacked, batch-invariant (GEMV for every T)."""
-    _tiled(_Q4_K, GEMV, NR_ROWS, w, xqs, xd, xbsums, out)
+    _tiled(_Q4_K, GEMV, NR_ROWS, w, xqs, xd, xbsums, out, NT_WIDE)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -967,8 +967,8 @@ def matmul_q5_k_q8_k_bi(w, xqs, xd, xbsums, out):
 
 @njit(parallel=True, cache=True, nogil=True)
 def matmul_q6_k_q8_k_bi(w, xqs, xd, xbsums, out):
-    """Q6_K, batch-invariant (VEC_DOT for every T)."""
-    _tiled(_Q6_K, VEC_DOT, ND_Q6_K, w, xqs, xd, xbsums, out)
+    """Q6_K, batch-invariant: the tiled kernel's arithmetic (llama.cpp's for T >= 8) for every T."""
+    _tiled(_Q6_K, TILED, NR_ROWS, w, xqs, xd, xbsums, out, NT_WIDE)
 
 
 _Q5_0_NEG_OFFSET, _Q8_0_NEG_OFFSET = -Q0_ROWS["Q5_0"][1], -Q0_ROWS["Q8_0"][1]  # matmul_rows' unsigned codes

@@ -219,10 +219,12 @@ def _q0_rows_block(b, name, w_rows, rows, blk, accs, x16):
             codes.append(b.or_(nib, b.and_(b.mul(bits, _c(_SPREAD)), _c(0x10101010))))
     d = _halves_to_f32(b, head, 0)
     acc = list(accs["acc"])
-    for t, (xq, xd, xa) in enumerate(zip(rows["xq"], rows["xd"], rows["xa"])):
-        act = _Q0Act(b, xq, x16, blk)
-        total = splat(b, load(b, xa, b.mul(blk, ir.Constant(I64, 4)), I32), ROWS)   # -offset * sum
-        total = _dot_chunks(b, codes, act, 0, total)
+    acts = [_Q0Act(b, xq, x16, blk) for xq in rows["xq"]]
+    totals = [splat(b, load(b, xa, b.mul(blk, ir.Constant(I64, 4)), I32), ROWS) for xa in rows["xa"]]  # -offset * sum
+    for c, v in enumerate(codes):   # activation rows interleaved: nt independent vpdpbusd chains
+        totals = [dot_u8_s8(b, total, b.bitcast(v, V32I8), b.bitcast(act.quad(4 * c), V32I8))
+                  for total, act in zip(totals, acts)]
+    for t, (total, xd) in enumerate(zip(totals, rows["xd"])):
         d_x = splat(b, load(b, xd, b.mul(blk, ir.Constant(I64, 4)), F32), ROWS)
         acc[t] = fmuladd(b, b.sitofp(total, V8F32), b.fmul(d, d_x), acc[t])
     return {"acc": acc}

@@ -416,9 +416,10 @@ class Transformer:
         (kernels_cpu.matmul's batch_invariant kernels, attention in ggml_vec_dot_f16 order), so
         a token's logits depend only on its sequence, not on the batch or prefill chunking it
         was computed in. The server turns this on: a request's text must not depend on what
-        else is being served. K-quant matmuls and attention keep llama.cpp's one-row
-        arithmetic; Q5_0 / Q8_0 take the GEMV structure (faster in batches, last bits differ
-        from llama.cpp's VEC_DOT). Default off: llama.cpp's choice of kernel per batch size."""
+        else is being served. Attention and most K-quant matmuls keep llama.cpp's one-row
+        arithmetic; Q5_0 / Q8_0 take the GEMV structure and Q6_K the tiled kernel's (faster in
+        batches, last bits differ from llama.cpp's VEC_DOT). Default off: llama.cpp's choice
+        of kernel per batch size."""
         for owner in [self, *self.blocks]:
             for value in vars(owner).values():
                 if isinstance(value, Weight):
