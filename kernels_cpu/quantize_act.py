@@ -29,7 +29,7 @@ qs buffer may also be int16 (the same values, widened: the form matmul's kernels
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from kernels_cpu.dequant import QuantFormatError
 from kernels_cpu.f16 import f16_to_f32, f32_to_f16
@@ -116,10 +116,24 @@ def quantize_q8_1_kernel(x, qs, d, s):
 
 
 @njit(cache=True, nogil=True)
-def quantize_q8_k_kernel(x, qs, d, bsums):
-    """Q8_K rows. Shapes: x f32[T, K], qs i8[T, K], d f32[T, K/256], bsums i16[T, K/16]."""
+def _quantize_q8_k_rows(x, qs, d, bsums):
     for t in range(x.shape[0]):
         _q8_k_row(x[t], qs[t], d[t], bsums[t])
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _quantize_q8_k_par(x, qs, d, bsums):
+    for t in prange(x.shape[0]):
+        _q8_k_row(x[t], qs[t], d[t], bsums[t])
+
+
+def quantize_q8_k_kernel(x, qs, d, bsums):
+    """Q8_K rows (several rows: in parallel). Shapes: x f32[T, K], qs i8[T, K],
+    d f32[T, K/256], bsums i16[T, K/16]."""
+    if x.shape[0] >= 4:
+        _quantize_q8_k_par(x, qs, d, bsums)
+    else:
+        _quantize_q8_k_rows(x, qs, d, bsums)
 
 
 # ---------------------------------------------------------------------------------------------
