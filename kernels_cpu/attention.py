@@ -120,7 +120,8 @@ def _dot_f16_cells(typingctx, blk, base, q, n, s0, s1, kq, j0, lanes):
 def _mad_f16_cells(typingctx, acc, blk, base, probs, s0, s1, j0, n):
     """acc[(j0 + s - s0) % lanes, d] += V[s, d] * f16(probs[j0 + s - s0]) for d < n (a multiple of
     16) and the slots s0 <= s < s1 of one KV block ``blk`` (uint16[bs, row elements]; V[s] =
-    blk[s, base:base + n]); acc float32[lanes, >= n] C-contiguous, lanes its first dimension.
+    blk[s, base:base + n]); acc float32[lanes, >= n] C-contiguous, lanes its first dimension
+    (a power of two: 16 or 64), j0 >= 0.
     The product of two f16 values is exact in float32: one rounding, in the add (as _vacc)."""
     if not (isinstance(acc, types.Array) and acc.ndim == 2 and acc.layout == "C" and acc.dtype == types.float32
             and isinstance(blk, types.Array) and blk.ndim == 2 and blk.layout == "C" and blk.dtype == types.uint16
@@ -131,7 +132,7 @@ def _mad_f16_cells(typingctx, acc, blk, base, probs, s0, s1, j0, n):
     def codegen(context, builder, signature, args):
         aa = context.make_array(signature.args[0])(context, builder, args[0])
         ab = context.make_array(signature.args[1])(context, builder, args[1])
-        lanes = cgutils.unpack_tuple(builder, aa.shape)[0]
+        lane_mask = builder.sub(cgutils.unpack_tuple(builder, aa.shape)[0], ir.Constant(I64, 1))  # 16 or 64 lanes
         acc_row = cgutils.unpack_tuple(builder, aa.strides)[0]
         row_bytes = cgutils.unpack_tuple(builder, ab.strides)[0]
         ap, bp = builder.bitcast(aa.data, BYTE_PTR), builder.bitcast(ab.data, BYTE_PTR)
@@ -146,7 +147,7 @@ def _mad_f16_cells(typingctx, acc, blk, base, probs, s0, s1, j0, n):
             p16 = splat(builder, builder.fpext(builder.fptrunc(p, ir.HalfType()), F32), 16)
             vrow = builder.gep(bp, [builder.add(builder.mul(builder.add(s0, loop.index), row_bytes),
                                                 builder.mul(base, ir.Constant(I64, 2)))])
-            arow = builder.gep(ap, [builder.mul(builder.srem(j, lanes), acc_row)])
+            arow = builder.gep(ap, [builder.mul(builder.and_(j, lane_mask), acc_row)])
             with cgutils.for_range(builder, n16) as inner:
                 e = builder.mul(inner.index, ir.Constant(I64, 16))
                 v = builder.fpext(load(builder, vrow, builder.mul(e, ir.Constant(I64, 2)), vec(ir.HalfType(), 16)), v16)
