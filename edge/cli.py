@@ -1,4 +1,4 @@
-"""The ``edge`` command line: run, perplexity, bench, pull, list.
+"""The ``edge`` command line: run, chat, serve, perplexity, bench, pull, list.
 
 Flag names follow llama.cpp's tools (llama-cli, llama-perplexity) where users know them.
 Errors a user can cause (bad model path, malformed GGUF, prompt too long) print one line to
@@ -123,9 +123,53 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: $EDGE_API_KEY, else none)")
     serve.set_defaults(func=cmd_serve)
 
+    chat = sub.add_parser("chat", help="chat with a model in the terminal (a textual app)",
+                          description="A terminal chat: answers stream in as Markdown; Esc stops one; "
+                                      "/help lists the commands. Conversations are saved under "
+                                      "$EDGE_HOME/chats/ as they happen.")
+    _add_model_args(chat)
+    _add_sampling_args(chat)
+    chat.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=int, default=-1,
+                      help="most tokens per answer, -1 = until the end of the answer (default: -1)")
+    chat.add_argument("-sys", "--system", default=None, help="system message")
+    chat.add_argument("--resume", action="store_true",
+                      help="reopen the last conversation (its KV cache too, when the model is the same)")
+    chat.set_defaults(func=cmd_chat, batch_size=64)
+
     add_pull_parser(sub)
     add_list_parser(sub)
     return parser
+
+
+def cmd_chat(args) -> int:
+    from edge.chat import ChatSettings
+    from edge.sampling import InvalidParameter
+
+    if args.max_tokens < -1:
+        raise ValueError(f"-n/--max-tokens must be -1 (no limit) or more, got {args.max_tokens}")
+    for flag, value in (("-c/--ctx-size", args.ctx_size), ("-b/--batch-size", args.batch_size)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    try:
+        settings = ChatSettings(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                                repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                                seed=None if args.seed < 0 else args.seed, max_tokens=args.max_tokens)
+    except InvalidParameter as e:
+        raise ValueError(f"{_SAMPLING_FLAGS.get(e.param, e.param)} must be {e.rule}, got {e.value!r}") from None
+    if args.model is not None:   # a wrong name fails here, before the screen changes
+        from edge.store import resolve_model
+        resolve_model(args.model)
+    _set_threads(args.threads)
+    if not _kernels_compiled():
+        print("note: first run: compiling edge's kernels for this CPU (about half a minute, once)",
+              file=sys.stderr, flush=True)
+    # the terminal app lives outside edge/ (edge never imports textual); loaded for this command only
+    from tui.app import ChatOptions, run_chat
+
+    return run_chat(ChatOptions(model=args.model, system=args.system, settings=settings, n_ctx=args.ctx_size,
+                                n_batch=args.batch_size, cache_type_k=args.cache_type_k,
+                                cache_type_v=args.cache_type_v, resume=args.resume))
 
 
 def cmd_serve(args) -> int:

@@ -28,6 +28,10 @@ _SENTINEL = "\ue000edge-content-{}\ue001"  # private-use code points never produ
 _SENTINEL_RE = re.compile("\ue000edge-content-(\\d+)\ue001")
 
 
+class GenerationStopped(Exception):
+    """The caller's stop event was set while the prompt was being computed (no token yet)."""
+
+
 class ContextLengthExceeded(ValueError):
     """A prompt does not fit the context window. Carries both numbers."""
 
@@ -164,22 +168,26 @@ class Engine:
         """A fresh contiguous single-sequence f16 KV cache of n_ctx (perplexity, tests)."""
         return self.model.new_cache(self.n_ctx)
 
-    def prefill(self, ids: Sequence[int], cache, seq: int = 0) -> np.ndarray:
+    def prefill(self, ids: Sequence[int], cache, seq: int = 0, stop=None) -> np.ndarray:
         """Append ``ids`` to sequence slot ``seq`` of ``cache`` in chunks of n_batch; returns the
-        last logits f32[n_vocab]. Raises ContextLengthExceeded when they do not fit in n_ctx."""
+        last logits f32[n_vocab]. Raises ContextLengthExceeded when they do not fit in n_ctx,
+        GenerationStopped when ``stop`` (a threading.Event) is set before a chunk."""
         n_past = int(cache.pos[seq])
         if n_past + len(ids) > cache.n_ctx:
             raise ContextLengthExceeded(n_past + len(ids), cache.n_ctx)
         logits = None
         seq_ids = None if cache.n_seq == 1 else np.full(min(len(ids), self.n_batch), seq, np.int32)
         for i in range(0, len(ids), self.n_batch):
+            if stop is not None and stop.is_set():
+                raise GenerationStopped()
             chunk = ids[i : i + self.n_batch]
             logits = self.model.forward(chunk, cache, seq_ids=None if seq_ids is None else seq_ids[: len(chunk)])
         return logits[-1]
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                  max_tokens: int = -1, stats: GenerationStats | None = None,
-                 session: str | Path | None = None) -> Iterator[int]:
+                 session: str | Path | None = None, session_save: str = "prompt",
+                 stop=None) -> Iterator[int]:
         """Yield generated token ids until an end-of-generation token (not yielded), max_tokens
         (-1 = no limit) or the end of the context. ``stats`` (optional) is filled in as it goes.
 
@@ -187,7 +195,14 @@ class Engine:
         of the tokens it shares with the start of the prompt is restored instead of computed
         (with the saved logits when it holds the whole prompt; a sliding-window model reuses a
         shorter common prefix only while the file still holds that prefix's window); after the
-        prompt, its state is saved there (atomically) for the next run.
+        prompt, its state is saved there (atomically) for the next run. With ``session_save``
+        "end" the state is saved when the generation ends instead (also when the caller stops
+        early by closing the generator): the prompt and the generated tokens, so that a chat's
+        next turn, whose prompt starts with this one and its answer, restores both.
+
+        ``stop``: a threading.Event; set while the prompt is computed, generation ends with
+        GenerationStopped between two chunks of n_batch tokens (once tokens flow, the caller
+        stops by closing the generator).
 
         Raises ContextLengthExceeded if the prompt is longer than n_ctx,
         SessionError for a session file made with another model or KV type, or damaged.
@@ -198,20 +213,29 @@ class Engine:
             raise ValueError("the prompt is empty")
         if len(prompt_ids) > self.n_ctx:      # a prompt of n_ctx tokens still gets one token
             raise ContextLengthExceeded(len(prompt_ids), self.n_ctx)
+        if session_save not in ("prompt", "end"):
+            raise ValueError(f"session_save must be 'prompt' or 'end', got {session_save!r}")
         sampler = Sampler(params or SamplingParams())
         stats.n_prompt = len(prompt_ids)
         t0 = time.perf_counter()
         kv = self.kv
-        slot, logits = self._start(prompt_ids, stats, session)
+        slot, logits = self._start(prompt_ids, stats, session, save=session_save == "prompt", stop=stop)
+        last = [logits]   # the logits after the sequence's last computed token, as decoding goes
         try:
             stats.prompt_seconds = time.perf_counter() - t0
-            yield from self._decode(kv, slot, logits, sampler, prompt_ids, max_tokens, stats, t0)
+            yield from self._decode(kv, slot, last, sampler, prompt_ids, max_tokens, stats, t0)
         finally:
-            kv.free(slot)
+            try:
+                if session is not None and session_save == "end":
+                    save_session(session, self, slot, last[0])
+            finally:
+                kv.free(slot)
 
-    def _start(self, prompt_ids: list[int], stats: GenerationStats, session) -> tuple[int, np.ndarray]:
+    def _start(self, prompt_ids: list[int], stats: GenerationStats, session, save: bool = True,
+               stop=None) -> tuple[int, np.ndarray]:
         """A new sequence holding the prompt, and the logits after it: from the session file
-        where it matches, then from the prefix cache, the rest computed."""
+        where it matches, then from the prefix cache, the rest computed; with ``save``, the
+        prompt's state written to the session file."""
         kv = self.kv
         saved = None
         if session is not None and Path(session).exists() and not _empty_file(session):
@@ -237,17 +261,18 @@ class Engine:
             if rest:
                 if saved is not None:  # the session's tokens are reserved, the rest not yet
                     kv.append(slot, rest)
-                logits = self.prefill(rest, kv, seq=slot)
+                logits = self.prefill(rest, kv, seq=slot, stop=stop)
             else:
                 logits = saved.logits
-            if session is not None and rest:
+            if save and session is not None and rest:
                 save_session(session, self, slot, logits)
         except BaseException:
             kv.free(slot)
             raise
         return slot, logits
 
-    def _decode(self, kv, slot, logits, sampler, prompt_ids, max_tokens, stats, t0):
+    def _decode(self, kv, slot, last, sampler, prompt_ids, max_tokens, stats, t0):
+        logits = last[0]
         history = list(prompt_ids)
         t_first = None
         seq_ids = None if kv.n_seq == 1 else np.array([slot])
@@ -275,6 +300,7 @@ class Engine:
                 return
             kv.append(slot, [tok])
             logits = self.model.forward([tok], kv, seq_ids=seq_ids)[-1]
+            last[0] = logits
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

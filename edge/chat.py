@@ -1,0 +1,330 @@
+"""Conversations for ``edge chat``: what was said, how it is sampled, where it is kept, and
+turns generated on an :class:`~edge.engine.Engine` that another thread can stop at once.
+
+edge/ never imports textual: the terminal app (the ``tui`` package) drives a
+:class:`ChatRunner` from a worker thread and shows what it reports.
+
+Files, under ``$EDGE_HOME/chats/`` (:func:`chats_dir`)::
+
+    <id>.json      the conversation, rewritten atomically after every message
+    <id>.session   the KV cache of the conversation so far (edge.session's format), written
+                   after every answer, so that ``edge chat --resume`` continues the chat
+                   without computing its history again (same model only: the file names it)
+
+The JSON object (format "edge-chat", version 1): ``id``, ``title`` (or null), ``created`` and
+``updated`` (ISO 8601 UTC), ``model`` (what ``-m`` resolved: a registry name or a path),
+``mode`` ("chat": turns through the model's chat template; "raw": the text is continued as
+it is, for models without a template), ``system`` (or null), ``settings`` (the sampling
+fields of :class:`~edge.sampling.SamplingParams` and ``max_tokens``) and ``messages``, a list
+of ``{"role": "user" | "assistant", "content": str}`` (an answer stopped by the user has
+``"stopped": true``). Raw mode keeps the text as alternating user and assistant pieces too.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field, fields
+from datetime import datetime, timezone
+from pathlib import Path
+
+from edge.engine import ContextLengthExceeded, Engine, GenerationStats, GenerationStopped
+from edge.sampling import SamplingParams
+from edge.session import SessionError
+from edge.store import edge_home, fsync_dir
+from edge.tokenizer import StreamDecoder
+
+FORMAT, VERSION = "edge-chat", 1
+
+
+class ChatError(ValueError):
+    """A chat file that cannot be read or a command that cannot be done; says why."""
+
+
+def chats_dir() -> Path:
+    """Where conversations are kept: ``edge_home() / "chats"`` (may not exist yet)."""
+    return edge_home() / "chats"
+
+
+class ChatSettings:
+    """Sampling settings of a conversation: a SamplingParams (llama.cpp's names and defaults,
+    as ``edge run``; its fields read as attributes, e.g. ``settings.temperature``) and
+    ``max_tokens`` (-1 = until the end of the answer or of the context).
+
+    ``ChatSettings(max_tokens=16, temperature=0.0)``: keywords other than max_tokens are
+    SamplingParams fields. Raises InvalidParameter naming a bad field.
+    """
+
+    NAMES = tuple(f.name for f in fields(SamplingParams) if f.name != "logit_bias") + ("max_tokens",)
+
+    def __init__(self, max_tokens: int = -1, **sampling):
+        self.sampling = SamplingParams(**sampling)
+        self.max_tokens = max_tokens
+
+    def __getattr__(self, name: str):
+        if name != "sampling" and name in self.NAMES:
+            return getattr(self.sampling, name)
+        raise AttributeError(name)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ChatSettings) and self.to_json() == other.to_json()
+
+    def __repr__(self) -> str:
+        return f"ChatSettings({self.to_json()})"
+
+    def to_json(self) -> dict:
+        return {name: getattr(self, name) for name in self.NAMES}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "ChatSettings":
+        """From a chat file's ``settings`` (unknown keys ignored). Raises InvalidParameter."""
+        return cls(**{k: v for k, v in obj.items() if k in cls.NAMES})
+
+    def with_value(self, name: str, text: str) -> "ChatSettings":
+        """A copy with setting ``name`` set from the text ``text`` (as typed after /temp ...).
+        Raises ChatError saying what the setting takes."""
+        if name not in self.NAMES:
+            raise ChatError(f"unknown setting {name!r}")
+        try:
+            if name == "seed":
+                value = None if text.strip() in ("-1", "random", "none") else int(text)
+            elif name in ("top_k", "repeat_last_n", "max_tokens"):
+                value = int(text)
+            else:
+                value = float(text)
+        except ValueError:
+            raise ChatError(f"{name} takes a number, got {text!r}") from None
+        if name == "max_tokens" and value < -1:
+            raise ChatError(f"max_tokens must be -1 (no limit) or more, got {value}")
+        try:
+            return ChatSettings.from_json({**self.to_json(), name: value})
+        except ValueError as e:
+            raise ChatError(str(e)) from None
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _new_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+
+
+@dataclass
+class Conversation:
+    """One chat (see the module docstring for its file)."""
+
+    model: str
+    mode: str = "chat"
+    system: str | None = None
+    settings: ChatSettings = field(default_factory=ChatSettings)
+    messages: list[dict] = field(default_factory=list)
+    title: str | None = None
+    id: str = field(default_factory=_new_id)
+    created: str = field(default_factory=_now)
+    updated: str = field(default_factory=_now)
+
+    # ---------------------------------------------------------------- files
+    def path(self, folder: Path | None = None) -> Path:
+        return (folder or chats_dir()) / f"{self.id}.json"
+
+    def session_path(self, folder: Path | None = None) -> Path:
+        return (folder or chats_dir()) / f"{self.id}.session"
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, "id": self.id, "title": self.title,
+                "created": self.created, "updated": self.updated, "model": self.model, "mode": self.mode,
+                "system": self.system, "settings": self.settings.to_json(), "messages": self.messages}
+
+    def save(self, folder: Path | None = None) -> Path:
+        """Write the conversation to ``<folder>/<id>.json`` atomically (temporary file, fsync,
+        rename); returns the path. Raises OSError when it cannot be written."""
+        folder = folder or chats_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        self.updated = _now()
+        path = self.path(folder)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(self.to_json(), f, ensure_ascii=False, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        try:
+            fsync_dir(folder)
+        except OSError:
+            pass
+        return path
+
+    @classmethod
+    def load(cls, path: Path) -> "Conversation":
+        """Read a conversation file. Raises ChatError naming the file and the fault."""
+        try:
+            obj = json.loads(Path(path).read_text(encoding="utf-8"))
+        except OSError as e:
+            raise ChatError(f"{path}: {e.strerror or e}") from None
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ChatError(f"{path}: not a chat file ({e})") from None
+        if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+            raise ChatError(f"{path}: not an edge chat file")
+        if obj.get("version") != VERSION:
+            raise ChatError(f"{path}: chat file version {obj.get('version')!r}, this edge reads {VERSION}")
+        try:
+            messages = obj["messages"]
+            if not all(isinstance(m, dict) and m.get("role") in ("user", "assistant")
+                       and isinstance(m.get("content"), str) for m in messages):
+                raise ChatError(f"{path}: a message is not a user or assistant message with text content")
+            settings = ChatSettings.from_json(obj.get("settings", {}))
+            return cls(model=str(obj["model"]), mode=obj.get("mode", "chat"), system=obj.get("system"),
+                       settings=settings, messages=list(messages), title=obj.get("title"), id=str(obj["id"]),
+                       created=obj.get("created", _now()), updated=obj.get("updated", _now()))
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ChatError(f"{path}: missing or malformed field {e}") from None
+        except ValueError as e:      # a setting out of range
+            raise ChatError(f"{path}: {e}") from None
+
+    # ---------------------------------------------------------------- prompts
+    def prompt_ids(self, engine: Engine) -> list[int]:
+        """The token ids of the whole conversation, ready for the next answer: through the
+        model's chat template (mode "chat"), or the concatenated text (mode "raw")."""
+        if self.mode == "raw":
+            return engine.raw_prompt("".join(m["content"] for m in self.messages))
+        messages = ([{"role": "system", "content": self.system}] if self.system else []) + \
+                   [{"role": m["role"], "content": m["content"]} for m in self.messages]
+        return engine.chat_prompt(messages)
+
+
+def list_chats(folder: Path | None = None) -> list[Conversation]:
+    """Saved conversations, most recently updated first (unreadable files are skipped)."""
+    folder = folder or chats_dir()
+    found = []
+    for path in folder.glob("*.json"):
+        try:
+            found.append(Conversation.load(path))
+        except ChatError:
+            continue
+    return sorted(found, key=lambda c: (c.updated, c.id), reverse=True)
+
+
+def find_chat(name: str, folder: Path | None = None) -> Conversation:
+    """The saved conversation whose title or id is ``name`` (or whose id starts with it; the
+    most recent of several). Raises ChatError listing what there is when none matches."""
+    chats = list_chats(folder)
+    for match in ([c for c in chats if c.title == name or c.id == name],
+                  [c for c in chats if c.id.startswith(name)]):
+        if match:
+            return match[0]
+    known = ", ".join((c.title or c.id) for c in chats[:8]) or "none yet"
+    raise ChatError(f"no saved chat named {name!r}; recent chats: {known}")
+
+
+@dataclass
+class TurnResult:
+    """What one answer came to: its text, whether the user stopped it, its timings, and how
+    many tokens of the context the conversation now uses."""
+
+    text: str
+    stopped: bool
+    stats: GenerationStats
+    n_tokens: int
+
+
+class ChatRunner:
+    """Generates a conversation's answers on an engine.
+
+    :meth:`answer` runs on a worker thread and calls ``on_text`` with each piece of text as it
+    is decoded; :meth:`stop` (any thread) ends it after the token being computed, keeping
+    what was written. The KV state is saved to the conversation's session file after every
+    answer (Engine.generate with session_save="end"), and restored from it on the next turn:
+    the history is not computed again, in this process or after ``--resume``.
+    """
+
+    def __init__(self, engine: Engine, conversation: Conversation, folder: Path | None = None):
+        self.engine = engine
+        self.conversation = conversation
+        self.folder = folder or chats_dir()
+        self._stop = threading.Event()
+        self.busy = False
+
+    def stop(self) -> None:
+        """Ask the running answer to end after the current token (no-op when idle)."""
+        self._stop.set()
+
+    def answer(self, user_text: str, on_text) -> TurnResult:
+        """Append the user's message, generate the answer (streamed to ``on_text(str)``),
+        append it (also when stopped: what was written is kept) and save the conversation.
+        Stopped before the first token (while the prompt is computed), the user's message is
+        taken back: the result has ``stopped`` and no text.
+
+        Raises ContextLengthExceeded when the conversation no longer fits n_ctx, InvalidParameter
+        for bad settings (the user's message is then taken back), OSError when the chat folder
+        cannot be written.
+        """
+        conv = self.conversation
+        params = conv.settings.sampling
+        conv.messages.append({"role": "user", "content": user_text})
+        self._stop.clear()
+        self.busy = True
+        stats = GenerationStats()
+        decoder = StreamDecoder()
+        pieces: list[str] = []
+        stopped = False
+        try:
+            ids = conv.prompt_ids(self.engine)
+            if len(ids) > self.engine.n_ctx:
+                raise ContextLengthExceeded(len(ids), self.engine.n_ctx)
+            conv.save(self.folder)
+            session = conv.session_path(self.folder)
+            try:
+                gen = self._generate(ids, params, stats, session)
+                tok = next(gen, None)
+            except SessionError:     # made with another model or KV type, or damaged: start anew
+                session.unlink(missing_ok=True)
+                stats = GenerationStats()
+                gen = self._generate(ids, params, stats, session)
+                tok = next(gen, None)
+            try:
+                while tok is not None:
+                    text = decoder.feed(self.engine.tokenizer.token_to_piece(tok, special=False))
+                    if text:
+                        pieces.append(text)
+                        on_text(text)
+                    if self._stop.is_set():
+                        stopped = True
+                        break
+                    tok = next(gen, None)
+            finally:
+                gen.close()          # saves the session (prompt and answer so far), frees the slot
+            tail = decoder.flush()
+            if tail:
+                pieces.append(tail)
+                on_text(tail)
+        except GenerationStopped:
+            conv.messages.pop()
+            conv.save(self.folder)
+            return TurnResult("", True, stats, 0)
+        except BaseException:
+            if not pieces:           # nothing was written: the turn did not happen
+                conv.messages.pop()
+                conv.save(self.folder)
+                raise
+            stopped = True
+            raise
+        finally:
+            self.busy = False
+            if pieces or (conv.messages and conv.messages[-1]["role"] == "user"):
+                message = {"role": "assistant", "content": "".join(pieces)}
+                if stopped:
+                    message["stopped"] = True
+                conv.messages.append(message)
+                conv.save(self.folder)
+        return TurnResult("".join(pieces), stopped, stats, stats.n_prompt + stats.n_generated)
+
+    def _generate(self, ids, params, stats, session):
+        return self.engine.generate(ids, params, self.conversation.settings.max_tokens, stats, session=session,
+                                    session_save="end", stop=self._stop)
