@@ -246,14 +246,17 @@ def test_edge_chat_in_an_80x24_tmux_pane(tmp_path, qwen_path):
     (home / "models").mkdir(parents=True)
     for p in Path(qwen_path).parent.glob("*.gguf"):
         (home / "models" / p.name).symlink_to(p)
-    session = f"edge-test-{os.getpid()}"
+    session = "edge-test"
+    # a private tmux server (-L): a server already running (the user's) would start the command
+    # with its own environment, not this one
+    tmux = ["tmux", "-L", f"edge-test-{os.getpid()}"]
     env = {**os.environ, "EDGE_HOME": str(home), "TERM": "xterm-256color"}
     edge = str(Path(sys.executable).with_name("edge"))
     cmd = f"{edge} chat --temp 0 -n 24 -c 2048"
-    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "80", "-y", "24", cmd], env=env, check=True)
+    subprocess.run([*tmux, "new-session", "-d", "-s", session, "-x", "80", "-y", "24", cmd], env=env, check=True)
 
     def screen() -> str:
-        return subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
+        return subprocess.run([*tmux, "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
 
     def wait_for(text, timeout=180):
         t0 = time.monotonic()
@@ -266,20 +269,20 @@ def test_edge_chat_in_an_80x24_tmux_pane(tmp_path, qwen_path):
 
     try:
         wait_for("ready")
-        subprocess.run(["tmux", "send-keys", "-t", session, "What is the capital of France?", "Enter"], check=True)
+        subprocess.run([*tmux, "send-keys", "-t", session, "What is the capital of France?", "Enter"], check=True)
         shown = wait_for("tok/s")
         lines = shown.splitlines()
         assert len(lines) <= 24 and all(len(line) <= 80 for line in lines)
         assert "Paris" in shown
         assert "qwen2.5-coder-0.5b-instruct" in lines[-1] and "/2048 tokens" in lines[-1]
         (tmp_path / "screen.txt").write_text(shown)
-        subprocess.run(["tmux", "send-keys", "-t", session, "C-q"], check=True)
+        subprocess.run([*tmux, "send-keys", "-t", session, "C-q"], check=True)
         t0 = time.monotonic()
-        while subprocess.run(["tmux", "has-session", "-t", session], capture_output=True).returncode == 0:
+        while subprocess.run([*tmux, "has-session", "-t", session], capture_output=True).returncode == 0:
             assert time.monotonic() - t0 < 10, "edge chat did not quit on Ctrl+Q"
             time.sleep(0.2)
         chats = list((home / "chats").glob("*.json"))
         assert len(chats) == 1
         assert json.loads(chats[0].read_text())["messages"][0]["content"] == "What is the capital of France?"
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
