@@ -15,9 +15,11 @@ The JSON object (format "edge-chat", version 1): ``id``, ``title`` (or null), ``
 ``updated`` (ISO 8601 UTC), ``model`` (what ``-m`` resolved: a registry name or a path),
 ``mode`` ("chat": turns through the model's chat template; "raw": the text is continued as
 it is, for models without a template), ``system`` (or null), ``settings`` (the sampling
-fields of :class:`~edge.sampling.SamplingParams` and ``max_tokens``) and ``messages``, a list
+fields of :class:`~edge.sampling.SamplingParams` and ``max_tokens``), ``messages``, a list
 of ``{"role": "user" | "assistant", "content": str}`` (an answer stopped by the user has
-``"stopped": true``). Raw mode keeps the text as alternating user and assistant pieces too.
+``"stopped": true``), and ``draft`` (a message stopped before its answer began, or null). Raw
+mode keeps the text as alternating user and assistant pieces too. A conversation with nothing
+in it has no file.
 """
 from __future__ import annotations
 
@@ -122,6 +124,7 @@ class Conversation:
     settings: ChatSettings = field(default_factory=ChatSettings)
     messages: list[dict] = field(default_factory=list)
     title: str | None = None
+    draft: str | None = None         # a message typed but not answered (stopped before its answer)
     id: str = field(default_factory=_new_id)
     created: str = field(default_factory=_now)
     updated: str = field(default_factory=_now)
@@ -136,15 +139,20 @@ class Conversation:
     def to_json(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "id": self.id, "title": self.title,
                 "created": self.created, "updated": self.updated, "model": self.model, "mode": self.mode,
-                "system": self.system, "settings": self.settings.to_json(), "messages": self.messages}
+                "system": self.system, "settings": self.settings.to_json(), "messages": self.messages,
+                "draft": self.draft}
 
     def save(self, folder: Path | None = None) -> Path:
         """Write the conversation to ``<folder>/<id>.json`` atomically (temporary file, fsync,
-        rename); returns the path. Raises OSError when it cannot be written."""
+        rename); returns the path. A conversation with nothing in it (no message, draft or
+        title) has no file (an old one is removed). Raises OSError when it cannot be written."""
         folder = folder or chats_dir()
         folder.mkdir(parents=True, exist_ok=True)
         self.updated = _now()
         path = self.path(folder)
+        if not self.messages and not self.draft and not self.title:   # nothing said: no file
+            path.unlink(missing_ok=True)
+            return path
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
             with open(tmp, "w", encoding="utf-8") as f:
@@ -181,7 +189,8 @@ class Conversation:
                 raise ChatError(f"{path}: a message is not a user or assistant message with text content")
             settings = ChatSettings.from_json(obj.get("settings", {}))
             return cls(model=str(obj["model"]), mode=obj.get("mode", "chat"), system=obj.get("system"),
-                       settings=settings, messages=list(messages), title=obj.get("title"), id=str(obj["id"]),
+                       settings=settings, messages=list(messages), title=obj.get("title"),
+                       draft=obj.get("draft") if isinstance(obj.get("draft"), str) else None, id=str(obj["id"]),
                        created=obj.get("created", _now()), updated=obj.get("updated", _now()))
         except (KeyError, TypeError, AttributeError) as e:
             raise ChatError(f"{path}: missing or malformed field {e}") from None
@@ -199,21 +208,33 @@ class Conversation:
         return engine.chat_prompt(messages)
 
 
-def list_chats(folder: Path | None = None) -> list[Conversation]:
-    """Saved conversations, most recently updated first (unreadable files are skipped)."""
+def list_chats(folder: Path | None = None, damaged: list | None = None) -> list[Conversation]:
+    """Saved conversations with at least one message, most recently updated first. Files
+    that cannot be read are left out; with ``damaged`` (a list), each is appended to it as
+    (path, ChatError), most recently modified first."""
     folder = folder or chats_dir()
-    found = []
+    found, bad = [], []
     for path in folder.glob("*.json"):
         try:
-            found.append(Conversation.load(path))
-        except ChatError:
+            conv = Conversation.load(path)
+        except ChatError as e:
+            bad.append((path, e))
             continue
+        if conv.messages or conv.draft:
+            found.append(conv)
+    if damaged is not None:
+        damaged.extend(sorted(bad, key=lambda pe: pe[0].stat().st_mtime, reverse=True))
     return sorted(found, key=lambda c: (c.updated, c.id), reverse=True)
 
 
 def find_chat(name: str, folder: Path | None = None) -> Conversation:
     """The saved conversation whose title or id is ``name`` (or whose id starts with it; the
-    most recent of several). Raises ChatError listing what there is when none matches."""
+    most recent of several). Raises ChatError: the file's fault when ``name`` names a damaged
+    file, else listing what there is."""
+    folder = folder or chats_dir()
+    path = folder / f"{name}.json"
+    if path.is_file():
+        return Conversation.load(path)       # a damaged file says so
     chats = list_chats(folder)
     for match in ([c for c in chats if c.title == name or c.id == name],
                   [c for c in chats if c.id.startswith(name)]):
@@ -259,7 +280,7 @@ class ChatRunner:
         """Append the user's message, generate the answer (streamed to ``on_text(str)``),
         append it (also when stopped: what was written is kept) and save the conversation.
         Stopped before the first token (while the prompt is computed), the user's message is
-        taken back: the result has ``stopped`` and no text.
+        taken back and kept as the conversation's ``draft``: the result has ``stopped`` and no text.
 
         Raises ContextLengthExceeded when the conversation no longer fits n_ctx, InvalidParameter
         for bad settings (the user's message is then taken back), OSError when the chat folder
@@ -268,6 +289,7 @@ class ChatRunner:
         conv = self.conversation
         params = conv.settings.sampling
         conv.messages.append({"role": "user", "content": user_text})
+        conv.draft = None
         self._stop.clear()
         self.busy = True
         stats = GenerationStats()
@@ -304,8 +326,9 @@ class ChatRunner:
             if tail:
                 pieces.append(tail)
                 on_text(tail)
-        except GenerationStopped:
+        except GenerationStopped:       # kept as the draft: the app puts it back in the input box
             conv.messages.pop()
+            conv.draft = user_text
             conv.save(self.folder)
             return TurnResult("", True, stats, 0)
         except BaseException:

@@ -113,8 +113,9 @@ def test_stop_while_the_prompt_is_computed_takes_the_message_back(qwen_path, tmp
     engine.prefill = prefill
     result = runner.answer("word " * 100, lambda s: None)
     assert result.stopped and result.text == "" and result.n_tokens == 0
-    assert conv.messages == []
-    assert json.loads(conv.path(tmp_path).read_text())["messages"] == []
+    assert conv.messages == [] and conv.draft == "word " * 100
+    saved = json.loads(conv.path(tmp_path).read_text())
+    assert saved["messages"] == [] and saved["draft"] == "word " * 100
 
 
 def test_a_conversation_longer_than_n_ctx_is_refused_and_left_unchanged(qwen_path, tmp_path):
@@ -150,7 +151,8 @@ def test_files_round_trip_and_bad_files_are_named(tmp_path):
     conv.save(tmp_path)
     back = Conversation.load(conv.path(tmp_path))
     assert back == conv
-    older = Conversation(model="m", id="20200101-000000-aaaa", updated="2020-01-01T00:00:00+00:00")
+    older = Conversation(model="m", id="20200101-000000-aaaa", updated="2020-01-01T00:00:00+00:00",
+                         messages=[{"role": "user", "content": "old"}])
     older.save(tmp_path)
     (tmp_path / "broken.json").write_text("{not json")
     (tmp_path / "other.json").write_text('{"format": "something else"}')
@@ -161,6 +163,13 @@ def test_files_round_trip_and_bad_files_are_named(tmp_path):
         find_chat("nope", tmp_path)
     with pytest.raises(ChatError, match="broken.json: not a chat file"):
         Conversation.load(tmp_path / "broken.json")
+    with pytest.raises(ChatError, match="broken.json: not a chat file"):   # named: says why
+        find_chat("broken", tmp_path)
+    damaged: list = []
+    list_chats(tmp_path, damaged)
+    assert sorted(p.name for p, _ in damaged) == ["broken.json", "other.json"]
+    empty = Conversation(model="m")               # nothing said: no file, not listed
+    assert not empty.save(tmp_path).exists()
     with pytest.raises(ChatError, match="not an edge chat file"):
         Conversation.load(tmp_path / "other.json")
 

@@ -186,6 +186,24 @@ def test_commands(tmp_path, qwen_path, gemma_path):
     _run(go())
 
 
+def test_input_keys(tmp_path, qwen_path):
+    async def go():
+        async with _chat(_options(tmp_path, qwen_path)) as (app, pilot):
+            box = app.query_one("#input", ChatInput)
+            await pilot.press("h", "i", "ctrl+j", "y", "o", "ctrl+j", "!")    # one burst: in key order
+            assert box.text == "hi\nyo\n!"
+            await pilot.press("ctrl+l")
+            assert box.text == ""
+            await pilot.press("f2", "a", "enter", "b")
+            assert box.text == "a\nb" and "Enter new line" in box.border_title
+            await pilot.press("ctrl+s")
+            await _until(pilot, lambda: app.turns_ended == 1)
+            assert app.conversation.messages[0]["content"] == "a\nb"
+            await pilot.press("f2")
+            assert "Enter send" in box.border_title
+    _run(go())
+
+
 def test_command_palette_fills_the_input(tmp_path, qwen_path):
     async def go():
         async with _chat(_options(tmp_path, qwen_path)) as (app, pilot):

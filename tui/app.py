@@ -6,12 +6,13 @@ tokens/s of the last answer. The engine runs in a worker thread (edge.chat.ChatR
 interface never waits for it: Esc stops an answer at once and keeps what was written.
 
 Keys: Enter sends; Ctrl+J (or Shift+Enter where the terminal reports it) starts a new line;
-F2 switches to multi-line input (Enter starts a new line, Ctrl+S sends); Esc stops the answer;
-Ctrl+P opens the command palette; F1 shows help; Ctrl+Q quits. Commands typed in the input
+F2 switches to multi-line input (Enter starts a new line, Ctrl+S sends); Ctrl+L empties the
+input box; Esc stops the answer; Ctrl+P opens the command palette; F1 shows help; Ctrl+Q quits. Commands typed in the input
 box are listed in HELP.
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -50,7 +51,8 @@ HELP = """\
 | `/quit` | leave (conversations are saved as they happen) |
 
 **Keys** Enter sends · Ctrl+J or Shift+Enter new line · F2 multi-line input (Enter new line,
-Ctrl+S sends) · Esc stops the answer · Ctrl+P commands · Ctrl+Q quits
+Ctrl+S sends) · Ctrl+L empties the input box · Esc stops the answer · Ctrl+P commands ·
+Ctrl+Q quits (a message whose answer had not begun is kept for next time)
 """
 
 
@@ -91,11 +93,15 @@ class Answer(Markdown):
     """The model's answer, streamed in as Markdown."""
 
 
+SINGLE_LINE_KEYS = "Enter send · ^J new line · Esc stop · ^P commands · F1 help"
+MULTI_LINE_KEYS = "multi-line: Enter new line · ^S send · F2 back · Esc stop"
+
+
 class ChatInput(TextArea):
     """The input box: Enter sends (or, in multi-line mode, starts a new line: Ctrl+S sends)."""
 
-    BINDINGS = [Binding("ctrl+j,shift+enter", "newline", "new line", show=False),
-                Binding("ctrl+s", "send", "send", show=False)]
+    BINDINGS = [Binding("ctrl+s", "send", "send", show=False),
+                Binding("ctrl+l", "clear_input", "clear", show=False)]
 
     class Submitted(Message):
         def __init__(self, text: str):
@@ -105,18 +111,24 @@ class ChatInput(TextArea):
     multiline = False
 
     async def _on_key(self, event) -> None:
-        if event.key == "enter" and not self.multiline:
+        # handled here, in key order: as bindings they ran after keys typed in the same burst
+        if event.key in ("ctrl+j", "shift+enter") or (event.key == "enter" and self.multiline):
+            event.stop()
+            event.prevent_default()
+            self.insert("\n")
+            return
+        if event.key == "enter":
             event.stop()
             event.prevent_default()
             self.action_send()
             return
         await super()._on_key(event)
 
-    def action_newline(self) -> None:
-        self.insert("\n")
+    def action_clear_input(self) -> None:
+        self.clear()
 
     def action_send(self) -> None:
-        text = self.text
+        text = self.text.rstrip("\n")
         if text.strip():
             self.clear()
             self.post_message(self.Submitted(text))
@@ -228,11 +240,15 @@ class ChatApp(App):
 
     def on_mount(self) -> None:
         box = self.query_one("#input", ChatInput)
-        box.border_title = "Enter send · ^J new line · Esc stop · ^P commands · F1 help"
+        box.border_title = SINGLE_LINE_KEYS
         box.focus()
         conv = None
         if self.options.resume:
-            chats = list_chats(self.options.folder)
+            damaged: list = []
+            chats = list_chats(self.options.folder, damaged)
+            if damaged and (not chats or damaged[0][0].stat().st_mtime > chats[0].path(self.options.folder).stat().st_mtime):
+                self.note(f"the last chat file cannot be read: {damaged[0][1]}"
+                          + ("; opening the one before it" if chats else ""))
             if chats:
                 conv = chats[0]
             else:
@@ -240,6 +256,9 @@ class ChatApp(App):
         self._pending_load = conv
         model = conv.model if conv is not None and self.options.model is None else self.options.model
         self.start_loading(model)
+
+    def on_resize(self, event) -> None:
+        self.call_after_refresh(self.log_view.scroll_end, animate=False)   # keep the last lines in view
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -258,7 +277,7 @@ class ChatApp(App):
             parts.append("loading model…")
         elif self.engine is not None:
             parts.append(self.model_name())
-            parts.append(f"{self.n_tokens}/{self.engine.n_ctx} tokens")
+            parts.append(f"{min(self.n_tokens, self.engine.n_ctx)}/{self.engine.n_ctx} tokens")
             if self.generating:
                 parts.append("answering… (Esc stops)")
             else:
@@ -323,6 +342,7 @@ class ChatApp(App):
         self.engine = message.engine
         if old is not None and old is not self.engine:
             old.clear_kv_cache()
+            self.last_ttft = self.last_tps = None
         model_arg = message.model or Path(self.engine.path).stem
         conv, self._pending_load = self._pending_load, None
         if conv is None:
@@ -352,6 +372,8 @@ class ChatApp(App):
             self.note(text)
         self.note(f"model {self.model_name()} ready (n_ctx {self.engine.n_ctx}); "
                   "type a message, /help for commands")
+        if conv.draft and not self.query_one("#input", ChatInput).text:
+            self.prefill_input(conv.draft)     # a message stopped before its answer, kept
         try:
             self.n_tokens = len(conv.prompt_ids(self.engine)) if conv.messages else 0
         except Exception:
@@ -437,9 +459,19 @@ class ChatApp(App):
 
     # ------------------------------------------------------------------ actions
     async def action_quit(self) -> None:
-        if self.runner is not None:
-            self.runner.stop()           # the worker ends after its token; the answer is saved
+        await self._stop_and_wait()
         self.exit()
+
+    async def _stop_and_wait(self, timeout: float = 10.0) -> None:
+        """Stop a running answer and wait (a token or a prompt chunk) until the worker has
+        saved the conversation: the partial answer, or the message as the draft."""
+        if self.runner is None or not self.generating:
+            return
+        self.runner.stop()
+        for _ in range(int(timeout / 0.05)):
+            if not self.runner.busy:
+                return
+            await asyncio.sleep(0.05)
 
     def action_stop(self) -> None:
         if self.generating and self.runner is not None:
@@ -452,6 +484,7 @@ class ChatApp(App):
         box = self.query_one("#input", ChatInput)
         box.multiline = not box.multiline
         box.set_class(box.multiline, "multiline")
+        box.border_title = MULTI_LINE_KEYS if box.multiline else SINGLE_LINE_KEYS
         self.note("multi-line input: Enter starts a new line, Ctrl+S sends" if box.multiline
                   else "single-line input: Enter sends, Ctrl+J starts a new line")
 
@@ -463,9 +496,7 @@ class ChatApp(App):
         command = command.lower()
         busy = self.generating or self.loading
         if command in ("/quit", "/exit"):
-            if self.runner is not None:
-                self.runner.stop()
-            self.exit()
+            self.run_worker(self.action_quit())
         elif command == "/help":
             self.log_view.mount(Answer(HELP))
             self.log_view.scroll_end(animate=False)
@@ -499,6 +530,9 @@ class ChatApp(App):
             elif conv.mode == "raw":
                 self.note("raw completion mode has no system message")
             else:
+                if arg == "-" and conv.system is None:
+                    self.note("there is no system message to remove")
+                    return
                 conv.system = None if arg == "-" else arg
                 conv.save(self.options.folder)
                 self.note("system message removed" if conv.system is None else f"system message set: {arg}")
