@@ -1,0 +1,265 @@
+"""``edge quantize``: convert a GGUF file to a quantization mix, byte for byte as llama-quantize.
+
+Mirrors ``llama_model_quantize_impl`` of llama.cpp 0c1e57098 (``src/llama-quant.cpp``) without
+imatrix. The output file:
+
+- KV pairs: the source's, in source order, without ``general.quantization_version``,
+  ``general.file_type`` and the ``split.*`` keys, then those two appended as uint32
+  (quantization version 2, the llama_ftype of the mix): llama.cpp's gguf_set_val_* removes a key
+  and pushes it back.
+- Tensor infos in llama_model_loader order (quant.mix.llama_order) with ``ggml_n_dims``
+  dimensions; offsets are the running sum of the tensor sizes padded to 32 bytes.
+- Alignment 32 for the header and every tensor, always (llama-quant pads with
+  GGUF_DEFAULT_ALIGNMENT). A source ``general.alignment`` key is dropped: llama.cpp copies it,
+  which makes a file whose data does not sit where its own header says.
+- Tensor data: copied when the type does not change, else converted to float32 (F16/BF16
+  widened, quantized sources dequantized by kernels_cpu.dequant: ggml's to_float) and quantized
+  by quant.blocks.quantize_rows (ggml_quantize_chunk), a slab of rows at a time.
+
+The file is written to a temporary file beside the output, fsynced, then renamed over it: an
+error or Ctrl+C leaves neither a partial output nor the temporary file, and an existing output
+is untouched until the new one is complete. The source is memory-mapped; memory use is bounded
+by one slab (:data:`SLAB_BYTES` of float32 values) whatever the model size.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFValueType, GGUFWriter, Keys
+
+from edge.gguf_file import GGUFFile
+from edge.store import fsync_dir
+from kernels_cpu.dequant import KERNELS as DEQUANT_KERNELS
+from kernels_cpu.dequant import dequantize
+from quant.blocks import QuantizeError, quantize_rows
+from quant.mix import FileType, ModelParams, QuantizeOptions, TensorChoice, choose_types, n_dims
+
+V = GGUFValueType
+ALIGNMENT = 32                       # GGUF_DEFAULT_ALIGNMENT, llama-quant's `align`
+SLAB_BYTES = 64 << 20                # float32 bytes of source rows converted at a time
+_DROPPED_KEYS = (Keys.General.QUANTIZATION_VERSION, Keys.General.FILE_TYPE, Keys.General.ALIGNMENT,
+                 Keys.Split.LLM_KV_SPLIT_NO, Keys.Split.LLM_KV_SPLIT_COUNT, Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
+_SCALAR_BYTES = {V.UINT8: 1, V.INT8: 1, V.BOOL: 1, V.UINT16: 2, V.INT16: 2, V.UINT32: 4, V.INT32: 4,
+                 V.FLOAT32: 4, V.UINT64: 8, V.INT64: 8, V.FLOAT64: 8}
+# ggml_validate_row_data: byte size of a block and offsets of its fp16 scale fields (d, and the
+# min m / dmin where the block has one); a block whose scale overflowed fp16 is refused
+_BLOCK_SCALES = {"Q4_0": (18, (0,)), "Q4_1": (20, (0, 2)), "Q5_0": (22, (0,)), "Q5_1": (24, (0, 2)),
+                 "Q8_0": (34, (0,)), "Q2_K": (84, (80, 82)), "Q3_K": (110, (108,)), "Q4_K": (144, (0, 2)),
+                 "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+
+ProgressCallback = Callable[[int, int, TensorChoice], None]
+
+
+def _pad(n: int) -> int:
+    return -n % ALIGNMENT
+
+
+@dataclass
+class QuantizePlan:
+    """What :func:`quantize_file` writes, computed without converting anything.
+
+    source: the open source file; tensors: the output tensors in file order with their types;
+    metadata: the output KV pairs as (key, value, value type, array element type), values in
+    the form gguf.GGUFWriter packs (strings as UTF-8 bytes, arrays as lists);
+    header_bytes: size of the header (KV pairs, tensor infos, padding); output_size: size of
+    the whole output file in bytes.
+    """
+
+    source: GGUFFile
+    ftype: FileType
+    options: QuantizeOptions
+    tensors: list[TensorChoice]
+    metadata: list[tuple[str, object, GGUFValueType, GGUFValueType | None]]
+    header_bytes: int
+
+    @property
+    def source_size(self) -> int:
+        return self.source.file_size
+
+    @property
+    def output_size(self) -> int:
+        return self.header_bytes + sum(t.new_bytes + _pad(t.new_bytes) for t in self.tensors)
+
+    @property
+    def n_values(self) -> int:
+        return sum(t.n_values for t in self.tensors)
+
+
+def _writer_value(key: str, field) -> tuple[object, int]:
+    """A source KV value in the form GGUFWriter packs, and its size in bytes in the file."""
+    v, vtype, atype = field.value, field.value_type, field.array_type
+    if vtype == V.STRING:
+        b = v.encode("utf-8", "surrogateescape")
+        return b, 8 + len(b)
+    if vtype != V.ARRAY:
+        return v, _SCALAR_BYTES[vtype]
+    if len(v) == 0 or atype == V.ARRAY:
+        what = "an empty array" if len(v) == 0 else "an array of arrays"
+        raise QuantizeError(f"metadata key {key!r} holds {what}, which edge cannot write")
+    if atype == V.STRING:
+        items = [s.encode("utf-8", "surrogateescape") for s in v]
+        return items, 12 + sum(8 + len(s) for s in items)
+    return np.asarray(v).tolist(), 12 + len(v) * _SCALAR_BYTES[atype]
+
+
+def plan_quantize(src: str | os.PathLike, ftype: FileType, options: QuantizeOptions) -> QuantizePlan:
+    """Open ``src`` and decide every output tensor's type, the output KV pairs and the sizes.
+
+    Raises GGUFError (malformed source or missing hyperparameters), OSError (cannot open),
+    QuantizeError (an option that cannot apply, a quantized tensor without allow_requantize, a
+    source type edge cannot dequantize, metadata edge cannot write).
+    """
+    gf = GGUFFile(src)
+    model = ModelParams.from_gguf(gf)
+    tensors = choose_types([(t.name, t.shape, t.ggml_type) for t in gf.tensors.values()], ftype, options, model)
+    for t in tensors:
+        if t.converts and t.src_type not in DEQUANT_KERNELS:
+            raise QuantizeError(f"tensor {t.name}: cannot convert from {t.src_type.name} (edge has no "
+                                f"dequantizer for it) to {t.new_type.name}")
+    metadata, size = [], 24                       # magic, version, tensor count, KV count
+    for key, field in gf.fields.items():
+        if key in _DROPPED_KEYS:
+            continue
+        value, n = _writer_value(key, field)
+        metadata.append((key, value, field.value_type, field.array_type))
+        size += 8 + len(key.encode("utf-8", "surrogateescape")) + 4 + n
+    for key, value in ((Keys.General.QUANTIZATION_VERSION, GGML_QUANT_VERSION),
+                       (Keys.General.FILE_TYPE, ftype.file_type)):
+        metadata.append((key, value, V.UINT32, None))
+        size += 8 + len(key) + 4 + 4
+    for t in tensors:
+        size += 8 + len(t.name.encode("utf-8", "surrogateescape")) + 4 + 8 * n_dims(t.shape) + 4 + 8
+    return QuantizePlan(gf, ftype, options, tensors, metadata, size + _pad(size))
+
+
+def _check_output_path(src: Path, dst: Path) -> None:
+    if dst.is_dir():
+        raise QuantizeError(f"{dst} is a directory; give the path of the output .gguf file")
+    if not dst.parent.is_dir():
+        raise QuantizeError(f"{dst}: the folder {dst.parent} does not exist")
+    if dst.resolve() == src.resolve() or (dst.exists() and os.path.samefile(src, dst)):
+        raise QuantizeError(f"the output {dst} is the input file; give another output path")
+
+
+def _to_f32(rows: np.ndarray, t: GGMLQuantizationType) -> np.ndarray:
+    """Source rows (uint8[R, row_bytes]) as float32[R, K]: F32 viewed, others dequantized."""
+    if t == GGMLQuantizationType.F32:
+        return rows.view(np.float32)
+    return dequantize(np.ascontiguousarray(rows), t)
+
+
+def _check_values(t: TensorChoice, x: np.ndarray, row0: int) -> None:
+    """BUGS.md Q1: NaN or Inf in the source is an error naming the tensor and row."""
+    finite = np.isfinite(x).all(axis=1)
+    if not finite.all():
+        r = row0 + int(np.argmin(finite))
+        raise QuantizeError(f"tensor {t.name} holds NaN or Inf (row {r}); cannot convert it to {t.new_type.name}")
+
+
+def _check_scales(t: TensorChoice, q: np.ndarray, row0: int) -> None:
+    """ggml_validate_row_data on converted rows: no NaN/Inf values (F16, BF16, F32) or fp16
+    scales (block types). Finite inputs can still overflow: |x| > 65504 in F16, or a block
+    whose scale exceeds the fp16 range."""
+    name = t.new_type.name
+    if name in _BLOCK_SCALES:
+        size, offsets = _BLOCK_SCALES[name]
+        blocks = q.reshape(q.shape[0], -1, size)
+        halves = np.stack([blocks[:, :, o] | (blocks[:, :, o + 1].astype(np.uint16) << 8) for o in offsets])
+        bad = ((halves & 0x7C00) == 0x7C00).any(axis=(0, 2))
+    elif name in ("F16", "BF16"):
+        exp = 0x7C00 if name == "F16" else 0x7F80
+        bad = ((q.view(np.uint16) & exp) == exp).any(axis=1)
+    else:
+        bad = ~np.isfinite(q.view(np.float32)).all(axis=1)
+    if bad.any():
+        r = row0 + int(np.argmax(bad))
+        raise QuantizeError(f"tensor {t.name}: row {r} does not fit {name} (values beyond the range of its "
+                            "fp16 scales or values); keep this tensor in a wider type")
+
+
+def _write_tensor(plan: QuantizePlan, t: TensorChoice, fout) -> Iterator[int]:
+    """Write one tensor's data (copied or converted) and its padding to ``fout``, a slab of rows
+    at a time; yields the number of values of each slab written."""
+    rows = plan.source.tensor_rows(t.name)
+    k = t.shape[0]
+    step = max(1, SLAB_BYTES // (4 * k))
+    for r in range(0, t.n_rows, step):
+        slab = rows[r : r + step]
+        if not t.converts:
+            fout.write(memoryview(slab).cast("B"))
+        else:
+            x = _to_f32(slab, t.src_type)
+            _check_values(t, x, r)
+            q = quantize_rows(t.new_type, x)
+            _check_scales(t, q, r)
+            fout.write(memoryview(q).cast("B"))
+        yield len(slab) * k
+    fout.write(bytes(_pad(t.new_bytes)))
+
+
+def quantize_file(src: str | os.PathLike, dst: str | os.PathLike, ftype: FileType,
+                  options: QuantizeOptions = QuantizeOptions(),
+                  progress: ProgressCallback | None = None) -> QuantizePlan:
+    """Quantize GGUF ``src`` into ``dst`` as llama-quantize does (same bytes); return the plan.
+
+    ``progress(done, total, tensor)`` is called as the work advances: ``done`` and ``total``
+    count tensor values (all tensors), ``tensor`` is the one being written. Threads: those of
+    numba (numba.set_num_threads).
+
+    Raises QuantizeError (see :func:`plan_quantize`; ``dst`` is a directory, in a missing
+    folder, or the source itself; not enough disk space; NaN/Inf in a tensor being converted or
+    values that overflow the new type), GGUFError, OSError. On any error or KeyboardInterrupt
+    no output and no temporary file are left, and an existing ``dst`` is unchanged.
+    """
+    src, dst = Path(src), Path(dst)
+    _check_output_path(src, dst)
+    plan = plan_quantize(src, ftype, options)
+    free = shutil.disk_usage(dst.parent).free
+    if free < plan.output_size:
+        raise QuantizeError(f"not enough disk space in {dst.parent}: the output needs {plan.output_size:,} bytes, "
+                            f"{free:,} are free")
+    fd, tmp_name = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".partial")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    writer = None
+    try:
+        writer = GGUFWriter(None, plan.source.architecture)
+        writer.kv_data[0].clear()                 # the constructor's general.architecture: source order instead
+        for key, value, vtype, atype in plan.metadata:
+            writer.add_key_value(key, value, vtype, sub_type=atype)
+        for t in plan.tensors:
+            shape = tuple(reversed(t.shape[:n_dims(t.shape)]))     # numpy order, trailing 1s dropped
+            writer.add_tensor_info(t.name, shape, np.dtype(np.float32), t.new_bytes, raw_dtype=t.new_type)
+        writer.write_header_to_file(tmp)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        fout = writer.fout[0]
+        fout.write(bytes(_pad(fout.tell())))
+        done, total = 0, plan.n_values
+        for t in plan.tensors:
+            if progress is not None:
+                progress(done, total, t)
+            for n in _write_tensor(plan, t, fout):
+                done += n
+                if progress is not None:
+                    progress(done, total, t)
+        fout.flush()
+        if fout.tell() != plan.output_size:
+            raise QuantizeError(f"internal error: wrote {fout.tell():,} bytes, planned {plan.output_size:,}")
+        os.fsync(fout.fileno())
+        writer.close()
+        tmp.chmod(0o644)                          # mkstemp made it private
+        os.replace(tmp, dst)
+        fsync_dir(dst.parent)
+    except BaseException:
+        if writer is not None:
+            writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return plan
