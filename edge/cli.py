@@ -232,20 +232,12 @@ def _print_quantize_plan(plan) -> None:
 
 def cmd_chat(args) -> int:
     from edge.chat import ChatSettings
-    from edge.sampling import InvalidParameter
 
     if args.max_tokens < -1:
         raise ValueError(f"-n/--max-tokens must be -1 (no limit) or more, got {args.max_tokens}")
-    for flag, value in (("-c/--ctx-size", args.ctx_size), ("-b/--batch-size", args.batch_size)):
-        if value < 1:
-            raise ValueError(f"{flag} must be at least 1, got {value}")
-    try:
-        settings = ChatSettings(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                                repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
-                                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                                seed=None if args.seed < 0 else args.seed, max_tokens=args.max_tokens)
-    except InvalidParameter as e:
-        raise ValueError(f"{_SAMPLING_FLAGS.get(e.param, e.param)} must be {e.rule}, got {e.value!r}") from None
+    _check_sizes(args)
+    with _naming_flags():
+        settings = ChatSettings(max_tokens=args.max_tokens, **_sampling_fields(args))
     if args.model is not None:   # a wrong name fails here, before the screen changes
         from edge.store import resolve_model
         resolve_model(args.model)
@@ -267,9 +259,7 @@ def cmd_serve(args) -> int:
     from edge.server.app import ServerConfig, create_app
     from edge.store import resolve_model
 
-    for flag, value in (("-c/--ctx-size", args.ctx_size), ("-b/--batch-size", args.batch_size)):
-        if value < 1:
-            raise ValueError(f"{flag} must be at least 1, got {value}")
+    _check_sizes(args)
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be 0 or more, got {args.max_queue}")
     if not 0 < args.port < 65536 and not args.unix_socket:
@@ -384,9 +374,7 @@ def _load_engine(args):
     from edge.store import resolve_model
 
     _set_threads(args.threads)
-    for flag, value in (("-c/--ctx-size", args.ctx_size), ("-b/--batch-size", args.batch_size)):
-        if value < 1:
-            raise ValueError(f"{flag} must be at least 1, got {value}")
+    _check_sizes(args)
     path = resolve_model(args.model)
     engine = Engine(path, n_ctx=args.ctx_size, n_batch=args.batch_size,
                     cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
@@ -405,9 +393,34 @@ _SAMPLING_FLAGS = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-
                    "seed": "-s/--seed"}
 
 
+def _sampling_fields(args) -> dict:
+    """SamplingParams fields from the options of _add_sampling_args."""
+    return dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                seed=None if args.seed < 0 else args.seed)
+
+
+@contextlib.contextmanager
+def _naming_flags():
+    """An InvalidParameter from SamplingParams becomes a ValueError naming the flag the user typed."""
+    from edge.sampling import InvalidParameter
+
+    try:
+        yield
+    except InvalidParameter as e:
+        raise ValueError(f"{_SAMPLING_FLAGS.get(e.param, e.param)} must be {e.rule}, got {e.value!r}") from None
+
+
+def _check_sizes(args) -> None:
+    for flag, value in (("-c/--ctx-size", args.ctx_size), ("-b/--batch-size", args.batch_size)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+
+
 def cmd_run(args) -> int:
     from edge.engine import GenerationStats
-    from edge.sampling import InvalidParameter, SamplingParams
+    from edge.sampling import SamplingParams
     from edge.tokenizer import StreamDecoder
 
     if args.prompt is not None and args.prompt_arg is not None:
@@ -419,14 +432,8 @@ def cmd_run(args) -> int:
         prompt = sys.stdin.read()
         if prompt.endswith("\n"):   # one trailing newline, as llama.cpp's -f and `echo` add
             prompt = prompt[:-1]
-    try:
-        params = SamplingParams(
-            temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-            repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
-            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-            seed=None if args.seed < 0 else args.seed)
-    except InvalidParameter as e:   # name the flag the user typed
-        raise ValueError(f"{_SAMPLING_FLAGS.get(e.param, e.param)} must be {e.rule}, got {e.value!r}") from None
+    with _naming_flags():
+        params = SamplingParams(**_sampling_fields(args))
     t_start = time.perf_counter()
     engine = _load_engine(args)
     if args.raw or engine.template is None:
