@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edge.logits_file import BaseLogitsWriter
 from edge.kv.cache import PagedKVCache
+from edge.logits_file import BaseLogitsWriter
 
 
 @dataclass
