@@ -130,7 +130,7 @@ class BaseLogitsWriter:
 
 
 class BaseLogits:
-    """A base-logits file opened for reading (memory-mapped; records are read a chunk at a time).
+    """A base-logits file opened for reading (header and tokens; records are read a chunk at a time).
 
     Attributes: path, n_ctx, n_vocab, n_chunk (int), tokens int32[n_chunk * n_ctx].
     Raises LogitsFileError (one line naming the file) when the magic, header, size or tokens are
@@ -156,8 +156,7 @@ class BaseLogits:
             what = "truncated" if size < want else "damaged"
             raise LogitsFileError(f"{self.path} is {what}: {size:,} bytes, its header (n_ctx {self.n_ctx}, "
                                   f"n_vocab {self.n_vocab}, {self.n_chunk} chunks) means {want:,}")
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
-        self.tokens = np.frombuffer(self._map, dtype="<i4", count=n_tok, offset=HEADER_BYTES).astype(np.int32)
+        self.tokens = np.fromfile(self.path, dtype="<i4", count=n_tok, offset=HEADER_BYTES).astype(np.int32)
         bad = np.flatnonzero((self.tokens < 0) | (self.tokens >= self.n_vocab))
         if len(bad):
             raise LogitsFileError(f"{self.path} is damaged: token {int(self.tokens[bad[0]])} at {int(bad[0])} "
@@ -169,15 +168,13 @@ class BaseLogits:
         Raises LogitsFileError if a record's scale or min_log_prob is not finite or scale < 0."""
         n = n_scored(self.n_ctx)
         start = self._records_at + 2 * self.nv * n * chunk
-        rec = np.frombuffer(self._map, dtype="<u2", count=n * self.nv, offset=start).reshape(n, self.nv)
-        rec = rec.astype(np.uint16)
+        rec = np.fromfile(self.path, dtype="<u2", count=n * self.nv, offset=start)
+        if len(rec) != n * self.nv:
+            raise LogitsFileError(f"{self.path} is truncated: chunk {chunk + 1} cannot be read")
+        rec = rec.reshape(n, self.nv).astype(np.uint16)
         head = np.ascontiguousarray(rec[:, :4]).view(np.float32)
         bad = np.flatnonzero(~np.isfinite(head).all(axis=1) | (head[:, 0] < 0))
         if len(bad):
             raise LogitsFileError(f"{self.path} is damaged: position {int(bad[0])} of chunk {chunk + 1} has "
                                   f"scale {head[bad[0], 0]}, min_log_prob {head[bad[0], 1]}")
         return rec
-
-    def close(self) -> None:
-        """Releases the memory map."""
-        self._map = None
