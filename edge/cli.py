@@ -91,9 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     ppl = sub.add_parser("perplexity", help="perplexity of a model on a text file (llama-perplexity's method)")
     _add_model_args(ppl, ctx_default=512)
-    ppl.add_argument("-f", "--file", required=True, help="text file to evaluate")
+    ppl.add_argument("-f", "--file", default=None, help="text file to evaluate (not needed with --kl-divergence)")
     ppl.add_argument("--chunks", type=int, default=-1,
                      help="evaluate at most this many chunks, -1 = all (default: -1)")
+    ppl.add_argument("--kl-divergence-base", default=None, metavar="FILE",
+                     help="save the model's log-probs of the scored tokens to FILE (llama-perplexity's "
+                          "format); with --kl-divergence, the base file to compare with")
+    ppl.add_argument("--kl-divergence", action="store_true",
+                     help="compare the model with the base run saved in --kl-divergence-base FILE on its "
+                          "tokens (KL divergence, same top token, probability change); -c comes from FILE")
     ppl.set_defaults(func=cmd_perplexity)
 
     bench = sub.add_parser("bench", help="prefill, decode and batched decode tokens/s (llama-bench style)",
@@ -473,6 +479,12 @@ def cmd_run(args) -> int:
 def cmd_perplexity(args) -> int:
     from edge.perplexity import perplexity
 
+    if args.chunks == 0 or args.chunks < -1:
+        raise ValueError(f"--chunks must be -1 (all) or at least 1, got {args.chunks}")
+    if args.kl_divergence:
+        return _kl_divergence(args)
+    if args.file is None:
+        raise ValueError("perplexity needs a text file: -f FILE")
     if args.ctx_size < 4 or args.ctx_size % 2:
         raise ValueError(f"-c/--ctx-size must be an even number >= 4 for perplexity, got {args.ctx_size}")
     try:
@@ -486,12 +498,38 @@ def cmd_perplexity(args) -> int:
     def on_chunk(i, running):
         print(f"[{i}]{running:.4f},", end="", file=sys.stderr, flush=True)
 
-    if args.chunks == 0 or args.chunks < -1:
-        raise ValueError(f"--chunks must be -1 (all) or at least 1, got {args.chunks}")
-    res = perplexity(engine, text, args.ctx_size, args.chunks, on_chunk)
+    res = perplexity(engine, text, args.ctx_size, args.chunks, on_chunk, save_base=args.kl_divergence_base)
     print(file=sys.stderr)
     print(f"Final estimate: PPL = {res.ppl:.4f} +/- {res.stderr:.5f}")
     print(f"{res.n_chunks} chunks of {res.n_ctx} tokens, {res.n_scored} tokens scored, "
+          f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    if args.kl_divergence_base:
+        print(f"base log-probs saved to {args.kl_divergence_base}", file=sys.stderr)
+    return 0
+
+
+def _kl_divergence(args) -> int:
+    """edge perplexity --kl-divergence: the model against a saved base run (its n_ctx and tokens)."""
+    from edge.kl_divergence import kl_divergence
+    from edge.logits_file import BaseLogits
+
+    if not args.kl_divergence_base:
+        raise ValueError("--kl-divergence needs the base run's file: --kl-divergence-base FILE")
+    base = BaseLogits(args.kl_divergence_base)
+    if args.file is not None:
+        print(f"note: -f {args.file} is not used: the tokens come from {base.path}", file=sys.stderr)
+    args.ctx_size = base.n_ctx
+    args.batch_size = min(args.batch_size, base.n_ctx)
+    engine = _load_engine(args)
+    t0 = time.perf_counter()
+    print("chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence              "
+          "Δp RMS            Same top p", file=sys.stderr)
+    res = kl_divergence(engine, base, args.chunks, lambda r: print(r.chunk_line(), file=sys.stderr, flush=True))
+    lines = res.report_lines()
+    if not lines:
+        print(f"only {res.count} positions scored: statistics need at least 100", file=sys.stderr)
+    print("\n".join(lines))
+    print(f"{res.n_chunks} chunks of {base.n_ctx} tokens, {res.count} tokens compared, "
           f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0
 

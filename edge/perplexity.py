@@ -10,13 +10,16 @@ standard error of that mean, propagated through exp.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from edge.kv.cache import PagedKVCache
+from edge.logits_file import BaseLogitsWriter
 
 
 @dataclass
@@ -55,18 +58,46 @@ def _chunk_cache(engine, chunk: list[int]):
     return cache
 
 
+def chunk_logits(engine, chunk: list[int]) -> np.ndarray:
+    """Logits f32[n_ctx - 1 - n_ctx//2, n_vocab] of one chunk's scored positions.
+
+    ``chunk`` holds the chunk's n_ctx text tokens; it is evaluated alone from an empty KV cache
+    with its first token replaced by BOS when the model adds BOS, and the logits at positions
+    ``n_ctx//2 .. n_ctx - 2`` are returned (row j predicts ``chunk[n_ctx//2 + j + 1]``), as
+    llama-perplexity's perplexity() and kl_divergence() do.
+    """
+    tok = engine.tokenizer
+    n_ctx = len(chunk)
+    chunk = list(chunk)
+    if tok.add_bos:
+        chunk[0] = tok.bos_id
+    first = n_ctx // 2
+    cache = _chunk_cache(engine, chunk)
+    rows = []
+    for b in range(0, n_ctx, engine.n_batch):
+        end = min(b + engine.n_batch, n_ctx)
+        lo, hi = max(first, b), min(n_ctx - 1, end)  # chunk positions whose logits we need
+        if lo < hi:
+            rows.append(engine.model.forward(chunk[b:end], cache, slice(lo - b, hi - b)))
+        else:
+            engine.model.forward(chunk[b:end], cache)
+    return np.concatenate(rows)
+
+
 def perplexity(engine, text: str, n_ctx: int, max_chunks: int = -1,
-               on_chunk: Callable[[int, float], None] | None = None) -> PerplexityResult:
+               on_chunk: Callable[[int, float], None] | None = None,
+               save_base: str | Path | None = None) -> PerplexityResult:
     """Perplexity of ``engine``'s model on ``text`` with chunks of ``n_ctx`` tokens.
 
-    ``on_chunk(i, running_ppl)`` is called after each chunk (1-based i).
+    ``on_chunk(i, running_ppl)`` is called after each chunk (1-based i). With ``save_base``,
+    the scored positions' log-probs are also saved there in llama-perplexity's
+    ``--kl-divergence-base`` format (see edge.logits_file), written atomically.
     Raises ValueError if the text has fewer than 2 * n_ctx tokens (as llama-perplexity does)
-    or n_ctx is odd or below 4.
+    or n_ctx is odd or below 4; OSError if the base file cannot be written.
     """
     if n_ctx < 4 or n_ctx % 2:
         raise ValueError(f"n_ctx must be an even number >= 4, got {n_ctx}")
-    tok = engine.tokenizer
-    tokens = tok.encode(text, add_special=False, parse_special=False)
+    tokens = engine.tokenizer.encode(text, add_special=False, parse_special=False)
     n_chunks = len(tokens) // n_ctx
     if n_chunks < 2:
         raise ValueError(f"the text has {len(tokens)} tokens; perplexity with n_ctx = {n_ctx} "
@@ -75,26 +106,20 @@ def perplexity(engine, text: str, n_ctx: int, max_chunks: int = -1,
         n_chunks = min(n_chunks, max_chunks)
     first = n_ctx // 2
     nll: list[float] = []
-    model = engine.model
-    for c in range(n_chunks):
-        chunk = list(tokens[c * n_ctx : (c + 1) * n_ctx])
-        if tok.add_bos:
-            chunk[0] = tok.bos_id
-        cache = _chunk_cache(engine, chunk)
-        rows = []
-        for b in range(0, n_ctx, engine.n_batch):
-            end = min(b + engine.n_batch, n_ctx)
-            lo, hi = max(first, b), min(n_ctx - 1, end)  # chunk positions whose logits we need
-            want = slice(lo - b, hi - b) if lo < hi else slice(0, 0)
-            if lo < hi:
-                rows.append(model.forward(chunk[b:end], cache, want))
-            else:
-                model.forward(chunk[b:end], cache)
-        logits = np.concatenate(rows)
-        targets = np.asarray(chunk[first + 1 : n_ctx], dtype=np.int64)
-        nll.extend((-_log_softmax_at(logits, targets)).tolist())
-        if on_chunk is not None:
-            on_chunk(c + 1, math.exp(float(np.mean(nll))))
+    with contextlib.ExitStack() as stack:
+        writer = None
+        if save_base is not None:
+            writer = stack.enter_context(BaseLogitsWriter(save_base, n_ctx, engine.model.args.n_vocab,
+                                                          tokens[: n_chunks * n_ctx]))
+        for c in range(n_chunks):
+            chunk = tokens[c * n_ctx : (c + 1) * n_ctx]
+            logits = chunk_logits(engine, chunk)
+            targets = np.asarray(chunk[first + 1 : n_ctx], dtype=np.int64)
+            nll.extend((-_log_softmax_at(logits, targets)).tolist())
+            if writer is not None:
+                writer.add(logits)
+            if on_chunk is not None:
+                on_chunk(c + 1, math.exp(float(np.mean(nll))))
     arr = np.asarray(nll)
     mean = float(arr.mean())
     # llama-perplexity: uncertainty of the mean NLL, sqrt((<x^2> - <x>^2) / (N - 1)), times PPL
