@@ -1,6 +1,8 @@
 """GGML block quantizers: float32 rows -> the exact bytes llama-quantize writes.
 
-``quantize_rows(ggml_type, x)`` mirrors ggml.c ``ggml_quantize_chunk`` with ``imatrix=NULL``:
+``quantize_rows(ggml_type, x, quant_weights=None)`` mirrors ggml.c ``ggml_quantize_chunk``; with
+an imatrix (quant_weights) the weighted ``quantize_row_<type>_impl`` paths are in
+quant/blocks_imatrix.py, which shares this module's helpers. Without one (``imatrix=NULL``):
 ggml-quants.c ``quantize_row_<type>_ref`` for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K,
 Q5_K and Q6_K, ``ggml_fp32_to_fp16_row`` (F16), ``ggml_fp32_to_bf16_row_ref`` (BF16) and a copy
 (F32), as built in ggml-org/llama.cpp@0c1e57098 (llama-cpp-python 0.3.36, the build that made

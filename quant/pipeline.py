@@ -136,6 +136,9 @@ def _check_imatrix(imatrix: ImatrixFile, tensors: list[TensorChoice]) -> None:
         if t.converts and w is not None and w.size != n and t.name != "token_embd.weight":
             raise ImatrixError(f"{imatrix.path}: the entry for {t.name} has {w.size} values, the tensor "
                                f"needs {n} (an imatrix of another model?)")
+        if t.converts and w is not None and w.size == n != t.shape[0]:
+            raise ImatrixError(f"{imatrix.path}: {t.name} has {n // t.shape[0]} experts; edge cannot yet "
+                               "quantize per-expert slices with an imatrix")
 
 
 def plan_quantize(src: str | os.PathLike, ftype: FileType, options: QuantizeOptions,

@@ -110,11 +110,12 @@ def test_too_short_text(gemma):
 
 @pytest.fixture(scope="module")
 def calib_imatrix(gemma_f16_path, tmp_path_factory):
-    """The imatrix of the F16 source on calib_text.txt, -c 256, 6 chunks, as a loaded file."""
-    engine = Engine(gemma_f16_path, n_ctx=256, n_batch=256)
+    """The imatrix of the F16 source on calib_text.txt with llama-imatrix's defaults (-c 512, all
+    13 chunks; about 4 minutes on 2 cores), as a loaded file."""
+    engine = Engine(gemma_f16_path, n_ctx=512, n_batch=512)
     text = (GOLDEN / "calib_text.txt").read_text(encoding="utf-8")
     path = tmp_path_factory.mktemp("imatrix") / "calib.imatrix.gguf"
-    write_imatrix(path, compute_imatrix(engine, text, n_ctx=256, max_chunks=6, dataset="calib_text.txt"))
+    write_imatrix(path, compute_imatrix(engine, text, n_ctx=512, dataset="calib_text.txt"))
     return load_imatrix(path)
 
 
@@ -139,3 +140,68 @@ def test_same_file_as_llama_quantize(gemma_f16_path, calib_imatrix, tmp_path, ft
     a, b = ours.read_bytes(), (tmp_path / "ll.gguf").read_bytes()
     assert len(a) == len(b)
     assert a == b, f"first difference at byte {next(i for i in range(len(a)) if a[i] != b[i])}"
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x -= x.max(axis=1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+
+
+def mean_kld(base: Engine, others: list[Engine], text: str, n_ctx: int = 256, n_chunks: int = 4) -> list[float]:
+    """Mean over positions of KL(base || other) = sum_i p_base * (log p_base - log p_other), from
+    full logits, at llama-perplexity's scored positions (n_ctx/2 .. n_ctx-2 of each chunk of the
+    text tokenized without BOS, BOS first)."""
+    tok = base.tokenizer
+    ids = tok.encode(text, add_special=False, parse_special=False)
+    rows = slice(n_ctx // 2, n_ctx - 1)
+    totals, count = [0.0] * len(others), 0
+    for c in range(n_chunks):
+        chunk = list(ids[c * n_ctx:(c + 1) * n_ctx])
+        chunk[0] = tok.bos_id
+        base_lp = _log_softmax(base.model.forward(chunk, base.model.new_cache(n_ctx), rows))
+        p = np.exp(base_lp)
+        for k, other in enumerate(others):
+            lp = _log_softmax(other.model.forward(chunk, other.model.new_cache(n_ctx), rows))
+            totals[k] += float((p * (base_lp - lp)).sum())
+        count += base_lp.shape[0]
+    return [t / count for t in totals]
+
+
+@pytest.mark.slow
+def test_imatrix_lowers_kld(gemma_f16_path, calib_imatrix, tmp_path):
+    """The issue's check: Q4_K_M and Q3_K_M with the calib_text imatrix are closer to the F16
+    model (mean KLD on ppl_text.txt, 4 chunks of 256) than without it. Measured: Q4_K_M 0.00474 ->
+    0.00441 (gemma's rows of 640 put most of its matrices in the Q5_0 / Q8_0 fallbacks), Q3_K_M
+    0.181 -> 0.103."""
+    text = (GOLDEN / "ppl_text.txt").read_text(encoding="utf-8")
+    variants = [(ftype, imatrix) for ftype in ("Q4_K_M", "Q3_K_M") for imatrix in (None, calib_imatrix)]
+    engines = [Engine(_quantize(gemma_f16_path, tmp_path / f"{ftype}-{i}.gguf", ftype, imatrix), n_ctx=256, n_batch=256)
+               for i, (ftype, imatrix) in enumerate(variants)]
+    kld = mean_kld(Engine(gemma_f16_path, n_ctx=256, n_batch=256), engines, text)
+    print("mean KLD vs F16: " + ", ".join(f"{f}{' imatrix' if m else ''} {v:.5f}" for (f, m), v in zip(variants, kld)))
+    assert kld[1] < kld[0] and kld[3] < kld[2], kld
+
+
+def test_plan_with_imatrix(gemma_f16_path):
+    """The metadata keys llama-quantize adds, the Q4_0 ffn_down rule, and a wrong-sized entry
+    refused before anything is written."""
+    from edge.imatrix import ImatrixFile
+    from quant.mix import QuantizeOptions, parse_file_type
+    from quant.pipeline import plan_quantize
+
+    weights = {"blk.0.ffn_down.weight": np.ones(2048, np.float32)}
+    imatrix = ImatrixFile(path="x" * 200, weights=weights, datasets=["calib.txt"], chunk_count=13)
+    plan = plan_quantize(gemma_f16_path, parse_file_type("Q4_0"), QuantizeOptions(), imatrix)
+    keys = [m[0] for m in plan.metadata]
+    assert keys[-6:] == ["general.quantization_version", "general.file_type", "quantize.imatrix.file",
+                         "quantize.imatrix.dataset", "quantize.imatrix.entries_count", "quantize.imatrix.chunks_count"]
+    assert [m[1] for m in plan.metadata[-4:]] == [b"x" * 127, b"calib.txt", 1, 13]
+    types = {t.name: t.new_type.name for t in plan.tensors}
+    n_layer = sum(name.endswith("ffn_down.weight") for name in types)
+    assert [types[f"blk.{i}.ffn_down.weight"] for i in range(n_layer)] == \
+        ["Q4_1"] * (n_layer // 8) + ["Q4_0"] * (n_layer - n_layer // 8)
+    bad = ImatrixFile(path="bad.gguf", weights={"blk.0.attn_q.weight": np.ones(64, np.float32)}, datasets=[],
+                      chunk_count=0)
+    with pytest.raises(ImatrixError, match="bad.gguf: the entry for blk.0.attn_q.weight has 64 values"):
+        plan_quantize(gemma_f16_path, parse_file_type("Q4_K_M"), QuantizeOptions(), bad)
