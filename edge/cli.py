@@ -1,4 +1,4 @@
-"""The ``edge`` command line: run, chat, serve, perplexity, bench, quantize, pull, list.
+"""The ``edge`` command line: run, chat, serve, perplexity, bench, imatrix, quantize, pull, list.
 
 Flag names follow llama.cpp's tools (llama-cli, llama-perplexity) where users know them.
 Errors a user can cause (bad model path, malformed GGUF, prompt too long) print one line to
@@ -102,6 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
                           "tokens (KL divergence, same top token, probability change); -c comes from FILE")
     ppl.set_defaults(func=cmd_perplexity)
 
+    imx = sub.add_parser("imatrix", help="importance matrix of a model on a text file (llama-imatrix's GGUF file)",
+                         description="Run the model over chunks of -c tokens of the text and write the sums "
+                                     "of squared activations per input column of every blk.* matrix (the "
+                                     "file llama-quantize --imatrix and edge quantize --imatrix read).")
+    _add_model_args(imx, ctx_default=512)
+    imx.add_argument("-f", "--file", required=True, help="calibration text file")
+    imx.add_argument("-o", "--output", default="imatrix.gguf", help="file to write (default: imatrix.gguf)")
+    imx.add_argument("--chunks", type=int, default=-1, help="process at most this many chunks, -1 = all (default: -1)")
+    imx.add_argument("--process-output", action="store_true", help="collect output.weight too")
+    imx.set_defaults(func=cmd_imatrix)
+
     bench = sub.add_parser("bench", help="prefill, decode and batched decode tokens/s (llama-bench style)",
                            description="Throughput of one model, each number the median of -r runs; "
                                        "--vs-llama-cpp runs the same tests through llama-cpp-python.")
@@ -149,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     quant = sub.add_parser("quantize", help="quantize a GGUF file (llama-quantize's types, the same bytes)",
                            description="Convert IN.gguf (F32/F16/BF16 weights) to the quantization mix TYPE "
-                                       "as llama-quantize does, without imatrix: the same tensor types and "
+                                       "as llama-quantize does (with --imatrix, weighted by it): the same tensor types and "
                                        "the same file bytes. OUT is written to a temporary file and renamed "
                                        "when complete. TYPE: " + QUANTIZE_TYPES + ".")
     quant.add_argument("input", metavar="IN.gguf", help="source model")
@@ -166,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--leave-output-tensor", action="store_true", help="copy output.weight unquantized")
     quant.add_argument("--allow-requantize", action="store_true",
                        help="allow converting tensors that are already quantized (loses quality)")
+    quant.add_argument("--imatrix", metavar="FILE", default=None,
+                       help="importance matrix (GGUF, from edge imatrix or llama-imatrix) to weight the quantization")
     quant.add_argument("--dry-run", action="store_true",
                        help="print each tensor's new type and the output size; write nothing")
     quant.set_defaults(func=cmd_quantize)
@@ -182,18 +195,21 @@ def cmd_quantize(args) -> int:
     def tensor_type(value, flag):
         return None if value is None else parse_tensor_type(value, flag)
 
+    from edge.imatrix import load_imatrix
+
     ftype = parse_file_type(args.type)
+    imatrix = load_imatrix(args.imatrix) if args.imatrix is not None else None
     options = QuantizeOptions(
         pure=args.pure, leave_output_tensor=args.leave_output_tensor, allow_requantize=args.allow_requantize,
         output_tensor_type=tensor_type(args.output_tensor_type, "--output-tensor-type"),
         token_embedding_type=tensor_type(args.token_embedding_type, "--token-embedding-type"))
     if args.dry_run:
-        _print_quantize_plan(plan_quantize(args.input, ftype, options))
+        _print_quantize_plan(plan_quantize(args.input, ftype, options, imatrix))
         return 0
     _set_threads(args.threads)
     t0 = time.perf_counter()
     with _quantize_progress() as on_progress:
-        plan = quantize_file(args.input, args.output, ftype, options, progress=on_progress)
+        plan = quantize_file(args.input, args.output, ftype, options, progress=on_progress, imatrix=imatrix)
     seconds = time.perf_counter() - t0
     mib = 1 << 20
     print(f"{args.input}: {plan.source_size / mib:.2f} MiB -> {args.output}: {plan.output_size / mib:.2f} MiB "
@@ -531,6 +547,32 @@ def _kl_divergence(args) -> int:
     print("\n".join(lines))
     print(f"{res.n_chunks} chunks of {base.n_ctx} tokens, {res.count} tokens compared, "
           f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
+def cmd_imatrix(args) -> int:
+    from edge.imatrix import compute_imatrix, write_imatrix
+
+    try:
+        text = Path(args.file).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{args.file} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    out = Path(args.output)
+    if out.is_dir() or not out.parent.is_dir():
+        raise ValueError(f"-o {out}: not a file path in an existing folder")
+    args.batch_size = min(args.batch_size, args.ctx_size)
+    engine = _load_engine(args)
+    t0 = time.perf_counter()
+
+    def on_chunk(i, n):
+        print(f"[{i}/{n}]", end=" ", file=sys.stderr, flush=True)
+
+    imatrix = compute_imatrix(engine, text, args.ctx_size, args.batch_size, args.chunks, args.process_output,
+                              dataset=args.file, on_chunk=on_chunk)
+    print(file=sys.stderr)
+    write_imatrix(out, imatrix)
+    print(f"{out}: {len(imatrix.sums)} entries, {imatrix.chunk_count} chunks of {imatrix.chunk_size} tokens, "
+          f"{time.perf_counter() - t0:.1f} s")
     return 0
 
 

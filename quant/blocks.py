@@ -1,6 +1,8 @@
-"""GGML block quantizers: float32 rows -> the exact bytes llama-quantize writes (no imatrix).
+"""GGML block quantizers: float32 rows -> the exact bytes llama-quantize writes.
 
-``quantize_rows(ggml_type, x)`` mirrors ggml.c ``ggml_quantize_chunk`` with ``imatrix=NULL``:
+``quantize_rows(ggml_type, x, quant_weights=None)`` mirrors ggml.c ``ggml_quantize_chunk``; with
+an imatrix (quant_weights) the weighted ``quantize_row_<type>_impl`` paths are in
+quant/blocks_imatrix.py, which shares this module's helpers. Without one (``imatrix=NULL``):
 ggml-quants.c ``quantize_row_<type>_ref`` for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K,
 Q5_K and Q6_K, ``ggml_fp32_to_fp16_row`` (F16), ``ggml_fp32_to_bf16_row_ref`` (BF16) and a copy
 (F32), as built in ggml-org/llama.cpp@0c1e57098 (llama-cpp-python 0.3.36, the build that made
@@ -250,9 +252,10 @@ def _signed_absmax(x):
 
 
 @njit(cache=True, error_model="numpy")
-def _make_qx_quants(nmax, x, L, laux):
-    """make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL) (Q6_K): weighted (w = x*x) least-
-    squares scale over 19 trial inverse scales -(nmax + 0.1*is)/max; L in 0..2*nmax-1.
+def _make_qx_quants(nmax, x, weights, L, laux):
+    """make_qx_quants(n, nmax, x, L, rmse_type=1, qw) (Q6_K; Q4_0, Q5_0, Q3_K with an imatrix):
+    weighted least-squares scale over 19 trial inverse scales -(nmax + 0.1*is)/max; L in
+    0..2*nmax-1. ``weights`` f32[n] is qw, or x*x (what rmse_type 1 uses without qw).
     Returns the scale (0 for a group with max|x| < 1e-15, then L = 0)."""
     amax, vmax = _signed_absmax(x)
     if amax < _GROUP_MAX_EPS:
@@ -265,7 +268,7 @@ def _make_qx_quants(nmax, x, L, laux):
     for i in range(x.size):
         q = max(-nmax, min(nmax - 1, nearest_int(iscale * x[i])))
         L[i] = q + nmax
-        w = x[i] * x[i]
+        w = weights[i]
         fq = np.float32(q)
         sumlx += w * x[i] * fq
         suml2 += w * fq * fq
@@ -280,7 +283,7 @@ def _make_qx_quants(nmax, x, L, laux):
         for i in range(x.size):
             q = max(-nmax, min(nmax - 1, nearest_int(iscale * x[i])))
             laux[i] = q
-            w = x[i] * x[i]
+            w = weights[i]
             fq = np.float32(q)
             sumlx += w * x[i] * fq
             suml2 += w * fq * fq
@@ -414,7 +417,24 @@ def _pack_2bit(L, qs):
 
 
 # ---------------------------------------------------------------------------------------------
-# K-quant super-blocks of 256 values (xb: the block's values, y: its bytes)
+# K-quant super-blocks of 256 values (xb: the block's values, y: its bytes). The *_finish
+# helpers are the tails that quantize_row_<t>_ref and quantize_row_<t>_impl (imatrix) share.
+
+
+@njit(cache=True, error_model="numpy")
+def _q2_k_finish(xb, y, L):
+    """Q2_K tail: with d, dmin (bytes 80-83) and scales[16] stored, redo the quants of every
+    sub-block whose d * scale is not 0 (clamped to 0..3) and pack them into qs."""
+    dh = f16_to_f32(_byte(y, 80) | (_byte(y, 81) << 8))
+    dmh = f16_to_f32(_byte(y, 82) | (_byte(y, 83) << 8))
+    for j in range(16):
+        d = dh * np.float32(_byte(y, j) & 0xF)
+        if d == _ZERO:
+            continue
+        dm = dmh * np.float32(_byte(y, j) >> 4)
+        for k in range(16):
+            L[16 * j + k] = max(0, min(3, nearest_int((xb[16 * j + k] + dm) / d)))
+    _pack_2bit(L, y[16:80])
 
 
 @njit(cache=True, error_model="numpy")
@@ -449,25 +469,49 @@ def _q2_k_row(x, out):
             iscale = q4scale / max_scale
             for j in range(16):
                 y[j] = nearest_int(iscale * scales[j]) & 0xFF
-            dh = _put_fp16(y, 80, max_scale / q4scale)
+            _put_fp16(y, 80, max_scale / q4scale)
         else:
             y[:16] = 0
-            dh = _put_fp16(y, 80, _ZERO)
+            _put_fp16(y, 80, _ZERO)
         if max_min > _ZERO:
             iscale = q4scale / max_min
             for j in range(16):
                 y[j] = (_byte(y, j) | (nearest_int(iscale * mins[j]) << 4)) & 0xFF
-            dmh = _put_fp16(y, 82, max_min / q4scale)
+            _put_fp16(y, 82, max_min / q4scale)
         else:
-            dmh = _put_fp16(y, 82, _ZERO)
-        for j in range(16):
-            d = dh * np.float32(_byte(y, j) & 0xF)
-            if d == _ZERO:
-                continue
-            dm = dmh * np.float32(_byte(y, j) >> 4)
-            for k in range(16):
-                L[16 * j + k] = max(0, min(3, nearest_int((xb[16 * j + k] + dm) / d)))
-        _pack_2bit(L, y[16:80])
+            _put_fp16(y, 82, _ZERO)
+        _q2_k_finish(xb, y, L)
+
+
+@njit(cache=True, error_model="numpy")
+def _q3_k_finish(xb, y, L, scale_codes):
+    """Q3_K tail: store the 6-bit scale codes (0..63, signed scale + 32) into scales[12] (low
+    nibbles in bytes 0-7, high 2 bits in bytes 8-11); with d (bytes 108-109) stored, redo the
+    quants of every sub-block whose d * scale is not 0 (clamped to -4..3, + 4); bit 2 of each
+    quant goes to hmask, bits 0-1 to qs."""
+    sc = y[96:108]
+    sc[:] = 0
+    for j in range(16):
+        q = scale_codes[j]
+        if j < 8:
+            sc[j] = q & 0xF
+        else:
+            sc[j - 8] |= (q & 0xF) << 4
+        sc[8 + j % 4] |= (q >> 4) << (2 * (j // 4))
+    dh = f16_to_f32(_byte(y, 108) | (_byte(y, 109) << 8))
+    for j in range(16):
+        low = (_byte(sc, j) & 0xF) if j < 8 else (_byte(sc, j - 8) >> 4)
+        d = dh * np.float32((low | (((_byte(sc, 8 + j % 4) >> (2 * (j // 4))) & 3) << 4)) - 32)
+        if d == _ZERO:
+            continue
+        for k in range(16):
+            L[16 * j + k] = max(-4, min(3, nearest_int(xb[16 * j + k] / d))) + 4
+    y[:32] = 0
+    for j in range(256):
+        if L[j] > 3:
+            y[j % 32] |= 1 << (j // 32)
+            L[j] -= 4
+    _pack_2bit(L, y[32:96])
 
 
 @njit(cache=True, error_model="numpy")
@@ -478,10 +522,10 @@ def _q3_k_row(x, out):
     |scale| (d = 1/(-32/max_scale)); quants redone with the fp16 scales, clamped to -4..3."""
     L = np.zeros(256, np.int64)
     scales = np.empty(16, np.float32)
+    codes = np.empty(16, np.int64)
     for b in range(x.size // 256):
         xb = x[256 * b:256 * b + 256]
         y = out[110 * b:110 * b + 110]
-        sc = y[96:108]
         max_scale = _ZERO
         amax = _ZERO
         for j in range(16):
@@ -490,32 +534,66 @@ def _q3_k_row(x, out):
             if abs(s) > amax:
                 amax = abs(s)
                 max_scale = s
-        sc[:] = 0
         if max_scale != _ZERO:
             iscale = np.float32(-32.0) / max_scale
             for j in range(16):
-                q = max(-32, min(31, _as_int8(nearest_int(iscale * scales[j]) & 0xFF))) + 32
-                if j < 8:
-                    sc[j] = q & 0xF
-                else:
-                    sc[j - 8] |= (q & 0xF) << 4
-                sc[8 + j % 4] |= (q >> 4) << (2 * (j // 4))
-            dh = _put_fp16(y, 108, _ONE / iscale)
+                codes[j] = max(-32, min(31, _as_int8(nearest_int(iscale * scales[j]) & 0xFF))) + 32
+            _put_fp16(y, 108, _ONE / iscale)
         else:
-            dh = _put_fp16(y, 108, _ZERO)
-        for j in range(16):
-            low = (_byte(sc, j) & 0xF) if j < 8 else (_byte(sc, j - 8) >> 4)
-            d = dh * np.float32((low | (((_byte(sc, 8 + j % 4) >> (2 * (j // 4))) & 3) << 4)) - 32)
-            if d == _ZERO:
-                continue
-            for k in range(16):
-                L[16 * j + k] = max(-4, min(3, nearest_int(xb[16 * j + k] / d))) + 4
-        y[:32] = 0
-        for j in range(256):
-            if L[j] > 3:
-                y[j % 32] |= 1 << (j // 32)
-                L[j] -= 4
-        _pack_2bit(L, y[32:96])
+            codes[:] = 0
+            _put_fp16(y, 108, _ZERO)
+        _q3_k_finish(xb, y, L, codes)
+
+
+@njit(cache=True, error_model="numpy")
+def _q4_k_q5_k_finish(xb, y, L, ls, lm, nbits):
+    """Q4_K / Q5_K tail: pack the 6-bit scale and min codes ls[8], lm[8] into scales[12] as
+    get_scale_min_k4 reads them (a code above 63 is cut to a byte as C stores it); with d and
+    dmin (bytes 0-3) stored, redo the quants of every sub-block whose d * scale is not 0
+    (clamped to 0..nmax) and pack them: per 64-value chunk c, qs[32c+l] = L[64c+l] |
+    L[64c+l+32] << 4 (low 4 bits); Q5_K qh: bit 2c of qh[l] = bit 4 of L[64c+l], bit 2c+1 =
+    bit 4 of L[64c+l+32]."""
+    nmax = 15 if nbits == 4 else 31
+    sc = y[4:16]
+    for j in range(8):
+        if j < 4:
+            sc[j] = ls[j] & 0xFF
+            sc[j + 4] = lm[j] & 0xFF
+        else:
+            sc[j + 4] = ((ls[j] & 0xF) | ((lm[j] & 0xF) << 4)) & 0xFF
+            sc[j - 4] = (_byte(sc, j - 4) | ((ls[j] >> 4) << 6)) & 0xFF
+            sc[j] = (_byte(sc, j) | ((lm[j] >> 4) << 6)) & 0xFF
+    dh = f16_to_f32(_byte(y, 0) | (_byte(y, 1) << 8))
+    dmh = f16_to_f32(_byte(y, 2) | (_byte(y, 3) << 8))
+    for j in range(8):
+        if j < 4:
+            s6 = _byte(sc, j) & 63
+            m6 = _byte(sc, j + 4) & 63
+        else:
+            s6 = (_byte(sc, j + 4) & 0xF) | ((_byte(sc, j - 4) >> 6) << 4)
+            m6 = (_byte(sc, j + 4) >> 4) | ((_byte(sc, j) >> 6) << 4)
+        d = dh * np.float32(s6)
+        if d == _ZERO:
+            continue
+        dm = dmh * np.float32(m6)
+        for k in range(32):
+            L[32 * j + k] = max(0, min(nmax, nearest_int((xb[32 * j + k] + dm) / d)))
+    qs = y[16:] if nbits == 4 else y[48:]
+    qh = y[16:48]
+    if nbits == 5:
+        qh[:] = 0
+    for c in range(4):
+        for k in range(32):
+            l1 = L[64 * c + k]
+            l2 = L[64 * c + k + 32]
+            if nbits == 5:
+                if l1 > 15:
+                    l1 -= 16
+                    qh[k] |= 1 << (2 * c)
+                if l2 > 15:
+                    l2 -= 16
+                    qh[k] |= 2 << (2 * c)
+            qs[32 * c + k] = (l1 | (l2 << 4)) & 0xFF
 
 
 @njit(cache=True, error_model="numpy")
@@ -524,10 +602,8 @@ def _q4_k_q5_k_row(x, out, nbits):
     Q4_K block (144 B): d f16, dmin f16, scales[12], qs[128]; Q5_K (176 B): d, dmin, scales[12],
     qh[32], qs[128]. 8 groups of 32: weights av_x + |x| (av_x = sqrt(sum x^2 / 32)),
     make_qkx2_quants(nmax 15 / 31, rmin -1 / -0.5, 0.1, 20 / 15 steps, squared error); scales
-    and mins quantized to 6 bits against the largest (d = max_scale/63, dmin = max_min/63),
-    packed as get_scale_min_k4 reads them; quants redone with the fp16 scales.
-    qs: per 64-value chunk c, byte 32c+l = L[64c+l] | L[64c+l+32] << 4 (low 4 bits);
-    Q5_K qh: bit 2c of qh[l] = bit 4 of L[64c+l], bit 2c+1 = bit 4 of L[64c+l+32]."""
+    and mins quantized to 6 bits against the largest (d = max_scale/63, dmin = max_min/63);
+    packed and re-quantized by _q4_k_q5_k_finish."""
     nmax = 15 if nbits == 4 else 31
     rmin = np.float32(-1.0) if nbits == 4 else np.float32(-0.5)
     nstep = 20 if nbits == 4 else 15
@@ -537,11 +613,12 @@ def _q4_k_q5_k_row(x, out, nbits):
     weights = np.empty(32, np.float32)
     scales = np.empty(8, np.float32)
     mins = np.empty(8, np.float32)
+    ls = np.empty(8, np.int64)
+    lm = np.empty(8, np.int64)
     f63 = np.float32(63.0)
     for b in range(x.size // 256):
         xb = x[256 * b:256 * b + 256]
         y = out[block_bytes * b:block_bytes * (b + 1)]
-        sc = y[4:16]
         max_scale = _ZERO
         max_min = _ZERO
         for j in range(8):
@@ -563,59 +640,26 @@ def _q4_k_q5_k_row(x, out, nbits):
         inv_scale = f63 / max_scale if max_scale > _ZERO else _ZERO
         inv_min = f63 / max_min if max_min > _ZERO else _ZERO
         for j in range(8):
-            ls = min(63, nearest_int(inv_scale * scales[j]) & 0xFF)
-            lm = min(63, nearest_int(inv_min * mins[j]) & 0xFF)
-            if j < 4:
-                sc[j] = ls
-                sc[j + 4] = lm
-            else:
-                sc[j + 4] = (ls & 0xF) | ((lm & 0xF) << 4)
-                sc[j - 4] |= (ls >> 4) << 6
-                sc[j] |= (lm >> 4) << 6
-        dh = _put_fp16(y, 0, max_scale / f63)
-        dmh = _put_fp16(y, 2, max_min / f63)
-        for j in range(8):
-            if j < 4:
-                s6 = _byte(sc, j) & 63
-                m6 = _byte(sc, j + 4) & 63
-            else:
-                s6 = (_byte(sc, j + 4) & 0xF) | ((_byte(sc, j - 4) >> 6) << 4)
-                m6 = (_byte(sc, j + 4) >> 4) | ((_byte(sc, j) >> 6) << 4)
-            d = dh * np.float32(s6)
-            if d == _ZERO:
-                continue
-            dm = dmh * np.float32(m6)
-            for k in range(32):
-                L[32 * j + k] = max(0, min(nmax, nearest_int((xb[32 * j + k] + dm) / d)))
-        qs = y[16:] if nbits == 4 else y[48:]
-        qh = y[16:48]
-        if nbits == 5:
-            qh[:] = 0
-        for c in range(4):
-            for k in range(32):
-                l1 = L[64 * c + k]
-                l2 = L[64 * c + k + 32]
-                if nbits == 5:
-                    if l1 > 15:
-                        l1 -= 16
-                        qh[k] |= 1 << (2 * c)
-                    if l2 > 15:
-                        l2 -= 16
-                        qh[k] |= 2 << (2 * c)
-                qs[32 * c + k] = (l1 | (l2 << 4)) & 0xFF
+            ls[j] = min(63, nearest_int(inv_scale * scales[j]) & 0xFF)
+            lm[j] = min(63, nearest_int(inv_min * mins[j]) & 0xFF)
+        _put_fp16(y, 0, max_scale / f63)
+        _put_fp16(y, 2, max_min / f63)
+        _q4_k_q5_k_finish(xb, y, L, ls, lm, nbits)
 
 
 @njit(cache=True, error_model="numpy")
-def _q6_k_row(x, out):
-    """quantize_row_q6_K_ref. Block (210 B): ql[128] (low 4 bits), qh[64] (high 2 bits),
-    scales int8[16], d f16. 16 groups of 16: make_qx_quants(nmax 32, rmse_type 1); scales
-    quantized against the one of largest |scale| (iscale = -128/max_scale, d = 1/iscale);
+def _q6_k_row(x, out, qw):
+    """quantize_row_q6_K_ref (qw empty) / quantize_row_q6_K_impl (qw f32[K], the row's
+    imatrix weights). Block (210 B): ql[128] (low 4 bits), qh[64] (high 2 bits), scales
+    int8[16], d f16. 16 groups of 16: make_qx_quants(nmax 32, rmse_type 1, weights x*x or qw);
+    scales quantized against the one of largest |scale| (iscale = -128/max_scale, d = 1/iscale);
     quants redone with the fp16 scales, clamped to -32..31; an all-tiny block is 210 zero bytes.
     Per half h (128 values, ql += 64h, qh += 32h) and l < 32: ql[l] = L[l] | L[l+64] << 4,
     ql[l+32] = L[l+32] | L[l+96] << 4 (low nibbles), qh[l] = bits 4-5 of L[l], L[l+32], L[l+64],
     L[l+96] at bits 0, 2, 4, 6."""
     L = np.zeros(256, np.int64)
     laux = np.empty(16, np.int64)
+    weights = np.empty(16, np.float32)
     scales = np.empty(16, np.float32)
     for b in range(x.size // 256):
         xb = x[256 * b:256 * b + 256]
@@ -623,7 +667,10 @@ def _q6_k_row(x, out):
         max_scale = _ZERO
         max_abs_scale = _ZERO
         for j in range(16):
-            s = _make_qx_quants(32, xb[16 * j:16 * j + 16], L[16 * j:16 * j + 16], laux)
+            xg = xb[16 * j:16 * j + 16]
+            for k in range(16):
+                weights[k] = qw[256 * b + 16 * j + k] if qw.size else xg[k] * xg[k]
+            s = _make_qx_quants(32, xg, weights, L[16 * j:16 * j + 16], laux)
             scales[j] = s
             if abs(s) > max_abs_scale:
                 max_abs_scale = abs(s)
@@ -724,8 +771,9 @@ def _kernel_q5_k(x, out):
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def _kernel_q6_k(x, out):
+    no_weights = np.empty(0, np.float32)
     for r in prange(x.shape[0]):
-        _q6_k_row(x[r], out[r])
+        _q6_k_row(x[r], out[r], no_weights)
 
 
 _KERNELS = {
@@ -748,20 +796,25 @@ def _as_type(ggml_type) -> GGMLQuantizationType:
     return t
 
 
-def quantize_rows(ggml_type, x: np.ndarray) -> np.ndarray:
+def quantize_rows(ggml_type, x: np.ndarray, quant_weights: np.ndarray | None = None) -> np.ndarray:
     """Quantize rows of float32 values to a GGML type, byte for byte as llama.cpp does.
 
-    Mirrors ggml_quantize_chunk(type, x, dst, 0, R, K, imatrix=NULL) of llama.cpp 0c1e57098
-    (see the module docstring): quantize_row_<type>_ref for the block types, the F16 / BF16 row
-    conversions, a copy for F32.
+    Mirrors ggml_quantize_chunk(type, x, dst, 0, R, K, imatrix) of llama.cpp 0c1e57098 (see the
+    module docstring): without quant_weights quantize_row_<type>_ref for the block types, the
+    F16 / BF16 row conversions, a copy for F32; with quant_weights, quantize_row_<type>_impl
+    (quant/blocks_imatrix.py) for Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, while
+    F32, F16, BF16 and Q8_0 ignore them as ggml does.
     ggml_type: a gguf.GGMLQuantizationType (or its int id) in SUPPORTED_TYPES: F32, F16, BF16,
     Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K.
     Shapes: x float32[R, K], C-contiguous, K a multiple of the type's block size (32 for
     Q4_0..Q8_0, 256 for the K-quants, 1 for F32/F16/BF16) -> uint8[R, K / block * type_size],
     a new array; row r holds the bytes of row r as they appear in a GGUF tensor.
-    NaN and Inf are accepted (they give ggml's bytes for them).
+    quant_weights: None, or float32[K], one importance weight per column (the imatrix entry
+    in_sum2 / counts of this tensor), the same for every row.
+    NaN and Inf are accepted in x (they give ggml's bytes for them).
     Raises QuantizeError for an unsupported type, an x that is not a C-contiguous 2-D float32
-    numpy array, or a K that is not a multiple of the block size.
+    numpy array, a K that is not a multiple of the block size, or quant_weights that are not
+    float32[K].
     """
     t = _as_type(ggml_type)
     if not isinstance(x, np.ndarray) or x.dtype != np.float32:
@@ -774,9 +827,20 @@ def quantize_rows(ggml_type, x: np.ndarray) -> np.ndarray:
     if k % block_size:
         raise QuantizeError(f"{t.name}: row length K={k} is not a multiple of the {t.name} "
                             f"block size {block_size}")
+    if quant_weights is not None:
+        if (not isinstance(quant_weights, np.ndarray) or quant_weights.dtype != np.float32
+                or quant_weights.shape != (k,)):
+            raise QuantizeError(f"quant_weights must be float32[{k}] (one per column), got "
+                                f"{getattr(quant_weights, 'dtype', type(quant_weights).__name__)}"
+                                f"{getattr(quant_weights, 'shape', '')}")
     if t == T.F32:
         return x.astype("<f4").view(np.uint8)
     out = np.empty((n_rows, k // block_size * type_size), np.uint8)
-    if out.size:
+    if not out.size:
+        return out
+    from quant.blocks_imatrix import WEIGHTED_KERNELS  # imports this module's helpers
+    if quant_weights is not None and t in WEIGHTED_KERNELS:
+        WEIGHTED_KERNELS[t](x, out, np.ascontiguousarray(quant_weights))
+    else:
         _KERNELS[t](x, out)
     return out

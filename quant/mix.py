@@ -86,6 +86,8 @@ class QuantizeOptions:
     leave_output_tensor: copy ``output.weight`` unchanged.
     allow_requantize: allow tensors that are already quantized to be converted (dequantized,
         then quantized again); without it such a tensor is an error.
+    has_imatrix: an importance matrix is given (llama.cpp's qs.has_imatrix): Q4_0 / Q5_0 mixes
+        then put the ffn_down of the first n_layer/8 layers in Q4_1 / Q5_1.
     """
 
     pure: bool = False
@@ -93,6 +95,7 @@ class QuantizeOptions:
     token_embedding_type: GGMLQuantizationType | None = None
     leave_output_tensor: bool = False
     allow_requantize: bool = False
+    has_imatrix: bool = False
 
 
 @dataclass(frozen=True)
@@ -308,7 +311,7 @@ def _ffn_down_layer(name: str, i_ffn_down: int, model: ModelParams) -> int:
 
 def _mixture_type(t: GGMLQuantizationType, name: str, cat: Category, ne0: int, ftype: str,
                   model: ModelParams, options: QuantizeOptions, st: _State) -> GGMLQuantizationType:
-    """llama_tensor_get_type_impl for the non-IQ ftypes, without imatrix. ``t`` is the ftype's
+    """llama_tensor_get_type_impl for the non-IQ ftypes. ``t`` is the ftype's
     base type. Advances the attn_v / ffn_down counters as llama.cpp does."""
     falcon = model.arch == "falcon"
     if cat is Category.OUTPUT or (st.tied and cat is Category.TOKEN_EMBD):
@@ -354,6 +357,8 @@ def _mixture_type(t: GGMLQuantizationType, name: str, cat: Category, ne0: int, f
             t = T.Q6_K
         elif ftype == "Q4_K_S" and not falcon and i < n // 8:
             t = T.Q5_K
+        elif ftype in ("Q4_0", "Q5_0") and options.has_imatrix and i < n // 8:
+            t = T.Q4_1 if ftype == "Q4_0" else T.Q5_1
         st.i_ffn_down += 1
     elif cat is Category.ATTN_OUTPUT:
         if falcon:

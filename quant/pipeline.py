@@ -1,12 +1,15 @@
 """``edge quantize``: convert a GGUF file to a quantization mix, byte for byte as llama-quantize.
 
-Mirrors ``llama_model_quantize_impl`` of llama.cpp 0c1e57098 (``src/llama-quant.cpp``) without
-imatrix. The output file:
+Mirrors ``llama_model_quantize_impl`` of llama.cpp 0c1e57098 (``src/llama-quant.cpp``), with an
+optional importance matrix (llama-quantize --imatrix; edge.imatrix.load_imatrix). The output file:
 
 - KV pairs: the source's, in source order, without ``general.quantization_version``,
   ``general.file_type`` and the ``split.*`` keys, then those two appended as uint32
   (quantization version 2, the llama_ftype of the mix): llama.cpp's gguf_set_val_* removes a key
-  and pushes it back.
+  and pushes it back. With an imatrix, then ``quantize.imatrix.file`` (the path as given, cut
+  to 127 bytes), ``quantize.imatrix.dataset`` (its first dataset, cut to 127 bytes, if any),
+  ``quantize.imatrix.entries_count`` and ``quantize.imatrix.chunks_count`` (uint32, the latter
+  when > 0): llama-quantize's KV overrides.
 - Tensor infos in llama_model_loader order (quant.mix.llama_order) with ``ggml_n_dims``
   dimensions; offsets are the running sum of the tensor sizes padded to 32 bytes.
 - Alignment 32 for the header and every tensor, always (llama-quant pads with
@@ -14,7 +17,8 @@ imatrix. The output file:
   which makes a file whose data does not sit where its own header says.
 - Tensor data: copied when the type does not change, else converted to float32 (F16/BF16
   widened, quantized sources dequantized by kernels_cpu.dequant: ggml's to_float) and quantized
-  by quant.blocks.quantize_rows (ggml_quantize_chunk), a slab of rows at a time.
+  by quant.blocks.quantize_rows (ggml_quantize_chunk), a slab of rows at a time, with the
+  tensor's imatrix weights (in_sum2 / counts) when the imatrix has an entry for it.
 
 The file is written to a temporary file beside the output, fsynced, then renamed over it: an
 error or Ctrl+C leaves neither a partial output nor the temporary file, and an existing output
@@ -27,13 +31,14 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFValueType, GGUFWriter, Keys
 
 from edge.gguf_file import GGUFFile
+from edge.imatrix import ImatrixError, ImatrixFile
 from edge.store import fsync_dir
 from kernels_cpu.dequant import KERNELS as DEQUANT_KERNELS
 from kernels_cpu.dequant import dequantize
@@ -65,6 +70,7 @@ class QuantizePlan:
     """What :func:`quantize_file` writes, computed without converting anything.
 
     source: the open source file; tensors: the output tensors in file order with their types;
+    imatrix: the importance matrix the tensors are quantized with (None: without);
     metadata: the output KV pairs as (key, value, value type, array element type), values in
     the form gguf.GGUFWriter packs (strings as UTF-8 bytes, arrays as lists);
     header_bytes: size of the header (KV pairs, tensor infos, padding); output_size: size of
@@ -77,6 +83,7 @@ class QuantizePlan:
     tensors: list[TensorChoice]
     metadata: list[tuple[str, object, GGUFValueType, GGUFValueType | None]]
     header_bytes: int
+    imatrix: ImatrixFile | None = None
 
     @property
     def source_size(self) -> int:
@@ -108,13 +115,45 @@ def _writer_value(key: str, field) -> tuple[object, int]:
     return np.asarray(v).tolist(), 12 + len(v) * _SCALAR_BYTES[atype]
 
 
-def plan_quantize(src: str | os.PathLike, ftype: FileType, options: QuantizeOptions) -> QuantizePlan:
+def _imatrix_metadata(imatrix: ImatrixFile) -> list[tuple[str, object, GGUFValueType, None]]:
+    """llama-quantize's KV overrides for an imatrix (tools/quantize/quantize.cpp)."""
+    out = [("quantize.imatrix.file", imatrix.path.encode("utf-8", "surrogateescape")[:127], V.STRING, None)]
+    if imatrix.datasets:
+        out.append(("quantize.imatrix.dataset", imatrix.datasets[0].encode("utf-8", "surrogateescape")[:127],
+                    V.STRING, None))
+    out.append(("quantize.imatrix.entries_count", len(imatrix.weights), V.UINT32, None))
+    if imatrix.chunk_count > 0:
+        out.append(("quantize.imatrix.chunks_count", imatrix.chunk_count, V.UINT32, None))
+    return out
+
+
+def _check_imatrix(imatrix: ImatrixFile, tensors: list[TensorChoice]) -> None:
+    """llama-quant: an entry whose size is not the tensor's row length (times its experts) is
+    an error, except for the token embeddings (quantized without); checked before writing."""
+    for t in tensors:
+        w = imatrix.weights.get(t.name)
+        n = t.shape[0] * (t.shape[2] if len(t.shape) > 2 else 1)
+        if t.converts and w is not None and w.size != n and t.name != "token_embd.weight":
+            raise ImatrixError(f"{imatrix.path}: the entry for {t.name} has {w.size} values, the tensor "
+                               f"needs {n} (an imatrix of another model?)")
+        if t.converts and w is not None and w.size == n != t.shape[0]:
+            raise ImatrixError(f"{imatrix.path}: {t.name} has {n // t.shape[0]} experts; edge cannot yet "
+                               "quantize per-expert slices with an imatrix")
+
+
+def plan_quantize(src: str | os.PathLike, ftype: FileType, options: QuantizeOptions,
+                  imatrix: ImatrixFile | None = None) -> QuantizePlan:
     """Open ``src`` and decide every output tensor's type, the output KV pairs and the sizes.
+    With ``imatrix`` (edge.imatrix.load_imatrix), the types llama.cpp chooses when it has one
+    and its metadata keys.
 
     Raises GGUFError (malformed source or missing hyperparameters), OSError (cannot open),
     QuantizeError (an option that cannot apply, a quantized tensor without allow_requantize, a
-    source type edge cannot dequantize, metadata edge cannot write).
+    source type edge cannot dequantize, metadata edge cannot write), ImatrixError (an entry
+    whose size does not match its tensor).
     """
+    if imatrix is not None:
+        options = replace(options, has_imatrix=True)
     gf = GGUFFile(src)
     model = ModelParams.from_gguf(gf)
     tensors = choose_types([(t.name, t.shape, t.ggml_type) for t in gf.tensors.values()], ftype, options, model)
@@ -133,9 +172,14 @@ def plan_quantize(src: str | os.PathLike, ftype: FileType, options: QuantizeOpti
                        (Keys.General.FILE_TYPE, ftype.file_type)):
         metadata.append((key, value, V.UINT32, None))
         size += 8 + len(key) + 4 + 4
+    if imatrix is not None:
+        _check_imatrix(imatrix, tensors)
+        for key, value, vtype, _ in _imatrix_metadata(imatrix):
+            metadata.append((key, value, vtype, None))
+            size += 8 + len(key) + 4 + (8 + len(value) if vtype == V.STRING else 4)
     for t in tensors:
         size += 8 + len(t.name.encode("utf-8", "surrogateescape")) + 4 + 8 * n_dims(t.shape) + 4 + 8
-    return QuantizePlan(gf, ftype, options, tensors, metadata, size + _pad(size))
+    return QuantizePlan(gf, ftype, options, tensors, metadata, size + _pad(size), imatrix)
 
 
 def _check_output_path(src: Path, dst: Path) -> None:
@@ -188,6 +232,10 @@ def _write_tensor(plan: QuantizePlan, t: TensorChoice, fout) -> Iterator[int]:
     at a time; yields the number of values of each slab written."""
     rows = plan.source.tensor_rows(t.name)
     k = t.shape[0]
+    weights = None
+    if plan.imatrix is not None and t.name in plan.imatrix.weights:
+        weights = plan.imatrix.weights[t.name]
+        weights = weights if weights.size == k else None      # token_embd of another size: without
     step = max(1, SLAB_BYTES // (4 * k))
     for r in range(0, t.n_rows, step):
         slab = rows[r : r + step]
@@ -196,7 +244,7 @@ def _write_tensor(plan: QuantizePlan, t: TensorChoice, fout) -> Iterator[int]:
         else:
             x = _to_f32(slab, t.src_type)
             _check_values(t, x, r)
-            q = quantize_rows(t.new_type, x)
+            q = quantize_rows(t.new_type, x, weights)
             _check_scales(t, q, r)
             fout.write(memoryview(q).cast("B"))
         yield len(slab) * k
@@ -205,8 +253,9 @@ def _write_tensor(plan: QuantizePlan, t: TensorChoice, fout) -> Iterator[int]:
 
 def quantize_file(src: str | os.PathLike, dst: str | os.PathLike, ftype: FileType,
                   options: QuantizeOptions = QuantizeOptions(),
-                  progress: ProgressCallback | None = None) -> QuantizePlan:
+                  progress: ProgressCallback | None = None, imatrix: ImatrixFile | None = None) -> QuantizePlan:
     """Quantize GGUF ``src`` into ``dst`` as llama-quantize does (same bytes); return the plan.
+    ``imatrix``: quantize with these importance weights (llama-quantize --imatrix).
 
     ``progress(done, total, tensor)`` is called as the work advances: ``done`` and ``total``
     count tensor values (all tensors), ``tensor`` is the one being written. Threads: those of
@@ -219,7 +268,7 @@ def quantize_file(src: str | os.PathLike, dst: str | os.PathLike, ftype: FileTyp
     """
     src, dst = Path(src), Path(dst)
     _check_output_path(src, dst)
-    plan = plan_quantize(src, ftype, options)
+    plan = plan_quantize(src, ftype, options, imatrix)
     free = shutil.disk_usage(dst.parent).free
     if free < plan.output_size:
         raise QuantizeError(f"not enough disk space in {dst.parent}: the output needs {plan.output_size:,} bytes, "

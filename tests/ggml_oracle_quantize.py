@@ -1,10 +1,11 @@
-"""Quantize float32 rows with ggml's own ggml_quantize_chunk (no imatrix): the oracle of
-tests/test_quant_blocks.py. Run by the interpreter of a llama-cpp-python install, whose
-llama_cpp/lib/libggml-base.so it loads through ctypes (llama_cpp itself is not imported):
+"""Quantize float32 rows with ggml's own ggml_quantize_chunk: the oracle of
+tests/test_quant_blocks.py (no imatrix) and tests/test_quant_imatrix.py (with one). Run by the
+interpreter of a llama-cpp-python install, whose llama_cpp/lib/libggml-base.so it loads through ctypes (llama_cpp itself is not imported):
 
     python ggml_oracle_quantize.py IN.npz OUT.npz
 
-IN.npz: x float32[R, K], types int64[n] (GGML type ids), row_bytes int64[n].
+IN.npz: x float32[R, K], types int64[n] (GGML type ids), row_bytes int64[n], and optionally
+qw float32[K] (the imatrix argument: one weight per column).
 OUT.npz: for each type id t, an array str(t) of uint8[R, row_bytes].
 """
 import ctypes
@@ -31,10 +32,12 @@ def main(src: str, dst: str) -> None:
     data = np.load(src)
     x = np.ascontiguousarray(data["x"], dtype=np.float32)
     n_rows, n_per_row = x.shape
+    qw = np.ascontiguousarray(data["qw"], dtype=np.float32) if "qw" in data else None
     results = {}
     for t, row_bytes in zip(data["types"].tolist(), data["row_bytes"].tolist()):
         out = np.zeros((n_rows, row_bytes), np.uint8)
-        written = lib.ggml_quantize_chunk(t, x.ctypes.data, out.ctypes.data, 0, n_rows, n_per_row, None)
+        written = lib.ggml_quantize_chunk(t, x.ctypes.data, out.ctypes.data, 0, n_rows, n_per_row,
+                                          None if qw is None else qw.ctypes.data)
         if written != out.size:
             sys.exit(f"ggml_quantize_chunk(type {t}) wrote {written} bytes, expected {out.size}")
         results[str(t)] = out

@@ -117,9 +117,11 @@ class Weight:
 
     ``rows`` is uint8[n_out, row_bytes]; calling it computes ``x @ W.T``: x f32[T, n_in]
     -> f32[T, n_out], through kernels_cpu.matmul (activations quantized as llama.cpp does).
+    ``observer`` (default None) is called as observer(name, x) before each product: the
+    activations an importance matrix is made of (edge.imatrix; ggml's eval callback).
     """
 
-    __slots__ = ("name", "ggml_type", "rows", "n_in", "n_out", "batch_invariant")
+    __slots__ = ("name", "ggml_type", "rows", "n_in", "n_out", "batch_invariant", "observer")
 
     def __init__(self, gf: GGUFFile, name: str, n_in: int, n_out: int | None = None):
         t = gf.tensors[name]
@@ -131,10 +133,13 @@ class Weight:
         self.rows = gf.tensor_rows(name)
         self.n_in, self.n_out = t.shape
         self.batch_invariant = False   # see Transformer.set_batch_invariant
+        self.observer = None           # see Transformer.set_observer
 
     def __call__(self, x: np.ndarray, out: np.ndarray | None = None, xq=None, workspace=None) -> np.ndarray:
         """x f32[T, n_in] -> out f32[T, n_out] (kernels_cpu.matmul.matmul: ``xq`` x already
         quantized for a weight of the same activation format, ``workspace`` its buffers)."""
+        if self.observer is not None:
+            self.observer(self.name, x)
         return matmul(self.rows, self.ggml_type, x, out, workspace, xq, self.batch_invariant)
 
     def get_rows(self, ids: np.ndarray) -> np.ndarray:
@@ -420,13 +425,26 @@ class Transformer:
         arithmetic; Q5_0 / Q8_0 take the GEMV structure and Q6_K the tiled kernel's (faster in
         batches, last bits differ from llama.cpp's VEC_DOT). Default off: llama.cpp's choice
         of kernel per batch size."""
-        for owner in [self, *self.blocks]:
-            for value in vars(owner).values():
-                if isinstance(value, Weight):
-                    value.batch_invariant = bool(on)
+        for w in self.weights():
+            w.batch_invariant = bool(on)
         for blk in self.blocks:
             blk.batch_invariant = bool(on)
         self.batch_invariant = bool(on)
+
+    def weights(self) -> list[Weight]:
+        """Every matrix the forward multiplies by (token_embd once, also when output is tied)."""
+        found = {}
+        for owner in [self, *self.blocks]:
+            for value in vars(owner).values():
+                if isinstance(value, Weight):
+                    found[id(value)] = value
+        return list(found.values())
+
+    def set_observer(self, observer=None) -> None:
+        """Call ``observer(weight_name, x f32[T, n_in])`` before every matrix product of the
+        forward (None: off, the default; the check costs one attribute test per product)."""
+        for w in self.weights():
+            w.observer = observer
 
     def new_cache(self, n_ctx: int, n_seq: int = 1, kv_type: str = "f16") -> KVCache:
         """An empty contiguous KV cache of n_ctx positions for each of n_seq sequences."""

@@ -1,0 +1,207 @@
+"""edge.imatrix (llama-imatrix) and quantization weighted by it (edge quantize --imatrix).
+
+1. Collection on gemma-3-270m: the sums of blk.0's attention input equal a numpy recomputation
+   from the token embeddings; entries, counts, chunk count; batches under 16 rows ignored;
+   the GGUF file round-trips; bad files are named errors.
+2. (slow) Q4_K_M of the F16 source with an imatrix of calib_text.txt: the same file bytes as
+   llama.cpp's llama_model_quantize given the same weights (ctypes, llama-cpp-python); and
+   Q4_K_M / Q3_K_M with the imatrix have a lower mean KL divergence from the F16 model on
+   ppl_text.txt than without it.
+"""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge.engine import Engine
+from edge.imatrix import ImatrixError, compute_imatrix, load_imatrix, write_imatrix
+from tests.conftest import GOLDEN
+
+ORACLE_PYTHON = Path("/tmp/llvenv/bin/python")  # llama-cpp-python 0.3.36, the build of the goldens
+ORACLE_SCRIPT = Path(__file__).with_name("llama_quantize_imatrix.py")
+MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_path):
+    return Engine(gemma_path, n_ctx=64, n_batch=64)
+
+
+@pytest.fixture(scope="module")
+def text() -> str:
+    return (GOLDEN / "ppl_text.txt").read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def small_imatrix(gemma, text):
+    return compute_imatrix(gemma, text, n_ctx=64, max_chunks=2, dataset="ppl_text.txt")
+
+
+def test_layer0_input_sums_match_numpy(gemma, text, small_imatrix):
+    """blk.0.attn_q's input is rms_norm(token embeddings * embed_scale) * attn_norm: recomputed
+    in float64 from the chunks (BOS first) it equals the collected float32 sums."""
+    model, tok = gemma.model, gemma.tokenizer
+    ids = tok.encode(text, add_special=True, parse_special=False)
+    chunks = [list(ids[c * 64:(c + 1) * 64]) for c in range(2)]
+    for chunk in chunks:
+        chunk[0] = tok.bos_id
+    x = model.token_embd.get_rows(np.array(sum(chunks, []))).astype(np.float64) * model.args.embed_scale
+    h = x / np.sqrt((x * x).mean(axis=1, keepdims=True) + model.args.rms_eps) * model.blocks[0].attn_norm
+    want = (h * h).sum(axis=0)
+    got = small_imatrix.sums["blk.0.attn_q.weight"]
+    assert got.dtype == np.float32 and got.shape == (model.args.n_embd,)
+    np.testing.assert_allclose(got, want, rtol=2e-4)
+    for name in ("attn_k", "attn_v"):   # the same input
+        assert np.array_equal(small_imatrix.sums[f"blk.0.{name}.weight"], got)
+
+
+def test_entries_counts_and_chunks(gemma, small_imatrix):
+    n_layer = gemma.model.args.n_layer
+    assert set(small_imatrix.sums) == {f"blk.{i}.{m}.weight" for i in range(n_layer) for m in MATRICES}
+    assert set(small_imatrix.counts.values()) == {128}
+    assert small_imatrix.chunk_count == 2 and small_imatrix.chunk_size == 64
+    assert small_imatrix.sums["blk.0.ffn_down.weight"].shape == (gemma.model.args.n_ff,)
+    assert all(np.isfinite(s).all() and (s > 0).any() for s in small_imatrix.sums.values())
+
+
+def test_small_batches_are_not_collected(gemma, text):
+    """llama-imatrix skips products of fewer than 16 activation rows: batches of 8 give nothing."""
+    imatrix = compute_imatrix(gemma, text, n_ctx=32, n_batch=8, max_chunks=1)
+    assert imatrix.sums == {} and imatrix.chunk_count == 0
+
+
+def test_observer_is_removed(gemma, small_imatrix):
+    assert all(w.observer is None for w in gemma.model.weights())
+
+
+def test_file_round_trip(tmp_path, small_imatrix):
+    path = tmp_path / "imatrix.gguf"
+    write_imatrix(path, small_imatrix)
+    loaded = load_imatrix(path)
+    assert loaded.datasets == ["ppl_text.txt"] and loaded.chunk_count == 2
+    assert set(loaded.weights) == set(small_imatrix.sums)
+    for name, sums in small_imatrix.sums.items():
+        assert np.array_equal(loaded.weights[name], sums / np.float32(128))
+    assert [p.name for p in tmp_path.iterdir()] == ["imatrix.gguf"]   # no temporary file left
+
+
+def test_bad_files_are_named(tmp_path, gemma_path):
+    with pytest.raises(ImatrixError, match="no such imatrix file"):
+        load_imatrix(tmp_path / "missing.gguf")
+    junk = tmp_path / "junk.dat"
+    junk.write_bytes(b"\x01\x00\x00\x00 not gguf")
+    with pytest.raises(ImatrixError, match="not a GGUF imatrix file"):
+        load_imatrix(junk)
+    with pytest.raises(ImatrixError, match="not an imatrix"):
+        load_imatrix(gemma_path)
+
+
+def test_too_short_text(gemma):
+    with pytest.raises(ValueError, match="needs at least"):
+        compute_imatrix(gemma, "short text", n_ctx=64)
+
+
+# ---------------------------------------------------------------------------------------------
+# quantization with the imatrix of calib_text.txt (slow)
+
+
+@pytest.fixture(scope="module")
+def calib_imatrix(gemma_f16_path, tmp_path_factory):
+    """The imatrix of the F16 source on calib_text.txt with llama-imatrix's defaults (-c 512, all
+    13 chunks; about 4 minutes on 2 cores), as a loaded file."""
+    engine = Engine(gemma_f16_path, n_ctx=512, n_batch=512)
+    text = (GOLDEN / "calib_text.txt").read_text(encoding="utf-8")
+    path = tmp_path_factory.mktemp("imatrix") / "calib.imatrix.gguf"
+    write_imatrix(path, compute_imatrix(engine, text, n_ctx=512, dataset="calib_text.txt"))
+    return load_imatrix(path)
+
+
+def _quantize(src: Path, dst: Path, ftype: str, imatrix=None) -> Path:
+    from quant.mix import QuantizeOptions, parse_file_type
+    from quant.pipeline import quantize_file
+
+    quantize_file(src, dst, parse_file_type(ftype), QuantizeOptions(), imatrix=imatrix)
+    return dst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q4_0"])
+def test_same_file_as_llama_quantize(gemma_f16_path, calib_imatrix, tmp_path, ftype):
+    if not ORACLE_PYTHON.is_file():
+        pytest.skip(f"{ORACLE_PYTHON} (llama-cpp-python) not found: cannot run llama_model_quantize")
+    ours = _quantize(gemma_f16_path, tmp_path / "edge.gguf", ftype, calib_imatrix)
+    np.savez(tmp_path / "w.npz", __file__=calib_imatrix.path, __dataset__=calib_imatrix.datasets[0],
+             __chunks__=calib_imatrix.chunk_count, **calib_imatrix.weights)
+    subprocess.run([str(ORACLE_PYTHON), str(ORACLE_SCRIPT), str(gemma_f16_path), str(tmp_path / "ll.gguf"), ftype,
+                    str(tmp_path / "w.npz")], check=True, timeout=900, capture_output=True)
+    a, b = ours.read_bytes(), (tmp_path / "ll.gguf").read_bytes()
+    assert len(a) == len(b)
+    assert a == b, f"first difference at byte {next(i for i in range(len(a)) if a[i] != b[i])}"
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x -= x.max(axis=1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+
+
+def mean_kld(base: Engine, others: list[Engine], text: str, n_ctx: int = 256, n_chunks: int = 4) -> list[float]:
+    """Mean over positions of KL(base || other) = sum_i p_base * (log p_base - log p_other), from
+    full logits, at llama-perplexity's scored positions (n_ctx/2 .. n_ctx-2 of each chunk of the
+    text tokenized without BOS, BOS first)."""
+    tok = base.tokenizer
+    ids = tok.encode(text, add_special=False, parse_special=False)
+    rows = slice(n_ctx // 2, n_ctx - 1)
+    totals, count = [0.0] * len(others), 0
+    for c in range(n_chunks):
+        chunk = list(ids[c * n_ctx:(c + 1) * n_ctx])
+        chunk[0] = tok.bos_id
+        base_lp = _log_softmax(base.model.forward(chunk, base.model.new_cache(n_ctx), rows))
+        p = np.exp(base_lp)
+        for k, other in enumerate(others):
+            lp = _log_softmax(other.model.forward(chunk, other.model.new_cache(n_ctx), rows))
+            totals[k] += float((p * (base_lp - lp)).sum())
+        count += base_lp.shape[0]
+    return [t / count for t in totals]
+
+
+@pytest.mark.slow
+def test_imatrix_lowers_kld(gemma_f16_path, calib_imatrix, tmp_path):
+    """The issue's check: Q4_K_M and Q3_K_M with the calib_text imatrix are closer to the F16
+    model (mean KLD on ppl_text.txt, 4 chunks of 256) than without it. Measured: Q4_K_M 0.00474 ->
+    0.00441 (gemma's rows of 640 put most of its matrices in the Q5_0 / Q8_0 fallbacks), Q3_K_M
+    0.181 -> 0.103."""
+    text = (GOLDEN / "ppl_text.txt").read_text(encoding="utf-8")
+    variants = [(ftype, imatrix) for ftype in ("Q4_K_M", "Q3_K_M") for imatrix in (None, calib_imatrix)]
+    engines = [Engine(_quantize(gemma_f16_path, tmp_path / f"{ftype}-{i}.gguf", ftype, imatrix), n_ctx=256, n_batch=256)
+               for i, (ftype, imatrix) in enumerate(variants)]
+    kld = mean_kld(Engine(gemma_f16_path, n_ctx=256, n_batch=256), engines, text)
+    print("mean KLD vs F16: " + ", ".join(f"{f}{' imatrix' if m else ''} {v:.5f}" for (f, m), v in zip(variants, kld)))
+    assert kld[1] < kld[0] and kld[3] < kld[2], kld
+
+
+def test_plan_with_imatrix(gemma_f16_path):
+    """The metadata keys llama-quantize adds, the Q4_0 ffn_down rule, and a wrong-sized entry
+    refused before anything is written."""
+    from edge.imatrix import ImatrixFile
+    from quant.mix import QuantizeOptions, parse_file_type
+    from quant.pipeline import plan_quantize
+
+    weights = {"blk.0.ffn_down.weight": np.ones(2048, np.float32)}
+    imatrix = ImatrixFile(path="x" * 200, weights=weights, datasets=["calib.txt"], chunk_count=13)
+    plan = plan_quantize(gemma_f16_path, parse_file_type("Q4_0"), QuantizeOptions(), imatrix)
+    keys = [m[0] for m in plan.metadata]
+    assert keys[-6:] == ["general.quantization_version", "general.file_type", "quantize.imatrix.file",
+                         "quantize.imatrix.dataset", "quantize.imatrix.entries_count", "quantize.imatrix.chunks_count"]
+    assert [m[1] for m in plan.metadata[-4:]] == [b"x" * 127, b"calib.txt", 1, 13]
+    types = {t.name: t.new_type.name for t in plan.tensors}
+    n_layer = sum(name.endswith("ffn_down.weight") for name in types)
+    assert [types[f"blk.{i}.ffn_down.weight"] for i in range(n_layer)] == \
+        ["Q4_1"] * (n_layer // 8) + ["Q4_0"] * (n_layer - n_layer // 8)
+    bad = ImatrixFile(path="bad.gguf", weights={"blk.0.attn_q.weight": np.ones(64, np.float32)}, datasets=[],
+                      chunk_count=0)
+    with pytest.raises(ImatrixError, match="bad.gguf: the entry for blk.0.attn_q.weight has 64 values"):
+        plan_quantize(gemma_f16_path, parse_file_type("Q4_K_M"), QuantizeOptions(), bad)
