@@ -3,14 +3,16 @@
 compute_imatrix runs the model over a text as llama-imatrix does: the text is tokenized with
 BOS (add_special), cut into n_chunks = n_tokens // n_ctx chunks of n_ctx tokens, each chunk
 evaluated alone from an empty KV cache with its first token replaced by BOS (when the model adds
-one), in batches of n_batch tokens, with the logits of every position computed (so the last
-layer sees every row). For every matrix product whose weight is named ``blk.*`` (or is
-``output.weight`` with process_output) and whose activation batch has at least 16 rows, the
-squares of the activations are summed per input column in float32, row after row
+one), in batches of n_batch tokens, with every row through every layer (llama-imatrix computes
+all logits, so its last layer sees every row; edge computes the last layer for all rows but the
+logits only when output.weight is collected, with process_output). For every matrix product
+whose weight is named ``blk.*`` (or is ``output.weight`` with process_output) and whose
+activation batch has at least 16 rows, the squares of the activations are summed per input column in float32, row after row
 (``values[j] += x[j]*x[j]``), and the rows counted (IMatrixCollector::collect_imatrix).
 
 The file (IMatrixCollector::save_imatrix, GGUF): tensors sorted by name, per weight W
-``W.in_sum2`` F32 [n_in, 1] (the sums) and ``W.counts`` F32 [1, 1] (the rows); KV
+``W.in_sum2`` F32 [n_in] (the sums) and ``W.counts`` F32 [1] (the rows: ggml [n_in, 1] and [1, 1]
+stored with ggml_n_dims dimensions); KV
 ``general.type`` = "imatrix", ``imatrix.datasets`` (array of str: the text file),
 ``imatrix.chunk_count`` (u32), ``imatrix.chunk_size`` (u32, n_ctx). Written to a temporary
 file and renamed. load_imatrix reads such a file back as the quantizer weights in_sum2 / counts
@@ -114,7 +116,8 @@ def compute_imatrix(engine, text: str, n_ctx: int, n_batch: int | None = None, m
                 chunk[0] = tok.bos_id
             cache = model.new_cache(n_ctx)
             for b in range(0, n_ctx, n_batch):
-                model.forward(chunk[b:b + n_batch], cache, slice(None))
+                model.forward(chunk[b:b + n_batch], cache, slice(None) if process_output else slice(0, 0),
+                              prune_last_layer=False)
             if on_chunk is not None:
                 on_chunk(c + 1, n_chunks)
     finally:
@@ -138,8 +141,9 @@ def write_imatrix(path: str | os.PathLike, imatrix: Imatrix) -> None:
         writer.add_uint32("imatrix.chunk_count", imatrix.chunk_count)
         writer.add_uint32("imatrix.chunk_size", imatrix.chunk_size)
         for name in sorted(imatrix.sums):
-            writer.add_tensor(f"{name}.in_sum2", imatrix.sums[name].reshape(1, -1))
-            writer.add_tensor(f"{name}.counts", np.array([[imatrix.counts[name]]], np.float32))
+            # ggml [n_in, 1] and [1, 1]: the file stores their ggml_n_dims, 1 dimension each
+            writer.add_tensor(f"{name}.in_sum2", imatrix.sums[name].reshape(-1))
+            writer.add_tensor(f"{name}.counts", np.array([imatrix.counts[name]], np.float32))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -203,9 +207,8 @@ def load_imatrix(path: str | os.PathLike) -> ImatrixFile:
             sums_info, counts_info = gf.tensors[tname], gf.tensors[base + ".counts"]
             if GGMLQuantizationType.F32 not in (sums_info.ggml_type,) or counts_info.ggml_type != GGMLQuantizationType.F32:
                 raise ImatrixError(f"{path}: {tname} and {base}.counts must be F32")
-            n_mat = counts_info.n_elements
-            if len(sums_info.shape) != 2 or sums_info.shape[1] != n_mat or len(counts_info.shape) != 2 \
-                    or counts_info.shape[0] != 1:
+            n_mat = counts_info.n_elements          # ggml [1, n_mat]; a file stores [1] for one matrix
+            if n_mat < 1 or sums_info.n_elements % n_mat or len(sums_info.shape) > 2 or len(counts_info.shape) > 2:
                 raise ImatrixError(f"{path}: {tname} shape {list(sums_info.shape)} does not match "
                                    f"{base}.counts shape {list(counts_info.shape)}")
             sums = gf.tensor_f32(tname).reshape(n_mat, -1).astype(np.float32)

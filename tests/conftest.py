@@ -87,3 +87,84 @@ def gemma_f16_path(gemma_path) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+class GemmaQuantLab:
+    """What the quantization tests share, each made once per session on first use (the slow
+    parts of tests/test_quantize_file.py, test_kl_divergence.py and test_imatrix.py):
+
+    - quantized(ftype, imatrix=False): path of edge's quantization of the gemma-3-270m F16 source
+      (with imatrix, weighted by calib_imatrix());
+    - calib_imatrix(): path of the F16 source's importance matrix of calib_text.txt with
+      llama-imatrix's defaults (-c 512, all 13 chunks);
+    - kld_base(): (PerplexityResult, path) of the F16 source on the perplexity golden's text at
+      its n_ctx (256), with the base log-probs saved (llama-perplexity --kl-divergence-base; 0.5 MB
+      per scored token);
+    - kld(ftype, imatrix=False): KLDivergenceResult of quantized(ftype, imatrix) against
+      kld_base() (it also gives the quantization's perplexity on the same tokens).
+    """
+
+    def __init__(self, f16_path: Path, folder: Path):
+        self.f16_path, self.folder = f16_path, folder
+        self._done: dict = {}
+
+    def _once(self, key, make):
+        if key not in self._done:
+            self._done[key] = make()
+        return self._done[key]
+
+    def quantized(self, ftype: str, imatrix: bool = False) -> Path:
+        def make():
+            from edge.imatrix import load_imatrix
+            from quant.mix import FILE_TYPES, QuantizeOptions
+            from quant.pipeline import quantize_file
+
+            path = self.folder / f"gemma-3-270m-{ftype}{'-imatrix' if imatrix else ''}.gguf"
+            weights = load_imatrix(self.calib_imatrix()) if imatrix else None
+            quantize_file(self.f16_path, path, FILE_TYPES[ftype], QuantizeOptions(), imatrix=weights)
+            return path
+        return self._once(("quantized", ftype, imatrix), make)
+
+    def calib_imatrix(self) -> Path:
+        def make():
+            from edge.engine import Engine
+            from edge.imatrix import compute_imatrix, write_imatrix
+
+            path = self.folder / "calib.imatrix.gguf"
+            text = (GOLDEN / "calib_text.txt").read_text(encoding="utf-8")
+            engine = Engine(self.f16_path, n_ctx=512, n_batch=512)
+            write_imatrix(path, compute_imatrix(engine, text, n_ctx=512, dataset="calib_text.txt"))
+            return path
+        return self._once("imatrix", make)
+
+    def kld_base(self):
+        def make():
+            from edge.engine import Engine
+            from edge.perplexity import perplexity
+
+            ref = golden("gemma3-270m", "perplexity.json")
+            n_ctx = int(ref["n_ctx"])
+            path = self.folder / "gemma-3-270m-f16.kld"
+            text = (GOLDEN / ref["text_file"]).read_text(encoding="utf-8")
+            return perplexity(Engine(self.f16_path, n_ctx=n_ctx), text, n_ctx, save_base=path), path
+        return self._once("kld_base", make)
+
+    def kld(self, ftype: str, imatrix: bool = False):
+        def make():
+            from edge.engine import Engine
+            from edge.kl_divergence import kl_divergence
+            from edge.logits_file import BaseLogits
+
+            base = BaseLogits(self.kld_base()[1])
+            res = kl_divergence(Engine(self.quantized(ftype, imatrix), n_ctx=base.n_ctx), base)
+            s = res.summary()
+            print(f"{ftype}{' imatrix' if imatrix else ''} vs F16: mean KLD {s['kld'][0]:.6f} ± {s['kld'][1]:.6f}, "
+                  f"same top {100 * s['same_top'][0]:.3f} %, PPL {s['ppl'][0]:.4f} (F16 {s['ppl_base'][0]:.4f})")
+            return res
+        return self._once(("kld", ftype, imatrix), make)
+
+
+@pytest.fixture(scope="session")
+def gemma_quant_lab(gemma_f16_path, tmp_path_factory) -> GemmaQuantLab:
+    """The session's GemmaQuantLab (files in a session temporary folder)."""
+    return GemmaQuantLab(gemma_f16_path, tmp_path_factory.mktemp("gemma-quant"))

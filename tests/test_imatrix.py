@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -86,6 +87,36 @@ def test_file_round_trip(tmp_path, small_imatrix):
     for name, sums in small_imatrix.sums.items():
         assert np.array_equal(loaded.weights[name], sums / np.float32(128))
     assert [p.name for p in tmp_path.iterdir()] == ["imatrix.gguf"]   # no temporary file left
+    # as llama-imatrix writes them: ggml [n_in, 1] and [1, 1] stored with ggml_n_dims dimensions
+    from edge.gguf_file import GGUFFile
+
+    gf = GGUFFile(path)
+    assert gf.tensors["blk.0.ffn_down.weight.in_sum2"].shape == (small_imatrix.sums["blk.0.ffn_down.weight"].size,)
+    assert gf.tensors["blk.0.ffn_down.weight.counts"].shape == (1,)
+    gf.close()
+
+
+def test_two_dimensional_entries_are_read(tmp_path):
+    """llama.cpp's loader takes in_sum2 [n, n_mat] with counts [1, n_mat] (n_mat matrices, e.g.
+    experts) and divides each matrix's sums by its own count; a zero count gives weights of 1."""
+    from gguf import GGUFWriter
+
+    path = tmp_path / "two.gguf"
+    w = GGUFWriter(path, arch="")
+    w.kv_data[0].clear()
+    w.add_string("general.type", "imatrix")
+    w.add_array("imatrix.datasets", ["x.txt"])
+    w.add_uint32("imatrix.chunk_count", 3)
+    w.add_uint32("imatrix.chunk_size", 512)
+    w.add_tensor("blk.0.ffn_up.weight.in_sum2", np.array([[2, 4, 6], [1, 1, 1]], np.float32))    # [3, 2]
+    w.add_tensor("blk.0.ffn_up.weight.counts", np.array([[2], [0]], np.float32))                # [1, 2]
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    loaded = load_imatrix(path)
+    assert loaded.chunk_count == 3 and loaded.datasets == ["x.txt"]
+    assert loaded.weights["blk.0.ffn_up.weight"].tolist() == [1, 2, 3, 1, 1, 1]
 
 
 def test_bad_files_are_named(tmp_path, gemma_path):
@@ -109,14 +140,10 @@ def test_too_short_text(gemma):
 
 
 @pytest.fixture(scope="module")
-def calib_imatrix(gemma_f16_path, tmp_path_factory):
+def calib_imatrix(gemma_quant_lab):
     """The imatrix of the F16 source on calib_text.txt with llama-imatrix's defaults (-c 512, all
-    13 chunks; about 4 minutes on 2 cores), as a loaded file."""
-    engine = Engine(gemma_f16_path, n_ctx=512, n_batch=512)
-    text = (GOLDEN / "calib_text.txt").read_text(encoding="utf-8")
-    path = tmp_path_factory.mktemp("imatrix") / "calib.imatrix.gguf"
-    write_imatrix(path, compute_imatrix(engine, text, n_ctx=512, dataset="calib_text.txt"))
-    return load_imatrix(path)
+    13 chunks), as a loaded file."""
+    return load_imatrix(gemma_quant_lab.calib_imatrix())
 
 
 def _quantize(src: Path, dst: Path, ftype: str, imatrix=None) -> Path:
@@ -142,45 +169,61 @@ def test_same_file_as_llama_quantize(gemma_f16_path, calib_imatrix, tmp_path, ft
     assert a == b, f"first difference at byte {next(i for i in range(len(a)) if a[i] != b[i])}"
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64)
-    x -= x.max(axis=1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
-
-
-def mean_kld(base: Engine, others: list[Engine], text: str, n_ctx: int = 256, n_chunks: int = 4) -> list[float]:
-    """Mean over positions of KL(base || other) = sum_i p_base * (log p_base - log p_other), from
-    full logits, at llama-perplexity's scored positions (n_ctx/2 .. n_ctx-2 of each chunk of the
-    text tokenized without BOS, BOS first)."""
-    tok = base.tokenizer
-    ids = tok.encode(text, add_special=False, parse_special=False)
-    rows = slice(n_ctx // 2, n_ctx - 1)
-    totals, count = [0.0] * len(others), 0
-    for c in range(n_chunks):
-        chunk = list(ids[c * n_ctx:(c + 1) * n_ctx])
-        chunk[0] = tok.bos_id
-        base_lp = _log_softmax(base.model.forward(chunk, base.model.new_cache(n_ctx), rows))
-        p = np.exp(base_lp)
-        for k, other in enumerate(others):
-            lp = _log_softmax(other.model.forward(chunk, other.model.new_cache(n_ctx), rows))
-            totals[k] += float((p * (base_lp - lp)).sum())
-        count += base_lp.shape[0]
-    return [t / count for t in totals]
+def _paired_kld_difference(a, b) -> tuple[float, float]:
+    """Mean of b.kld - a.kld over the same positions and the standard error of that mean."""
+    d = b.kld - a.kld
+    return float(d.mean()), float(d.std(ddof=1) / np.sqrt(len(d)))
 
 
 @pytest.mark.slow
-def test_imatrix_lowers_kld(gemma_f16_path, calib_imatrix, tmp_path):
-    """The issue's check: Q4_K_M and Q3_K_M with the calib_text imatrix are closer to the F16
-    model (mean KLD on ppl_text.txt, 4 chunks of 256) than without it. Measured: Q4_K_M 0.00474 ->
-    0.00441 (gemma's rows of 640 put most of its matrices in the Q5_0 / Q8_0 fallbacks), Q3_K_M
-    0.181 -> 0.103."""
-    text = (GOLDEN / "ppl_text.txt").read_text(encoding="utf-8")
-    variants = [(ftype, imatrix) for ftype in ("Q4_K_M", "Q3_K_M") for imatrix in (None, calib_imatrix)]
-    engines = [Engine(_quantize(gemma_f16_path, tmp_path / f"{ftype}-{i}.gguf", ftype, imatrix), n_ctx=256, n_batch=256)
-               for i, (ftype, imatrix) in enumerate(variants)]
-    kld = mean_kld(Engine(gemma_f16_path, n_ctx=256, n_batch=256), engines, text)
-    print("mean KLD vs F16: " + ", ".join(f"{f}{' imatrix' if m else ''} {v:.5f}" for (f, m), v in zip(variants, kld)))
-    assert kld[1] < kld[0] and kld[3] < kld[2], kld
+def test_imatrix_lowers_kld(gemma_quant_lab):
+    """The issue's check: the calib_text imatrix brings Q3_K_M much closer to the F16 model (mean
+    KLD on ppl_text.txt, all 13 chunks of 256, as edge perplexity --kl-divergence). Measured:
+    Q3_K_M 0.268 -> 0.146.
+
+    Q4_K_M of gemma-3-270m moves only within the noise: its rows of 640 leave few Q4_K tensors,
+    and its biggest loss, the tied output matrix in Q8_0, takes no imatrix. Measured: 0.00589 ->
+    0.00596 with edge's imatrix, 0.00581 with llama-imatrix's own of the same text (which differs
+    from edge's by < 1e-3 relative, test_same_imatrix_as_llama_imatrix); the paired difference is
+    within its standard error either way. So Q4_K_M is held to "not significantly worse"."""
+    q3, q3w = gemma_quant_lab.kld("Q3_K_M"), gemma_quant_lab.kld("Q3_K_M", imatrix=True)
+    assert q3w.summary()["kld"][0] < 0.75 * q3.summary()["kld"][0]
+    diff, se = _paired_kld_difference(gemma_quant_lab.kld("Q4_K_M"), gemma_quant_lab.kld("Q4_K_M", imatrix=True))
+    print(f"Q4_K_M: imatrix - plain mean KLD {diff:+.6f} +- {se:.6f}")
+    assert diff < 2 * se
+
+
+LLAMA_CPP_BIN = Path(os.environ.get("EDGE_LLAMA_CPP_BIN", "/tmp/llbuild/bin"))   # llama.cpp tools built from
+# the source llama-cpp-python 0.3.36 vendors (0c1e57098), where a developer has built them
+
+
+@pytest.mark.slow
+def test_same_imatrix_as_llama_imatrix(gemma_quant_lab, gemma_f16_path, tmp_path):
+    """llama-imatrix on the same model and text: the same entries, counts and chunk count, sums
+    within 2e-3 of the largest (edge's F16 products round differently), and llama-quantize reads
+    edge's file into the same bytes edge quantize writes with it."""
+    if not (LLAMA_CPP_BIN / "llama-imatrix").is_file() or not (LLAMA_CPP_BIN / "llama-quantize").is_file():
+        pytest.skip(f"llama-imatrix / llama-quantize not found in {LLAMA_CPP_BIN} (EDGE_LLAMA_CPP_BIN)")
+    from edge.gguf_file import GGUFFile
+
+    theirs_path = tmp_path / "llama.imatrix.gguf"
+    subprocess.run([str(LLAMA_CPP_BIN / "llama-imatrix"), "-m", str(gemma_f16_path), "-f", str(GOLDEN / "calib_text.txt"),
+                    "-o", str(theirs_path), "-t", "2", "--no-ppl"], check=True, capture_output=True, timeout=900)
+    ours, theirs = load_imatrix(gemma_quant_lab.calib_imatrix()), load_imatrix(theirs_path)
+    assert set(ours.weights) == set(theirs.weights) and ours.chunk_count == theirs.chunk_count == 13
+    for name, w in theirs.weights.items():
+        assert np.abs(ours.weights[name] - w).max() <= 2e-3 * np.abs(w).max(), name
+    a, b = GGUFFile(gemma_quant_lab.calib_imatrix()), GGUFFile(theirs_path)
+    assert [(t.name, t.shape) for t in a.tensors.values()] == [(t.name, t.shape) for t in b.tensors.values()]
+    assert all(a.tensor_f32(n).tolist() == b.tensor_f32(n).tolist() for n in a.tensors if n.endswith(".counts"))
+    a.close()
+    b.close()
+    out = tmp_path / "ll-Q3_K_M.gguf"
+    subprocess.run([str(LLAMA_CPP_BIN / "llama-quantize"), "--imatrix", str(gemma_quant_lab.calib_imatrix()),
+                    str(gemma_f16_path), str(out), "Q3_K_M", "2"], check=True, capture_output=True, timeout=900)
+    mine = tmp_path / "edge-Q3_K_M.gguf"
+    _quantize(gemma_f16_path, mine, "Q3_K_M", load_imatrix(gemma_quant_lab.calib_imatrix()))
+    assert out.read_bytes() == mine.read_bytes()
 
 
 def test_plan_with_imatrix(gemma_f16_path):

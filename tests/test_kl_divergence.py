@@ -170,15 +170,9 @@ def test_statistics_and_percentiles():
 
 # ------------------------------------------------------------------------- (b), (c) real models
 @pytest.fixture(scope="module")
-def f16_base(gemma_f16_path, tmp_path_factory):
+def f16_base(gemma_quant_lab):
     """(F16 perplexity result, base file) of the F16 source on the perplexity text, n_ctx 256."""
-    from edge.engine import Engine
-    from edge.perplexity import perplexity
-
-    path = tmp_path_factory.mktemp("kld") / "gemma-f16.kld"
-    text = (GOLDEN / golden("gemma3-270m", "perplexity.json")["text_file"]).read_text(encoding="utf-8")
-    res = perplexity(Engine(gemma_f16_path, n_ctx=N_CTX), text, N_CTX, save_base=path)
-    return res, path
+    return gemma_quant_lab.kld_base()
 
 
 @pytest.mark.slow
@@ -201,9 +195,9 @@ def test_model_against_its_own_base(f16_base, gemma_f16_path):
     from edge.engine import Engine
 
     res, path = f16_base
-    kld = kl_divergence(Engine(gemma_f16_path, n_ctx=N_CTX), BaseLogits(path), max_chunks=4)
+    kld = kl_divergence(Engine(gemma_f16_path, n_ctx=N_CTX), BaseLogits(path), max_chunks=2)
     s = kld.summary()
-    assert kld.count == 4 * n_scored(N_CTX)
+    assert kld.count == 2 * n_scored(N_CTX)
     assert abs(s["kld"][0]) < 1e-4 and np.abs(kld.kld).max() < 1e-3
     assert s["same_top"][0] == 1.0
     assert s["ppl"][0] == pytest.approx(math.exp(np.mean(res.nll[: kld.count])), rel=1e-6)
@@ -211,26 +205,9 @@ def test_model_against_its_own_base(f16_base, gemma_f16_path):
 
 
 @pytest.fixture(scope="module")
-def quant_kld(f16_base, gemma_f16_path, tmp_path_factory):
+def quant_kld(gemma_quant_lab):
     """ftype -> (path of edge's quantization of the F16 source, its KLDivergenceResult vs the F16 base)."""
-    from edge.engine import Engine
-    from quant.mix import FILE_TYPES
-    from quant.pipeline import quantize_file
-
-    folder = tmp_path_factory.mktemp("kldq")
-    done = {}
-
-    def get(ftype: str):
-        if ftype not in done:
-            out = folder / f"gemma-3-270m-{ftype}.gguf"
-            quantize_file(gemma_f16_path, out, FILE_TYPES[ftype])
-            done[ftype] = out, kl_divergence(Engine(out, n_ctx=N_CTX), BaseLogits(f16_base[1]))
-            s = done[ftype][1].summary()
-            print(f"{ftype}: mean KLD {s['kld'][0]:.6f} ± {s['kld'][1]:.6f}, same top "
-                  f"{100 * s['same_top'][0]:.3f} ± {100 * s['same_top'][1]:.3f} %, PPL {s['ppl'][0]:.4f} "
-                  f"(base {s['ppl_base'][0]:.4f})")
-        return done[ftype]
-    return get
+    return lambda ftype: (gemma_quant_lab.quantized(ftype), gemma_quant_lab.kld(ftype))
 
 
 @pytest.mark.slow

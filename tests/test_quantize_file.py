@@ -65,17 +65,9 @@ def gemma_src(gemma_f16_path) -> GGUFFile:
 
 
 @pytest.fixture(scope="module")
-def quantized(gemma_f16_path, tmp_path_factory):
-    """ftype -> path of edge's quantization of the F16 source (made once per module)."""
-    folder = tmp_path_factory.mktemp("quantized")
-    made = {}
-
-    def get(ftype: str) -> Path:
-        if ftype not in made:
-            made[ftype] = folder / f"gemma-3-270m-{ftype}.gguf"
-            quantize_file(gemma_f16_path, made[ftype], FILE_TYPES[ftype])
-        return made[ftype]
-    return get
+def quantized(gemma_quant_lab):
+    """ftype -> path of edge's quantization of the F16 source (made once per session)."""
+    return gemma_quant_lab.quantized
 
 
 def _write_gguf(path: Path, tensors: dict[str, np.ndarray], n_layer: int = 2, alignment: int | None = None) -> Path:
@@ -423,19 +415,17 @@ PPL_MIXES = GOLDEN_MIXES
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ftype", PPL_MIXES)
-def test_perplexity_within_half_percent(quantized, ftype):
-    """quantize.json's ppl_method: n_ctx 256, BOS first, second half of each chunk scored."""
-    from edge.engine import Engine
-    from edge.perplexity import perplexity
-
+def test_perplexity_within_half_percent(gemma_quant_lab, ftype):
+    """quantize.json's ppl_method: n_ctx 256, BOS first, second half of each chunk scored. The
+    perplexity is the one the KL-divergence run against the F16 source computes on the same
+    tokens (edge.perplexity.chunk_logits; tests/test_kl_divergence.py checks it against plain
+    edge.perplexity)."""
     ref = golden("gemma3-270m", "perplexity.json")
-    engine = Engine(quantized(ftype), n_ctx=256)
-    t0 = time.perf_counter()
-    res = perplexity(engine, (GOLDEN / ref["text_file"]).read_text(encoding="utf-8"), 256)
-    print(f"{ftype}: ppl {res.ppl:.4f} (llama.cpp {float(GOLD['quantized'][ftype]['ppl']):.4f}), "
-          f"{time.perf_counter() - t0:.1f} s")
-    assert res.n_scored == int(ref["n_scored"])
-    assert abs(res.ppl / float(GOLD["quantized"][ftype]["ppl"]) - 1) <= 0.005
+    res = gemma_quant_lab.kld(ftype)
+    ppl = res.summary()["ppl"][0]
+    print(f"{ftype}: ppl {ppl:.4f} (llama.cpp {float(GOLD['quantized'][ftype]['ppl']):.4f})")
+    assert res.count == int(ref["n_scored"])
+    assert abs(ppl / float(GOLD["quantized"][ftype]["ppl"]) - 1) <= 0.005
 
 
 # ------------------------------------------------------------------ (d) llama.cpp runs the output

@@ -458,7 +458,8 @@ class Transformer:
             local = ops.rope_cos_sin(positions, a.n_rot, a.rope_freq_base_swa, a.rope_freq_scale_swa)
         return glob, local
 
-    def forward(self, tokens, cache: KVCache, logits_rows=None, seq_ids=None) -> np.ndarray:
+    def forward(self, tokens, cache: KVCache, logits_rows=None, seq_ids=None,
+                prune_last_layer: bool = True) -> np.ndarray:
         """Process ``tokens`` (int[T]) and append them to their sequences in ``cache``.
 
         ``seq_ids`` (int[T], default all 0) gives each row's sequence slot; the rows of one
@@ -468,7 +469,10 @@ class Transformer:
 
         Returns logits f32[len(rows), n_vocab] for the batch rows ``logits_rows`` (default: the
         last row of each sequence in the batch, in order of appearance; ``slice(None)`` for
-        all; no rows: only the K/V are computed, f32[0, n_vocab]). Raises ValueError for an empty batch, a token id outside the vocabulary, a bad or
+        all; no rows: only the K/V are computed, f32[0, n_vocab]). The last layer computes only
+        those rows (as llama.cpp's inp_out_ids); ``prune_last_layer=False`` makes it compute
+        every row (an importance matrix sees all of them) and still returns only those logits.
+        Raises ValueError for an empty batch, a token id outside the vocabulary, a bad or
         interleaved sequence id, or rows that do not fit in n_ctx.
         """
         tokens = np.asarray(tokens, dtype=np.int64)
@@ -491,8 +495,11 @@ class Transformer:
         last = len(self.blocks) - 1
         for il, blk in enumerate(self.blocks):
             x = blk(x, seq_ids, positions, local if blk.is_swa else glob, cache.k[il], cache.v[il],
-                    cache.layer_tables(il), self.scratch, logits_rows if il == last else None)
+                    cache.layer_tables(il), self.scratch,
+                    logits_rows if il == last and prune_last_layer else None)
         cache.commit(runs, lengths)
+        if not prune_last_layer:
+            x = x[logits_rows]
         if x.shape[0] == 0:                                                # no logits asked for
             return np.empty((0, self.args.n_vocab), np.float32)
         h = x                                                              # [rows, n_embd]
