@@ -298,8 +298,20 @@ def cmd_serve(args) -> int:
     where = f"unix:{args.unix_socket}" if args.unix_socket else f"http://{args.host}:{args.port}"
     print(f"edge serve: {Path(model).name} on {where} (-np {args.parallel}, -c {args.ctx_size}); "
           "Ctrl+C stops after the running requests (twice: at once)", file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(create_app(config), log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=None))
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            """A second Ctrl+C exits at once, with status 130 and one line: uvicorn would cancel
+            the running requests and print their tracebacks."""
+            if self.should_exit and sig == signal.SIGINT:
+                print("\ninterrupted: running requests dropped", file=sys.stderr, flush=True)
+                if args.unix_socket:
+                    with contextlib.suppress(OSError):
+                        os.unlink(args.unix_socket)
+                os._exit(128 + signal.SIGINT)
+            super().handle_exit(sig, frame)
+
+    server = _Server(uvicorn.Config(create_app(config), log_level="warning", access_log=False,
+                                    timeout_graceful_shutdown=None))
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:   # uvicorn re-raises the Ctrl+C it handled: the drain is done

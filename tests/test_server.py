@@ -897,3 +897,28 @@ def test_queue_full_then_sigint_drains(qwen_path, tmp_path):
         assert srv.proc.wait(15) == 0, srv.log_text()
     finally:
         srv.stop()
+
+
+def test_second_sigint_exits_at_once_without_traceback(gemma_path, tmp_path):
+    """Ctrl+C twice during a long stream: the server exits at once with status 130 and one line,
+    not uvicorn's tracebacks of the cancelled requests; the client sees the stream end early."""
+    srv = Server(["-m", str(gemma_path), "-np", "1", "-c", "512"], tmp_path / "serve.log")
+    try:
+        srv.wait_ready(120)
+        running = _start(srv, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 400,
+                                                  "temperature": 0, "stream": True})
+        r = running.getresponse()
+        r.readline()
+        srv.proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        srv.proc.send_signal(signal.SIGINT)
+        assert srv.proc.wait(10) == 128 + signal.SIGINT
+        try:
+            rest = r.read()
+        except http.client.IncompleteRead as e:              # the chunked stream was cut
+            rest = e.partial
+        assert b"[DONE]" not in rest
+        log = srv.log_text()
+        assert "Traceback" not in log and "interrupted: running requests dropped" in log, log
+    finally:
+        srv.stop()
