@@ -403,6 +403,15 @@ def _kernels_compiled() -> bool:
         return True
 
 
+def _refuse_overwriting(out: str | Path, flag: str, **inputs) -> None:
+    """ValueError when the output ``out`` (of option ``flag``) is one of the named input files
+    (the same file, also through links): writing it would destroy the input."""
+    out = Path(out)
+    for what, path in inputs.items():
+        if path is not None and out.exists() and Path(path).exists() and os.path.samefile(out, path):
+            raise ValueError(f"{flag} {out} is the {what.replace('_', ' ')} file; give another output path")
+
+
 def _load_engine(args):
     from edge.engine import Engine
     from edge.store import resolve_model
@@ -521,6 +530,8 @@ def cmd_perplexity(args) -> int:
         raise ValueError(f"{args.file} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     args.batch_size = min(args.batch_size, args.ctx_size)
     engine = _load_engine(args)
+    if args.kl_divergence_base:
+        _refuse_overwriting(args.kl_divergence_base, "--kl-divergence-base", model=engine.path, text=args.file)
     t0 = time.perf_counter()
 
     def on_chunk(i, running):
@@ -574,6 +585,7 @@ def cmd_imatrix(args) -> int:
         raise ValueError(f"-o {out}: not a file path in an existing folder")
     args.batch_size = min(args.batch_size, args.ctx_size)
     engine = _load_engine(args)
+    _refuse_overwriting(out, "-o", model=engine.path, text=args.file)
     t0 = time.perf_counter()
 
     def on_chunk(i, n):

@@ -150,6 +150,7 @@ def write_imatrix(path: str | os.PathLike, imatrix: Imatrix) -> None:
         writer.close()
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)                    # mkstemp made it private
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

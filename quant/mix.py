@@ -56,14 +56,26 @@ FILE_TYPES: dict[str, FileType] = {
 }
 
 
+# llama-quantize's QUANT_OPTIONS aliases (tools/quantize/quantize.cpp)
+FILE_TYPE_ALIASES = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}
+# llama-quantize's other types, which edge does not write (named in the error)
+NOT_SUPPORTED = ("Q1_0", "Q2_0", "MXFP4_MOE", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M", "TQ1_0",
+                 "TQ2_0", "Q2_K_S", "IQ3_XXS", "IQ3_S", "IQ3_M", "IQ3_XS", "IQ4_NL", "IQ4_XS", "F32", "COPY")
+
+
 def parse_file_type(text: str) -> FileType:
     """A TYPE argument as llama-quantize's ``try_parse_ftype`` reads it: a name, any case
-    (``q4_k_m``), or the llama_ftype number (``15``). Raises QuantizeError listing the choices."""
-    ft = FILE_TYPES.get(text.strip().upper())
+    (``q4_k_m``), llama-quantize's aliases (Q3_K, Q4_K, Q5_K: the _M mixes), or the llama_ftype
+    number (``15``). Raises QuantizeError listing the choices, and saying so for llama-quantize's
+    types edge does not write (IQ*, TQ*, Q2_K_S, F32, COPY, ...)."""
+    name = text.strip().upper()
+    ft = FILE_TYPES.get(FILE_TYPE_ALIASES.get(name, name))
     if ft is None and text.strip().isdigit():
         ft = next((f for f in FILE_TYPES.values() if f.file_type == int(text)), None)
     if ft is None:
-        raise QuantizeError(f"unknown quantization type {text!r}; choose one of: {', '.join(FILE_TYPES)}")
+        what = (f"{name} is a llama-quantize type that edge does not write" if name in NOT_SUPPORTED
+                else f"unknown quantization type {text!r}")
+        raise QuantizeError(f"{what}; choose one of: {', '.join(FILE_TYPES)}")
     return ft
 
 

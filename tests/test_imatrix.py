@@ -87,6 +87,7 @@ def test_file_round_trip(tmp_path, small_imatrix):
     for name, sums in small_imatrix.sums.items():
         assert np.array_equal(loaded.weights[name], sums / np.float32(128))
     assert [p.name for p in tmp_path.iterdir()] == ["imatrix.gguf"]   # no temporary file left
+    assert path.stat().st_mode & 0o777 == 0o644
     # as llama-imatrix writes them: ggml [n_in, 1] and [1, 1] stored with ggml_n_dims dimensions
     from edge.gguf_file import GGUFFile
 
@@ -128,6 +129,20 @@ def test_bad_files_are_named(tmp_path, gemma_path):
         load_imatrix(junk)
     with pytest.raises(ImatrixError, match="not an imatrix"):
         load_imatrix(gemma_path)
+
+
+def test_cli_refuses_to_overwrite_its_inputs(tmp_path, gemma_path, capsys):
+    """edge imatrix -o MODEL (or -o TEXT) is refused before anything runs: it would replace the
+    model with the imatrix (a symlink here: were it not refused, only the link would go)."""
+    from edge.cli import main
+
+    (tmp_path / "model.gguf").symlink_to(gemma_path)
+    text = tmp_path / "calib.txt"
+    text.write_text((GOLDEN / "calib_text.txt").read_text(encoding="utf-8"), encoding="utf-8")
+    for out, what in ((tmp_path / "model.gguf", "model"), (text, "text")):
+        assert main(["imatrix", "-m", str(gemma_path), "-f", str(text), "-o", str(out), "-c", "64"]) == 1
+        assert f"-o {out} is the {what} file; give another output path" in capsys.readouterr().err
+    assert (tmp_path / "model.gguf").is_symlink() and text.stat().st_size > 1000
 
 
 def test_too_short_text(gemma):

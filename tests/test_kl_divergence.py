@@ -140,10 +140,18 @@ def test_cli_errors_are_one_line(tmp_path, capsys, gemma_path):
     _write(other, n_ctx=8, n_vocab=11)
     cases.append((["--kl-divergence", "--kl-divergence-base", str(other)], "over 11 tokens but the model has a "
                                                                             "vocabulary of 262144"))
+    # saving the base over an input is refused (a symlink: were it not, only the link would go)
+    (tmp_path / "model.gguf").symlink_to(gemma_path)
+    text = tmp_path / "text.txt"
+    text.write_text((GOLDEN / "ppl_text.txt").read_text(encoding="utf-8"), encoding="utf-8")
+    cases += [(["-f", str(text), "-c", "64", "--kl-divergence-base", str(tmp_path / "model.gguf")],
+               "is the model file; give another output path"),
+              (["-f", str(text), "-c", "64", "--kl-divergence-base", str(text)], "is the text file")]
     for argv, message in cases:
         assert main(["perplexity", "-m", str(gemma_path), *argv]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert message in err[-1] and "Traceback" not in "".join(err), (argv, err)
+    assert (tmp_path / "model.gguf").is_symlink() and text.stat().st_size > 1000
 
 
 def test_statistics_and_percentiles():

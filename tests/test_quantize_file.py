@@ -266,6 +266,10 @@ def test_parse_types_and_order():
     assert FILE_TYPES["BF16"].file_type == 32 and FILE_TYPES["Q8_0"].file_type == 7
     with pytest.raises(QuantizeError, match="unknown quantization type 'Q4_K_X'; choose one of: F16, BF16"):
         parse_file_type("Q4_K_X")
+    # llama-quantize's aliases, and its types edge does not write named as such
+    assert [parse_file_type(a).name for a in ("Q3_K", "q4_k", "Q5_K")] == ["Q3_K_M", "Q4_K_M", "Q5_K_M"]
+    with pytest.raises(QuantizeError, match="IQ4_NL is a llama-quantize type that edge does not write; choose one of"):
+        parse_file_type("iq4_nl")
     assert parse_tensor_type("q6_k", "--output-tensor-type") is T.Q6_K
     with pytest.raises(QuantizeError, match="--output-tensor-type: unknown or unsupported GGML type 'IQ4_NL'"):
         parse_tensor_type("IQ4_NL", "--output-tensor-type")
