@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from edge import __version__
@@ -190,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_quantize(args) -> int:
     from quant.mix import QuantizeOptions, parse_file_type, parse_tensor_type
-    from quant.pipeline import plan_quantize, quantize_file
+    from quant.pipeline import check_output_path, plan_quantize, quantize_file
 
     def tensor_type(value, flag):
         return None if value is None else parse_tensor_type(value, flag)
@@ -199,11 +200,14 @@ def cmd_quantize(args) -> int:
 
     ftype = parse_file_type(args.type)
     imatrix = load_imatrix(args.imatrix) if args.imatrix is not None else None
+    if imatrix is not None:
+        check_output_path(args.imatrix, args.output)    # OUT must not replace the imatrix either
     options = QuantizeOptions(
         pure=args.pure, leave_output_tensor=args.leave_output_tensor, allow_requantize=args.allow_requantize,
         output_tensor_type=tensor_type(args.output_tensor_type, "--output-tensor-type"),
         token_embedding_type=tensor_type(args.token_embedding_type, "--token-embedding-type"))
     if args.dry_run:
+        check_output_path(args.input, args.output)      # what the real run would refuse
         _print_quantize_plan(plan_quantize(args.input, ftype, options, imatrix))
         return 0
     _set_threads(args.threads)
@@ -403,13 +407,44 @@ def _kernels_compiled() -> bool:
         return True
 
 
-def _refuse_overwriting(out: str | Path, flag: str, **inputs) -> None:
-    """ValueError when the output ``out`` (of option ``flag``) is one of the named input files
-    (the same file, also through links): writing it would destroy the input."""
+def _check_output_file(out: str | Path, flag: str, replaceable: Callable[[Path], bool], kind: str,
+                       **inputs) -> None:
+    """Checks, before any work, the file an option writes (``flag``, e.g. ``-o``): a file path in
+    an existing folder this process can write to, not one of the named input files (the same
+    file, also through links: writing it would destroy the input), and, if a file is there
+    already, one that ``replaceable(path)`` accepts as an earlier output of the same ``kind``.
+    Raises ValueError with one line naming the path."""
     out = Path(out)
+    if out.is_dir():
+        raise ValueError(f"{flag} {out} is a directory; give the path of a file")
+    if not out.parent.is_dir():
+        raise ValueError(f"{flag} {out}: the folder {out.parent} does not exist")
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {out}: cannot write in the folder {out.parent}")
     for what, path in inputs.items():
         if path is not None and out.exists() and Path(path).exists() and os.path.samefile(out, path):
-            raise ValueError(f"{flag} {out} is the {what.replace('_', ' ')} file; give another output path")
+            raise ValueError(f"{flag} {out} is the {what} file; give another output path")
+    if out.exists() and out.stat().st_size and not replaceable(out):
+        raise ValueError(f"{flag} {out} exists and is not {kind}; edge replaces only such a file: remove it "
+                         "or give another path")
+
+
+def _file_starts_with(path: Path, magic: bytes) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(magic)) == magic
+    except OSError:
+        return False
+
+
+def _is_imatrix(path: Path) -> bool:
+    from edge.imatrix import ImatrixError, load_imatrix
+
+    try:
+        load_imatrix(path)
+        return True
+    except ImatrixError:
+        return False
 
 
 def _load_engine(args):
@@ -531,7 +566,10 @@ def cmd_perplexity(args) -> int:
     args.batch_size = min(args.batch_size, args.ctx_size)
     engine = _load_engine(args)
     if args.kl_divergence_base:
-        _refuse_overwriting(args.kl_divergence_base, "--kl-divergence-base", model=engine.path, text=args.file)
+        _check_output_file(args.kl_divergence_base, "--kl-divergence-base",
+                           lambda p: _file_starts_with(p, b"_logits_"),
+                           "a --kl-divergence-base file (to compare a model with one, add --kl-divergence)",
+                           model=str(engine.path), text=args.file)
     t0 = time.perf_counter()
 
     def on_chunk(i, running):
@@ -557,13 +595,20 @@ def _kl_divergence(args) -> int:
     base = BaseLogits(args.kl_divergence_base)
     if args.file is not None:
         print(f"note: -f {args.file} is not used: the tokens come from {base.path}", file=sys.stderr)
+    if args.ctx_size not in (512, base.n_ctx):        # 512: the default, i.e. not given
+        print(f"note: -c {args.ctx_size} is not used: the base run's n_ctx is {base.n_ctx}", file=sys.stderr)
     args.ctx_size = base.n_ctx
     args.batch_size = min(args.batch_size, base.n_ctx)
     engine = _load_engine(args)
     t0 = time.perf_counter()
-    print("chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence              "
-          "Δp RMS            Same top p", file=sys.stderr)
-    res = kl_divergence(engine, base, args.chunks, lambda r: print(r.chunk_line(), file=sys.stderr, flush=True))
+
+    def on_chunk(r):
+        if r.n_chunks == 1:     # the header once the model fits the file
+            print("chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence              "
+                  "Δp RMS            Same top p", file=sys.stderr)
+        print(r.chunk_line(), file=sys.stderr, flush=True)
+
+    res = kl_divergence(engine, base, args.chunks, on_chunk)
     lines = res.report_lines()
     if not lines:
         print(f"only {res.count} positions scored: statistics need at least 100", file=sys.stderr)
@@ -574,18 +619,25 @@ def _kl_divergence(args) -> int:
 
 
 def cmd_imatrix(args) -> int:
-    from edge.imatrix import compute_imatrix, write_imatrix
+    from edge.imatrix import MIN_ROWS, compute_imatrix, write_imatrix
 
     try:
         text = Path(args.file).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{args.file} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     out = Path(args.output)
-    if out.is_dir() or not out.parent.is_dir():
-        raise ValueError(f"-o {out}: not a file path in an existing folder")
     args.batch_size = min(args.batch_size, args.ctx_size)
+    if args.batch_size < MIN_ROWS:
+        raise ValueError(f"-c/-b {args.batch_size}: llama-imatrix's rule collects only batches of at least "
+                         f"{MIN_ROWS} tokens; use -c and -b of {MIN_ROWS} or more")
+    if 0 < args.ctx_size % args.batch_size < MIN_ROWS:
+        print(f"note: the last {args.ctx_size % args.batch_size} tokens of each chunk make a batch of fewer than "
+              f"{MIN_ROWS} and are not collected (use a -b that divides -c)", file=sys.stderr)
     engine = _load_engine(args)
-    _refuse_overwriting(out, "-o", model=engine.path, text=args.file)
+    _check_output_file(out, "-o", _is_imatrix, "an imatrix file", model=str(engine.path), text=args.file)
+    if args.process_output and "output.weight" not in engine.gguf.tensors:
+        print(f"note: {engine.name} has no output.weight (the output reuses token_embd.weight): "
+              "--process-output adds nothing", file=sys.stderr)
     t0 = time.perf_counter()
 
     def on_chunk(i, n):
@@ -594,6 +646,8 @@ def cmd_imatrix(args) -> int:
     imatrix = compute_imatrix(engine, text, args.ctx_size, args.batch_size, args.chunks, args.process_output,
                               dataset=args.file, on_chunk=on_chunk)
     print(file=sys.stderr)
+    if not imatrix.sums:
+        raise ValueError("no matrix product had 16 or more activation rows: nothing collected, nothing written")
     write_imatrix(out, imatrix)
     print(f"{out}: {len(imatrix.sums)} entries, {imatrix.chunk_count} chunks of {imatrix.chunk_size} tokens, "
           f"{time.perf_counter() - t0:.1f} s")

@@ -39,12 +39,16 @@ class PerplexityResult:
         return len(self.nll)
 
 
-def _log_softmax_at(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    """log p(target) per row, in float64. logits f32[N, V], targets int[N] -> f64[N]."""
-    x = logits.astype(np.float64)
-    m = x.max(axis=1, keepdims=True)
-    lse = np.log(np.exp(x - m).sum(axis=1)) + m[:, 0]
-    return x[np.arange(len(targets)), targets] - lse
+def _log_softmax_at(logits: np.ndarray, targets: np.ndarray, rows: int = 16) -> np.ndarray:
+    """log p(target) per row, in float64. logits f32[N, V], targets int[N] -> f64[N].
+    Computed ``rows`` rows at a time, so the float64 temporaries stay small (rows x V)."""
+    out = np.empty(len(targets), np.float64)
+    for r in range(0, len(targets), rows):
+        x = logits[r : r + rows].astype(np.float64)
+        m = x.max(axis=1, keepdims=True)
+        lse = np.log(np.exp(x - m).sum(axis=1)) + m[:, 0]
+        out[r : r + rows] = x[np.arange(len(x)), targets[r : r + rows]] - lse
+    return out
 
 
 def _chunk_cache(engine, chunk: list[int]):
@@ -73,15 +77,15 @@ def chunk_logits(engine, chunk: list[int]) -> np.ndarray:
         chunk[0] = tok.bos_id
     first = n_ctx // 2
     cache = _chunk_cache(engine, chunk)
-    rows = []
+    out = np.empty((n_ctx - 1 - first, engine.model.args.n_vocab), np.float32)
     for b in range(0, n_ctx, engine.n_batch):
         end = min(b + engine.n_batch, n_ctx)
         lo, hi = max(first, b), min(n_ctx - 1, end)  # chunk positions whose logits we need
         if lo < hi:
-            rows.append(engine.model.forward(chunk[b:end], cache, slice(lo - b, hi - b)))
+            out[lo - first : hi - first] = engine.model.forward(chunk[b:end], cache, slice(lo - b, hi - b))
         else:
             engine.model.forward(chunk[b:end], cache)
-    return np.concatenate(rows)
+    return out
 
 
 def perplexity(engine, text: str, n_ctx: int, max_chunks: int = -1,

@@ -129,7 +129,15 @@ def _imatrix_metadata(imatrix: ImatrixFile) -> list[tuple[str, object, GGUFValue
 
 def _check_imatrix(imatrix: ImatrixFile, tensors: list[TensorChoice]) -> None:
     """llama-quant: an entry whose size is not the tensor's row length (times its experts) is
-    an error, except for the token embeddings (quantized without); checked before writing."""
+    an error, except for the token embeddings (quantized without); checked before writing.
+    Also an error (llama-quantize would quantize as without one, silently): an imatrix with no
+    entries, or none for any tensor that is converted."""
+    if not imatrix.weights:
+        raise ImatrixError(f"{imatrix.path} has no entries (made from batches of fewer than 16 tokens?): "
+                           "quantizing with it would be quantizing without one")
+    if not any(t.converts and t.name in imatrix.weights for t in tensors):
+        raise ImatrixError(f"{imatrix.path}: none of its {len(imatrix.weights)} entries names a tensor this "
+                           "quantization converts (an imatrix of another model?)")
     for t in tensors:
         w = imatrix.weights.get(t.name)
         n = t.shape[0] * (t.shape[2] if len(t.shape) > 2 else 1)
@@ -182,11 +190,16 @@ def plan_quantize(src: str | os.PathLike, ftype: FileType, options: QuantizeOpti
     return QuantizePlan(gf, ftype, options, tensors, metadata, size + _pad(size), imatrix)
 
 
-def _check_output_path(src: Path, dst: Path) -> None:
+def check_output_path(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """QuantizeError when ``dst`` cannot be the output of quantizing ``src``: a directory, in a
+    missing or unwritable folder, or the source itself (also through links)."""
+    src, dst = Path(src), Path(dst)
     if dst.is_dir():
         raise QuantizeError(f"{dst} is a directory; give the path of the output .gguf file")
     if not dst.parent.is_dir():
         raise QuantizeError(f"{dst}: the folder {dst.parent} does not exist")
+    if not os.access(dst.parent, os.W_OK | os.X_OK):
+        raise QuantizeError(f"{dst}: cannot write in the folder {dst.parent}")
     if dst.resolve() == src.resolve() or (dst.exists() and os.path.samefile(src, dst)):
         raise QuantizeError(f"the output {dst} is the input file; give another output path")
 
@@ -267,7 +280,7 @@ def quantize_file(src: str | os.PathLike, dst: str | os.PathLike, ftype: FileTyp
     no output and no temporary file are left, and an existing ``dst`` is unchanged.
     """
     src, dst = Path(src), Path(dst)
-    _check_output_path(src, dst)
+    check_output_path(src, dst)
     plan = plan_quantize(src, ftype, options, imatrix)
     free = shutil.disk_usage(dst.parent).free
     if free < plan.output_size:

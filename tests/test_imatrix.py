@@ -97,6 +97,16 @@ def test_file_round_trip(tmp_path, small_imatrix):
     gf.close()
 
 
+def test_quantize_will_not_write_over_its_imatrix(tmp_path, small_imatrix, gemma_f16_path, capsys):
+    from edge.cli import main
+
+    path = tmp_path / "imatrix.gguf"
+    write_imatrix(path, small_imatrix)
+    before = path.read_bytes()
+    assert main(["quantize", str(gemma_f16_path), str(path), "Q4_K_M", "--imatrix", str(path)]) == 1
+    assert "is the input file" in capsys.readouterr().err and path.read_bytes() == before
+
+
 def test_two_dimensional_entries_are_read(tmp_path):
     """llama.cpp's loader takes in_sum2 [n, n_mat] with counts [1, n_mat] (n_mat matrices, e.g.
     experts) and divides each matrix's sums by its own count; a zero count gives weights of 1."""
@@ -125,7 +135,7 @@ def test_bad_files_are_named(tmp_path, gemma_path):
         load_imatrix(tmp_path / "missing.gguf")
     junk = tmp_path / "junk.dat"
     junk.write_bytes(b"\x01\x00\x00\x00 not gguf")
-    with pytest.raises(ImatrixError, match="not a GGUF imatrix file"):
+    with pytest.raises(ImatrixError, match="cannot be read as a GGUF imatrix file.*legacy .dat"):
         load_imatrix(junk)
     with pytest.raises(ImatrixError, match="not an imatrix"):
         load_imatrix(gemma_path)
@@ -143,6 +153,15 @@ def test_cli_refuses_to_overwrite_its_inputs(tmp_path, gemma_path, capsys):
         assert main(["imatrix", "-m", str(gemma_path), "-f", str(text), "-o", str(out), "-c", "64"]) == 1
         assert f"-o {out} is the {what} file; give another output path" in capsys.readouterr().err
     assert (tmp_path / "model.gguf").is_symlink() and text.stat().st_size > 1000
+    # another GGUF (a model), a directory, a missing folder, batches under 16 rows: refused up front
+    (tmp_path / "other.gguf").write_bytes(b"GGUF" + bytes(60))     # not an imatrix
+    for out, extra, message in ((tmp_path / "other.gguf", [], "exists and is not an imatrix file"),
+                                (tmp_path, [], "is a directory"),
+                                (tmp_path / "none" / "x.gguf", [], "the folder"),
+                                (tmp_path / "x.gguf", ["-b", "8"], "collects only batches of at least 16")):
+        assert main(["imatrix", "-m", str(gemma_path), "-f", str(text), "-o", str(out), "-c", "64", *extra]) == 1
+        assert message in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "x.gguf").exists() and (tmp_path / "other.gguf").read_bytes() == b"GGUF" + bytes(60)
 
 
 def test_too_short_text(gemma):
@@ -263,3 +282,10 @@ def test_plan_with_imatrix(gemma_f16_path):
                       chunk_count=0)
     with pytest.raises(ImatrixError, match="bad.gguf: the entry for blk.0.attn_q.weight has 64 values"):
         plan_quantize(gemma_f16_path, parse_file_type("Q4_K_M"), QuantizeOptions(), bad)
+    empty = ImatrixFile(path="empty.gguf", weights={}, datasets=[], chunk_count=0)
+    with pytest.raises(ImatrixError, match="empty.gguf has no entries"):
+        plan_quantize(gemma_f16_path, parse_file_type("Q4_K_M"), QuantizeOptions(), empty)
+    foreign = ImatrixFile(path="llama.gguf", weights={"layers.0.wq": np.ones(640, np.float32)}, datasets=[],
+                          chunk_count=1)
+    with pytest.raises(ImatrixError, match="llama.gguf: none of its 1 entries names a tensor"):
+        plan_quantize(gemma_f16_path, parse_file_type("Q4_K_M"), QuantizeOptions(), foreign)

@@ -130,6 +130,11 @@ def test_bad_files_are_errors(tmp_path, how, message):
             base.records(c)
 
 
+def _fake_gguf(path: Path) -> Path:
+    path.write_bytes(b"GGUF" + bytes(60))
+    return path
+
+
 @pytest.mark.slow
 def test_cli_errors_are_one_line(tmp_path, capsys, gemma_path):
     """Truncated file, a file of another vocabulary, a missing base file, no text: exit 1, one line."""
@@ -146,12 +151,16 @@ def test_cli_errors_are_one_line(tmp_path, capsys, gemma_path):
     text.write_text((GOLDEN / "ppl_text.txt").read_text(encoding="utf-8"), encoding="utf-8")
     cases += [(["-f", str(text), "-c", "64", "--kl-divergence-base", str(tmp_path / "model.gguf")],
                "is the model file; give another output path"),
-              (["-f", str(text), "-c", "64", "--kl-divergence-base", str(text)], "is the text file")]
+              (["-f", str(text), "-c", "64", "--kl-divergence-base", str(text)], "is the text file"),
+              (["-f", str(text), "-c", "64", "--kl-divergence-base", str(_fake_gguf(tmp_path / "other.gguf"))],
+               "exists and is not a --kl-divergence-base file (to compare a model with one, add --kl-divergence)"),
+              (["-f", str(text), "-c", "64", "--kl-divergence-base", str(tmp_path / "no" / "b.kld")], "does not exist")]
     for argv, message in cases:
         assert main(["perplexity", "-m", str(gemma_path), *argv]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert message in err[-1] and "Traceback" not in "".join(err), (argv, err)
     assert (tmp_path / "model.gguf").is_symlink() and text.stat().st_size > 1000
+    assert (tmp_path / "other.gguf").read_bytes() == b"GGUF" + bytes(60)
 
 
 def test_statistics_and_percentiles():

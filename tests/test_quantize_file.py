@@ -377,6 +377,10 @@ def test_dry_run_plan(gemma_f16_path, tmp_path, capsys):
     for ftype in GOLDEN_MIXES:
         assert plan_quantize(gemma_f16_path, FILE_TYPES[ftype], QuantizeOptions()).output_size == \
             int(GOLD["quantized"][ftype]["file_size"])
+    # the output paths the real run refuses, the dry run refuses too
+    for bad, message in ((tmp_path / "none" / "x.gguf", "does not exist"), (gemma_f16_path, "is the input file")):
+        assert main(["quantize", str(gemma_f16_path), str(bad), "Q4_K_M", "--dry-run"]) == 1
+        assert message in capsys.readouterr().err
 
 
 _ORACLE_QUANTIZE = r"""
