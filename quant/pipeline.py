@@ -39,7 +39,7 @@ from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFValueType, GGUFWr
 
 from edge.gguf_file import GGUFFile
 from edge.imatrix import ImatrixError, ImatrixFile
-from edge.store import fsync_dir
+from edge.store import check_output_file, fsync_dir
 from kernels_cpu.dequant import KERNELS as DEQUANT_KERNELS
 from kernels_cpu.dequant import dequantize
 from quant.blocks import QuantizeError, quantize_rows
@@ -193,15 +193,7 @@ def plan_quantize(src: str | os.PathLike, ftype: FileType, options: QuantizeOpti
 def check_output_path(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     """QuantizeError when ``dst`` cannot be the output of quantizing ``src``: a directory, in a
     missing or unwritable folder, or the source itself (also through links)."""
-    src, dst = Path(src), Path(dst)
-    if dst.is_dir():
-        raise QuantizeError(f"{dst} is a directory; give the path of the output .gguf file")
-    if not dst.parent.is_dir():
-        raise QuantizeError(f"{dst}: the folder {dst.parent} does not exist")
-    if not os.access(dst.parent, os.W_OK | os.X_OK):
-        raise QuantizeError(f"{dst}: cannot write in the folder {dst.parent}")
-    if dst.resolve() == src.resolve() or (dst.exists() and os.path.samefile(src, dst)):
-        raise QuantizeError(f"the output {dst} is the input file; give another output path")
+    check_output_file(dst, "", {"input": src}, QuantizeError)
 
 
 def _to_f32(rows: np.ndarray, t: GGMLQuantizationType) -> np.ndarray:
