@@ -15,14 +15,17 @@ figure "generated: ... tokens/s" is what a user sees. Variants:
 - ``fixed``: EDGE_ADAPTIVE_THREADS=0, the thread count stays -t (edge before the policy);
 - ``t1``: ``-t 1``.
 
-llama.cpp runs once per load and model, in the ``fixed`` bench process (``--vs-llama-cpp``),
-when --llama-python is given. Each result is appended to --out as one JSON line; --table
+llama.cpp runs once per load and model, in the bench process of the --llama-with variant
+(``--vs-llama-cpp``, same thread count as edge's -t; default: the adaptive one, whose bench
+starts at the full count), when --llama-python is given. Each result is appended to --out as one JSON line; --table
 prints the markdown table of the file instead of measuring.
 
-Before a load-0 ("idle") measurement the script waits until processes other than its own use
-less than 0.3 of a core over 3 s (/proc/stat minus nothing of ours running), at most
+Before each measurement (before it starts its busy loops) the script waits until other
+processes use less than 0.3 of a core over 3 s (/proc/stat, nothing of ours running), at most
 --idle-wait seconds, and records that figure (``foreign_cores``) either way: on a shared
-machine an "idle" number is only as idle as that figure says.
+machine a number is only as clean as that figure says. ``foreign_during`` is the same figure
+over the measurement itself (all busy CPU time minus that of this script's children): a row
+whose figure is well above 0 was measured beside someone else's work.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -40,16 +44,26 @@ PROMPT = "Write a Python function that reverses a string."
 BUSY = "while True: pass"
 
 
+def busy_seconds() -> tuple[float, float, float]:
+    """(clock, CPU seconds all CPUs spent busy since boot (user + nice + system + irq + softirq
+    + steal, /proc/stat), CPU seconds of this script's waited-for children)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (time.monotonic(), (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf("SC_CLK_TCK"),
+            kids.ru_utime + kids.ru_stime)
+
+
+def foreign_cores(before, after) -> float:
+    """Cores used by processes other than this script and its children between two busy_seconds()."""
+    return ((after[1] - before[1]) - (after[2] - before[2])) / (after[0] - before[0])
+
+
 def busy_cores(seconds: float) -> float:
-    """Cores kept busy (user + nice + system + irq + softirq + steal) over ``seconds``, from /proc/stat."""
-    def read():
-        f = open("/proc/stat").readline().split()[1:]
-        v = [int(x) for x in f]
-        return v[0] + v[1] + v[2] + v[5] + v[6] + v[7], time.monotonic()
-    (b0, t0) = read()
+    """Cores used by other processes over the next ``seconds`` (nothing of ours runs meanwhile)."""
+    before = busy_seconds()
     time.sleep(seconds)
-    (b1, t1) = read()
-    return (b1 - b0) / os.sysconf("SC_CLK_TCK") / (t1 - t0)
+    return foreign_cores(before, busy_seconds())
 
 
 def wait_idle(max_wait: float, log) -> float:
@@ -106,12 +120,13 @@ def measure(args, bench_args, log) -> None:
     for load in args.loads:
         for model in args.models:
             for variant in args.variants:
-                foreign = wait_idle(args.idle_wait, log) if load == 0 else None
+                foreign = wait_idle(args.idle_wait, log)
+                before = busy_seconds()
                 procs = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(load)]
                 try:
                     time.sleep(1.0 if load else 0.0)
                     t0 = time.time()
-                    llama = args.llama_python if variant == "fixed" else None
+                    llama = args.llama_python if variant == args.llama_with else None
                     res = run_bench(model, variant, bench_args, llama)
                     if args.run_tokens:
                         res.update(run_run(model, variant, args.run_tokens))
@@ -119,19 +134,25 @@ def measure(args, bench_args, log) -> None:
                     for p in procs:
                         p.kill()
                         p.wait()
+                during = foreign_cores(before, busy_seconds())
                 row = {"load": load, "model": model, "variant": variant, "foreign_cores": foreign,
+                       "foreign_during": during,
                        "loadavg": os.getloadavg()[0], "time": t0, "bench_args": bench_args, "results": res}
                 log(json.dumps(row))
                 with open(args.out, "a") as f:
                     f.write(json.dumps(row) + "\n")
 
 
-def table(path: str) -> str:
-    """A markdown table (one row a model, load and test; one column a variant) of the JSON lines."""
+def table(path: str, foreign_limit: float = 0.2) -> str:
+    """A markdown table (one row a model, load and test; one column a variant) of the JSON lines.
+
+    Several measurements of one cell are listed in order; one taken while other processes used
+    more than ``foreign_limit`` cores (foreign_during) is marked with an asterisk."""
     rows = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
     cells: dict = {}
     variants: list[str] = []
     for r in rows:
+        mark = "*" if (r.get("foreign_during") or 0) > foreign_limit else ""
         for test, tps in r["results"].items():
             if not isinstance(tps, float):
                 continue
@@ -140,13 +161,11 @@ def table(path: str) -> str:
                 v, test = "llama.cpp", test[len("llama.cpp "):]
             if v not in variants:
                 variants.append(v)
-            cells.setdefault((r["model"], r["load"], test), {}).setdefault(v, []).append(tps)
+            cells.setdefault((r["model"], r["load"], test), {}).setdefault(v, []).append(f"{tps:.1f}{mark}")
     lines = ["| model | busy processes | test | " + " | ".join(variants) + " |",
              "|---|---:|---|" + "---:|" * len(variants)]
-    for (model, load, test), by in cells.items():
-        def fmt(xs):
-            return " / ".join(f"{x:.1f}" for x in xs) if xs else ""
-        lines.append(f"| {model} | {load} | {test} | " + " | ".join(fmt(by.get(v, [])) for v in variants) + " |")
+    for (model, load, test), by in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        lines.append(f"| {model} | {load} | {test} | " + " | ".join(" / ".join(by.get(v, [])) for v in variants) + " |")
     return "\n".join(lines)
 
 
@@ -157,6 +176,7 @@ def main() -> int:
     ap.add_argument("--loads", default="0,1,2")
     ap.add_argument("--variants", default="adaptive,fixed,t1")
     ap.add_argument("--llama-python", default=None)
+    ap.add_argument("--llama-with", default="adaptive", help="the variant whose bench process also runs llama.cpp")
     ap.add_argument("--run-tokens", type=int, default=0)
     ap.add_argument("--idle-wait", type=float, default=120.0)
     ap.add_argument("--table", action="store_true")
