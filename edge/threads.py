@@ -4,8 +4,9 @@ Why: edge's numba kernels run parallel loops (prange) on numba's OpenMP threadin
 splits every loop statically across the threads and ends it at a barrier; a decode step runs
 some 150-200 such loops. When another process keeps a core busy, the OS deschedules one of
 edge's threads for a time slice (milliseconds) again and again, every loop waits for it while
-the other thread spins at the barrier, and decode collapses: gemma-3-270m on 2 cores went from
-about 110 to 2-17 tokens/s beside one busy-loop process, where one thread keeps about 60.
+the other thread spins at the barrier, and decode collapses: on 2 cores, beside one busy-loop
+process, gemma-3-270m decode fell from about 105 to 23 tokens/s (4 beside a compile) and
+qwen2.5-coder-0.5b from 62 to 18, where one thread keeps 64 and 42 (README, Speed).
 Handing out work dynamically does not help here (numba's OpenMP `omp for` is static whatever
 the chunk size, a descheduled thread still holds the barrier), the TBB layer is slower on an
 idle machine, and libgomp's wait-policy settings trade idle speed for contended speed.

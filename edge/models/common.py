@@ -390,7 +390,9 @@ class Transformer:
     """A decoder-only transformer over GGUF weights.
 
     Tensors: token_embd [n_vocab, n_embd], blk.N.*, output_norm [n_embd], output
-    [n_vocab, n_embd] (tied to token_embd when absent).
+    [n_vocab, n_embd] (tied to token_embd when absent). ``threads`` (edge.threads.AdaptiveThreads)
+    sets the calling thread's numba thread count before and during each forward pass: fewer
+    while other processes keep cores busy, never more than the caller set.
     """
 
     def __init__(self, gf: GGUFFile, args: ModelArgs):
