@@ -36,7 +36,8 @@ def _add_model_args(p: argparse.ArgumentParser, ctx_default: int | None = 4096) 
                    help="model name (see `edge list`) or path to a .gguf file; default: "
                         "qwen2.5-coder-0.5b-instruct, pulled on first use")
     p.add_argument("-t", "--threads", type=int, default=None,
-                   help="number of threads, >= 1 (default: number of physical cores)")
+                   help="number of threads, >= 1 (default: number of physical cores); fewer while "
+                        "other processes keep cores busy (EDGE_ADAPTIVE_THREADS=0: always this many)")
     if ctx_default is not None:
         p.add_argument("-c", "--ctx-size", type=int, default=ctx_default,
                        help=f"context size in tokens (default: {ctx_default})")

@@ -16,6 +16,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
 from edge.gguf_file import GGUFError, GGUFFile
+from edge.threads import AdaptiveThreads
 from kernels_cpu import ops
 from kernels_cpu.attention import attention_f16, store_kv
 from kernels_cpu.dequant import dequantize, dequantize_rows
@@ -394,7 +395,9 @@ class Transformer:
     """A decoder-only transformer over GGUF weights.
 
     Tensors: token_embd [n_vocab, n_embd], blk.N.*, output_norm [n_embd], output
-    [n_vocab, n_embd] (tied to token_embd when absent).
+    [n_vocab, n_embd] (tied to token_embd when absent). ``threads`` (edge.threads.AdaptiveThreads)
+    sets the calling thread's numba thread count before and during each forward pass: fewer
+    while other processes keep cores busy, never more than the caller set.
     """
 
     def __init__(self, gf: GGUFFile, args: ModelArgs):
@@ -414,6 +417,7 @@ class Transformer:
                 blk.k_shift = static_k_bias(args, blk.attn_k_bias, blk.is_swa, self.rope_freqs)
         self.scratch = Scratch(max(args.n_embd, args.n_ff, args.n_head * args.head_dim_v))
         self.batch_invariant = False
+        self.threads = AdaptiveThreads.from_env()   # fewer threads while other processes keep cores busy
         ld.check_all_used(args.arch)
 
     def set_batch_invariant(self, on: bool = True) -> None:
@@ -490,10 +494,12 @@ class Transformer:
             logits_rows = last_rows
         elif not isinstance(logits_rows, slice):
             logits_rows = np.asarray(logits_rows, np.int64)
+        self.threads.apply()
         glob, local = self._rope_tables(positions)
         cache.prepare(runs, lengths)
         last = len(self.blocks) - 1
         for il, blk in enumerate(self.blocks):
+            self.threads.check()
             x = blk(x, seq_ids, positions, local if blk.is_swa else glob, cache.k[il], cache.v[il],
                     cache.layer_tables(il), self.scratch,
                     logits_rows if il == last and prune_last_layer else None)
