@@ -263,10 +263,15 @@ class ChatRunner:
     what was written. The KV state is saved to the conversation's session file after every
     answer (Engine.generate with session_save="end"), and restored from it on the next turn:
     the history is not computed again, in this process or after ``--resume``.
+
+    ``threads``: the kernels' thread count (``-t``) for the thread :meth:`answer` runs on (numba's
+    count is per OS thread: a worker thread would start with numba's default); None: as it is.
     """
 
-    def __init__(self, engine: Engine, conversation: Conversation, folder: Path | None = None):
+    def __init__(self, engine: Engine, conversation: Conversation, folder: Path | None = None,
+                 threads: int | None = None):
         self.engine = engine
+        self.threads = threads
         self.conversation = conversation
         self.folder = folder or chats_dir()
         self._stop = threading.Event()
@@ -286,6 +291,10 @@ class ChatRunner:
         for bad settings (the user's message is then taken back), OSError when the chat folder
         cannot be written.
         """
+        if self.threads is not None:
+            import numba
+
+            numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
         conv = self.conversation
         params = conv.settings.sampling
         conv.messages.append({"role": "user", "content": user_text})

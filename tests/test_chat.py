@@ -35,6 +35,24 @@ def qwen(qwen_path):
     return _engine(qwen_path)
 
 
+def test_threads_apply_on_the_worker_thread(qwen, tmp_path):
+    """numba's thread count is per OS thread: an answer on a new thread (the app's worker) runs
+    its kernels on the runner's -t, not numba's default."""
+    import threading
+
+    import numba
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one CPU: -t 1 is numba's default")
+    conv = Conversation(model="qwen", settings=GREEDY)
+    seen: list[int] = []
+    runner = ChatRunner(qwen, conv, tmp_path, threads=1)
+    worker = threading.Thread(target=runner.answer, args=("Hi", lambda s: seen.append(numba.get_num_threads())))
+    worker.start()
+    worker.join(120)
+    assert seen and set(seen) == {1}
+
+
 def test_two_turns_stream_the_greedy_answers_and_reuse_the_history(qwen, tmp_path):
     conv = Conversation(model="qwen", system="You are a terse assistant.", settings=GREEDY)
     runner = ChatRunner(qwen, conv, tmp_path)

@@ -69,6 +69,7 @@ class ChatOptions:
     cache_type_v: str = "f16"
     resume: bool = False
     folder: Path | None = None
+    threads: int | None = None      # -t: the kernels' threads on the answer worker (None: numba's default)
 
 
 def load_engine(model: str | None, options: ChatOptions):
@@ -366,7 +367,7 @@ class ChatApp(App):
             notes.append("this conversation is a raw completion; the model's chat template is not used")
         conv.model = model_arg
         self.conversation = conv
-        self.runner = ChatRunner(self.engine, conv, self.options.folder or chats_dir())
+        self.runner = ChatRunner(self.engine, conv, self.options.folder or chats_dir(), self.options.threads)
         self.show_conversation()
         for text in notes:
             self.note(text)
@@ -518,7 +519,8 @@ class ChatApp(App):
                                              mode="raw" if self.engine is not None and self.engine.template is None else "chat",
                                              system=old.system if old else self.options.system,
                                              settings=old.settings if old else self.options.settings)
-            self.runner = ChatRunner(self.engine, self.conversation, self.options.folder or chats_dir())
+            self.runner = ChatRunner(self.engine, self.conversation, self.options.folder or chats_dir(),
+                                     self.options.threads)
             self.n_tokens, self.last_ttft, self.last_tps = 0, None, None
             self.show_conversation()
             self.note("new conversation")
