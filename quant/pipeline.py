@@ -27,6 +27,7 @@ by one slab (:data:`SLAB_BYTES` of float32 values) whatever the model size.
 """
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import tempfile
@@ -256,6 +257,21 @@ def _write_tensor(plan: QuantizePlan, t: TensorChoice, fout) -> Iterator[int]:
     fout.write(bytes(_pad(t.new_bytes)))
 
 
+def _remove_stale_partials(dst: Path) -> None:
+    """Delete the temporary files of earlier runs writing ``dst`` whose process is gone (killed
+    with SIGKILL, or the machine stopped: nothing else leaves one); a running one's is kept."""
+    for p in dst.parent.glob(f".{glob.escape(dst.name)}.pid*.partial"):
+        pid = p.name[len(dst.name) + 5:].split(".", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            p.unlink(missing_ok=True)
+        except PermissionError:      # another user's running process
+            pass
+
+
 def quantize_file(src: str | os.PathLike, dst: str | os.PathLike, ftype: FileType,
                   options: QuantizeOptions = QuantizeOptions(),
                   progress: ProgressCallback | None = None, imatrix: ImatrixFile | None = None) -> QuantizePlan:
@@ -274,11 +290,12 @@ def quantize_file(src: str | os.PathLike, dst: str | os.PathLike, ftype: FileTyp
     src, dst = Path(src), Path(dst)
     check_output_path(src, dst)
     plan = plan_quantize(src, ftype, options, imatrix)
+    _remove_stale_partials(dst)
     free = shutil.disk_usage(dst.parent).free
     if free < plan.output_size:
         raise QuantizeError(f"not enough disk space in {dst.parent}: the output needs {plan.output_size:,} bytes, "
                             f"{free:,} are free")
-    fd, tmp_name = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".partial")
+    fd, tmp_name = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.pid{os.getpid()}.", suffix=".partial")
     os.close(fd)
     tmp = Path(tmp_name)
     writer = None

@@ -501,6 +501,18 @@ def test_interrupt_leaves_no_file(tmp_path):
     assert oct(out.stat().st_mode & 0o777) == oct(0o644)
 
 
+def test_partial_file_of_a_killed_run_is_removed(tmp_path):
+    """A run killed with SIGKILL leaves its temporary file; the next run writing the same OUT
+    removes it, but not the file of a run still going (pid 1 here: always alive)."""
+    src = _write_gguf(tmp_path / "src.gguf", _tiny_model(np.random.default_rng(1)))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    (tmp_path / f".out.gguf.pid{dead}.abc123.partial").write_bytes(b"x" * 100)
+    (tmp_path / ".out.gguf.pid1.def456.partial").write_bytes(b"y")
+    quantize_file(src, tmp_path / "out.gguf", FILE_TYPES["Q8_0"])
+    assert _files(tmp_path) == [".out.gguf.pid1.def456.partial", "out.gguf", "src.gguf"]
+
+
 @pytest.mark.slow
 def test_sigint_to_the_command(gemma_f16_path, tmp_path):
     """Ctrl+C (SIGINT) to a running `edge quantize`: exit 130, no temporary file, OUT untouched."""
