@@ -201,14 +201,12 @@ def cmd_quantize(args) -> int:
 
     ftype = parse_file_type(args.type)
     imatrix = load_imatrix(args.imatrix) if args.imatrix is not None else None
-    if imatrix is not None:
-        check_output_path(args.imatrix, args.output)    # OUT must not replace the imatrix either
     options = QuantizeOptions(
         pure=args.pure, leave_output_tensor=args.leave_output_tensor, allow_requantize=args.allow_requantize,
         output_tensor_type=tensor_type(args.output_tensor_type, "--output-tensor-type"),
         token_embedding_type=tensor_type(args.token_embedding_type, "--token-embedding-type"))
     if args.dry_run:
-        check_output_path(args.input, args.output)      # what the real run would refuse
+        check_output_path(args.input, args.output, args.imatrix)      # what the real run would refuse
         _print_quantize_plan(plan_quantize(args.input, ftype, options, imatrix))
         return 0
     _set_threads(args.threads)

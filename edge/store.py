@@ -304,7 +304,9 @@ def check_output_file(out: str | os.PathLike, label: str = "", inputs: dict | No
     """Before any work, that ``out`` can be written as an output file: not a directory, in an
     existing folder this process can write to, and not one of ``inputs`` (name -> path of the
     files the command reads; the same file also through links: writing it would destroy the
-    input). Raises ``error`` with one line, ``label`` (e.g. "-o ") before the path."""
+    input), nor an existing device, FIFO or socket (the rename at the end would replace it: ``-o
+    /dev/null`` as root would replace /dev/null). Raises ``error`` with one line, ``label`` (e.g.
+    "-o ") before the path."""
     out = Path(out)
     if out.is_dir():
         raise error(f"{label}{out} is a directory; give the path of a file")
@@ -315,6 +317,9 @@ def check_output_file(out: str | os.PathLike, label: str = "", inputs: dict | No
     for what, path in (inputs or {}).items():
         if path is not None and out.exists() and Path(path).exists() and os.path.samefile(out, path):
             raise error(f"{label}{out} is the {what} file; give another output path")
+    if out.exists() and not out.is_file():
+        raise error(f"{label}{out} exists and is not a regular file (a device, FIFO or socket); give the path "
+                    "of a file")
 
 
 def fsync_dir(path: Path) -> None:

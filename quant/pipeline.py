@@ -191,10 +191,18 @@ def plan_quantize(src: str | os.PathLike, ftype: FileType, options: QuantizeOpti
     return QuantizePlan(gf, ftype, options, tensors, metadata, size + _pad(size), imatrix)
 
 
-def check_output_path(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+def check_output_path(src: str | os.PathLike, dst: str | os.PathLike, imatrix: str | os.PathLike | None = None) -> None:
     """QuantizeError when ``dst`` cannot be the output of quantizing ``src``: a directory, in a
-    missing or unwritable folder, or the source itself (also through links)."""
-    check_output_file(dst, "", {"input": src}, QuantizeError)
+    missing or unwritable folder, the source or the imatrix file itself (also through links),
+    an existing device or FIFO, or an existing file that is not a GGUF (a model replaces only a
+    model: a typo must not turn a text into one)."""
+    dst = Path(dst)
+    check_output_file(dst, "", {"input": src, "--imatrix": imatrix}, QuantizeError)
+    if dst.exists() and dst.stat().st_size:
+        with open(dst, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise QuantizeError(f"{dst} exists and is not a GGUF file; edge quantize replaces only such a "
+                                    "file: remove it or give another path")
 
 
 def _to_f32(rows: np.ndarray, t: GGMLQuantizationType) -> np.ndarray:
@@ -288,7 +296,7 @@ def quantize_file(src: str | os.PathLike, dst: str | os.PathLike, ftype: FileTyp
     no output and no temporary file are left, and an existing ``dst`` is unchanged.
     """
     src, dst = Path(src), Path(dst)
-    check_output_path(src, dst)
+    check_output_path(src, dst, imatrix.path if imatrix is not None else None)
     plan = plan_quantize(src, ftype, options, imatrix)
     _remove_stale_partials(dst)
     free = shutil.disk_usage(dst.parent).free

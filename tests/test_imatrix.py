@@ -104,7 +104,7 @@ def test_quantize_will_not_write_over_its_imatrix(tmp_path, small_imatrix, gemma
     write_imatrix(path, small_imatrix)
     before = path.read_bytes()
     assert main(["quantize", str(gemma_f16_path), str(path), "Q4_K_M", "--imatrix", str(path)]) == 1
-    assert "is the input file" in capsys.readouterr().err and path.read_bytes() == before
+    assert "is the --imatrix file" in capsys.readouterr().err and path.read_bytes() == before
 
 
 def test_two_dimensional_entries_are_read(tmp_path):

@@ -484,7 +484,7 @@ def test_interrupt_leaves_no_file(tmp_path):
     """KeyboardInterrupt in the middle of the data: no temporary file, the old OUT unchanged."""
     src = _write_gguf(tmp_path / "src.gguf", _tiny_model(np.random.default_rng(1)))
     out = tmp_path / "out.gguf"
-    out.write_bytes(b"an older file")
+    out.write_bytes(b"GGUF an older file")
     calls = []
 
     def interrupt(done, total, tensor):
@@ -495,7 +495,7 @@ def test_interrupt_leaves_no_file(tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         quantize_file(src, out, FILE_TYPES["Q4_K_M"], progress=interrupt)
-    assert _files(tmp_path) == ["out.gguf", "src.gguf"] and out.read_bytes() == b"an older file"
+    assert _files(tmp_path) == ["out.gguf", "src.gguf"] and out.read_bytes() == b"GGUF an older file"
     plan = quantize_file(src, out, FILE_TYPES["Q4_K_M"])                 # and then it works
     assert out.stat().st_size == plan.output_size and _files(tmp_path) == ["out.gguf", "src.gguf"]
     assert oct(out.stat().st_mode & 0o777) == oct(0o644)
@@ -517,7 +517,7 @@ def test_partial_file_of_a_killed_run_is_removed(tmp_path):
 def test_sigint_to_the_command(gemma_f16_path, tmp_path):
     """Ctrl+C (SIGINT) to a running `edge quantize`: exit 130, no temporary file, OUT untouched."""
     out = tmp_path / "out.gguf"
-    out.write_bytes(b"keep me")
+    out.write_bytes(b"GGUF keep me")
     proc = subprocess.Popen([sys.executable, "-m", "edge.cli", "quantize", str(gemma_f16_path), str(out), "Q6_K"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
@@ -533,12 +533,13 @@ def test_sigint_to_the_command(gemma_f16_path, tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "interrupted" in err
-    assert _files(tmp_path) == ["out.gguf"] and out.read_bytes() == b"keep me"
+    assert _files(tmp_path) == ["out.gguf"] and out.read_bytes() == b"GGUF keep me"
 
 
 def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     src = _write_gguf(tmp_path / "src.gguf", _tiny_model(np.random.default_rng(2)))
     (tmp_path / "notes.txt").write_text("hello")
+    os.mkfifo(tmp_path / "fifo")
     out = tmp_path / "out.gguf"
     cases = [
         ([str(tmp_path / "missing.gguf"), str(out), "Q8_0"], "missing.gguf: No such file or directory"),
@@ -548,6 +549,8 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
         ([str(src), f"{tmp_path}/./src.gguf", "Q8_0"], "is the input file"),
         ([str(src), str(tmp_path), "Q8_0"], "is a directory"),
         ([str(src), str(tmp_path / "no" / "out.gguf"), "Q8_0"], "does not exist"),
+        ([str(src), str(tmp_path / "notes.txt"), "Q8_0"], "notes.txt exists and is not a GGUF file"),
+        ([str(src), str(tmp_path / "fifo"), "Q8_0"], "fifo exists and is not a regular file"),
         ([str(src), str(out), "Q8_0", "--token-embedding-type", "Q9_9"], "--token-embedding-type: unknown"),
         ([str(src), str(out), "Q8_0", "--output-tensor-type", "iq2_xxs"], "--output-tensor-type: unknown"),
         ([str(src), str(out), "Q8_0", "-t", "0"], "-t/--threads must be at least 1"),
@@ -556,7 +559,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
         assert main(["quantize", *argv]) == 1, argv
         err = capsys.readouterr().err
         assert err.startswith("edge quantize: error: ") and message in err and err.count("\n") == 1, (argv, err)
-    assert _files(tmp_path) == ["notes.txt", "src.gguf"]
+    assert _files(tmp_path) == ["fifo", "notes.txt", "src.gguf"] and (tmp_path / "notes.txt").read_text() == "hello"
 
 
 def test_token_embedding_type_that_does_not_fit(tmp_path, capsys):
