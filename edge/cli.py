@@ -217,6 +217,11 @@ def cmd_quantize(args) -> int:
     mib = 1 << 20
     print(f"{args.input}: {plan.source_size / mib:.2f} MiB -> {args.output}: {plan.output_size / mib:.2f} MiB "
           f"({ftype.name}, {plan.output_size / plan.source_size:.1%} of the source) in {seconds:.1f} s")
+    if imatrix is not None:     # as llama-quantize reports it: how much of the model the imatrix covered
+        weighted = [t for t in plan.tensors if t.converts and t.name in imatrix.weights]
+        converted = [t for t in plan.tensors if t.converts]
+        print(f"imatrix {args.imatrix}: {len(imatrix.weights)} entries, {len(weighted)} of the {len(converted)} "
+              "converted tensors weighted by it", file=sys.stderr)
     return 0
 
 

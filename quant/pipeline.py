@@ -302,7 +302,7 @@ def quantize_file(src: str | os.PathLike, dst: str | os.PathLike, ftype: FileTyp
     free = shutil.disk_usage(dst.parent).free
     if free < plan.output_size:
         raise QuantizeError(f"not enough disk space in {dst.parent}: the output needs {plan.output_size:,} bytes, "
-                            f"{free:,} are free")
+                            f"{free:,} are free" + (" (a pseudo file system such as /sys or /proc?)" if free == 0 else ""))
     fd, tmp_name = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.pid{os.getpid()}.", suffix=".partial")
     os.close(fd)
     tmp = Path(tmp_name)

@@ -107,6 +107,17 @@ def test_quantize_will_not_write_over_its_imatrix(tmp_path, small_imatrix, gemma
     assert "is the --imatrix file" in capsys.readouterr().err and path.read_bytes() == before
 
 
+def test_quantize_says_how_much_the_imatrix_covers(tmp_path, small_imatrix, gemma_f16_path, capsys):
+    """edge quantize --imatrix reports its entries and how many converted tensors it weighted
+    (gemma Q4_K_M: all 126 matrices of the blocks; token_embd takes none)."""
+    from edge.cli import main
+
+    path = tmp_path / "imatrix.gguf"
+    write_imatrix(path, small_imatrix)
+    assert main(["quantize", str(gemma_f16_path), str(tmp_path / "out.gguf"), "Q4_K_M", "--imatrix", str(path)]) == 0
+    assert f"imatrix {path}: 126 entries, 126 of the 127 converted tensors weighted by it" in capsys.readouterr().err
+
+
 def test_two_dimensional_entries_are_read(tmp_path):
     """llama.cpp's loader takes in_sum2 [n, n_mat] with counts [1, n_mat] (n_mat matrices, e.g.
     experts) and divides each matrix's sums by its own count; a zero count gives weights of 1."""
