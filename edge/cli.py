@@ -205,8 +205,8 @@ def cmd_quantize(args) -> int:
         pure=args.pure, leave_output_tensor=args.leave_output_tensor, allow_requantize=args.allow_requantize,
         output_tensor_type=tensor_type(args.output_tensor_type, "--output-tensor-type"),
         token_embedding_type=tensor_type(args.token_embedding_type, "--token-embedding-type"))
+    check_output_path(args.input, args.output, args.imatrix)      # before any work (also for --dry-run)
     if args.dry_run:
-        check_output_path(args.input, args.output, args.imatrix)      # what the real run would refuse
         _print_quantize_plan(plan_quantize(args.input, ftype, options, imatrix))
         return 0
     _set_threads(args.threads)
@@ -421,8 +421,8 @@ def _check_output_file(out: str | Path, flag: str, replaceable: Callable[[Path],
     Raises ValueError with one line naming the path."""
     from edge.store import check_output_file
 
-    out = Path(out)
     check_output_file(out, f"{flag} ", inputs)
+    out = Path(out)
     if out.exists() and out.stat().st_size and not replaceable(out):
         raise ValueError(f"{flag} {out} exists and is not {kind}; edge replaces only such a file: remove it "
                          "or give another path")

@@ -307,6 +307,9 @@ def check_output_file(out: str | os.PathLike, label: str = "", inputs: dict | No
     input), nor an existing device, FIFO or socket (the rename at the end would replace it: ``-o
     /dev/null`` as root would replace /dev/null). Raises ``error`` with one line, ``label`` (e.g.
     "-o ") before the path."""
+    raw = os.fspath(out)
+    if not raw or raw.endswith(os.sep):
+        raise error(f"{label}{raw!r} is not the path of a file")
     out = Path(out)
     if out.is_dir():
         raise error(f"{label}{out} is a directory; give the path of a file")

@@ -196,8 +196,8 @@ def check_output_path(src: str | os.PathLike, dst: str | os.PathLike, imatrix: s
     missing or unwritable folder, the source or the imatrix file itself (also through links),
     an existing device or FIFO, or an existing file that is not a GGUF (a model replaces only a
     model: a typo must not turn a text into one)."""
-    dst = Path(dst)
     check_output_file(dst, "", {"input": src, "--imatrix": imatrix}, QuantizeError)
+    dst = Path(dst)
     if dst.exists() and dst.stat().st_size:
         with open(dst, "rb") as f:
             if f.read(4) != b"GGUF":

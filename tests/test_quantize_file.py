@@ -551,6 +551,8 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
         ([str(src), str(tmp_path / "no" / "out.gguf"), "Q8_0"], "does not exist"),
         ([str(src), str(tmp_path / "notes.txt"), "Q8_0"], "notes.txt exists and is not a GGUF file"),
         ([str(src), str(tmp_path / "fifo"), "Q8_0"], "fifo exists and is not a regular file"),
+        ([str(src), str(tmp_path / "newdir") + "/", "Q8_0"], "newdir/' is not the path of a file"),
+        ([str(src), "", "Q8_0"], "'' is not the path of a file"),
         ([str(src), str(out), "Q8_0", "--token-embedding-type", "Q9_9"], "--token-embedding-type: unknown"),
         ([str(src), str(out), "Q8_0", "--output-tensor-type", "iq2_xxs"], "--output-tensor-type: unknown"),
         ([str(src), str(out), "Q8_0", "-t", "0"], "-t/--threads must be at least 1"),
