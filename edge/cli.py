@@ -205,8 +205,8 @@ def cmd_quantize(args) -> int:
         pure=args.pure, leave_output_tensor=args.leave_output_tensor, allow_requantize=args.allow_requantize,
         output_tensor_type=tensor_type(args.output_tensor_type, "--output-tensor-type"),
         token_embedding_type=tensor_type(args.token_embedding_type, "--token-embedding-type"))
-    check_output_path(args.input, args.output, args.imatrix)      # before any work (also for --dry-run)
     if args.dry_run:
+        check_output_path(args.input, args.output, args.imatrix)      # what the real run refuses (quantize_file)
         _print_quantize_plan(plan_quantize(args.input, ftype, options, imatrix))
         return 0
     _set_threads(args.threads)
@@ -428,14 +428,6 @@ def _check_output_file(out: str | Path, flag: str, replaceable: Callable[[Path],
                          "or give another path")
 
 
-def _file_starts_with(path: Path, magic: bytes) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(len(magic)) == magic
-    except OSError:
-        return False
-
-
 def _is_imatrix(path: Path) -> bool:
     from edge.imatrix import ImatrixError, load_imatrix
 
@@ -549,6 +541,7 @@ def cmd_run(args) -> int:
 
 def cmd_perplexity(args) -> int:
     from edge.perplexity import perplexity
+    from edge.store import file_starts_with
 
     if args.chunks == 0 or args.chunks < -1:
         raise ValueError(f"--chunks must be -1 (all) or at least 1, got {args.chunks}")
@@ -566,7 +559,7 @@ def cmd_perplexity(args) -> int:
     engine = _load_engine(args)
     if args.kl_divergence_base:
         _check_output_file(args.kl_divergence_base, "--kl-divergence-base",
-                           lambda p: _file_starts_with(p, b"_logits_"),
+                           lambda p: file_starts_with(p, b"_logits_"),
                            "a --kl-divergence-base file (to compare a model with one, add --kl-divergence)",
                            model=str(engine.path), text=args.file)
     t0 = time.perf_counter()

