@@ -22,6 +22,76 @@ def pytest_sessionstart(session):
         pytest.exit(f"golden outputs of llama.cpp not found at {GOLDEN}: the tests expect the read-only "
                     "../shared folder beside the project (or set EDGE_GOLDEN_DIR)", returncode=4)
 
+# llama.cpp itself, as the oracle: an interpreter with llama-cpp-python 0.3.36 built from source
+# (the build the goldens came from), with llama.cpp's tools (llama-quantize, llama-imatrix,
+# llama-perplexity) in the same bin folder. tools/build_oracle.sh builds it once; EDGE_ORACLE_PYTHON
+# names it (default: where that script puts it). Without it the oracle tests skip, saying so;
+# with EDGE_REQUIRE_ORACLE=1 (.ci/run sets both) they fail instead, so CI never passes without them.
+ORACLE_VERSION = "0.3.36"
+ORACLE_PYTHON = Path(os.environ.get("EDGE_ORACLE_PYTHON") or
+                     Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                     / "edge-oracle" / f"llama-cpp-python-{ORACLE_VERSION}" / "venv" / "bin" / "python")
+ORACLE_FIXTURES = ("oracle_python", "llama_cpp_tools")
+
+
+def _need_oracle(*tools: str) -> Path:
+    """The oracle interpreter (checked to import llama_cpp once), or a skip -- a failure under
+    EDGE_REQUIRE_ORACLE=1 -- that says what is missing and how to build it."""
+    missing = [t for t in tools if not (ORACLE_PYTHON.parent / t).is_file()]
+    problem = None
+    if not ORACLE_PYTHON.is_file():
+        problem = f"no oracle interpreter at {ORACLE_PYTHON}"
+    elif missing:
+        problem = f"{', '.join(missing)} not found beside {ORACLE_PYTHON}"
+    else:
+        if _need_oracle.version is None:
+            proc = subprocess.run([str(ORACLE_PYTHON), "-c", "import llama_cpp; print(llama_cpp.__version__)"],
+                                  capture_output=True, text=True, timeout=120)
+            _need_oracle.version = proc.stdout.strip() if proc.returncode == 0 else f"error: {proc.stderr[-300:]}"
+        if _need_oracle.version != ORACLE_VERSION:
+            problem = f"{ORACLE_PYTHON} has llama_cpp {_need_oracle.version!r}, not {ORACLE_VERSION}"
+    if problem is None:
+        return ORACLE_PYTHON
+    msg = f"llama.cpp oracle: {problem} (build it with tools/build_oracle.sh, or set EDGE_ORACLE_PYTHON)"
+    if os.environ.get("EDGE_REQUIRE_ORACLE") == "1":
+        pytest.fail(msg + "; EDGE_REQUIRE_ORACLE=1 makes this a failure", pytrace=False)
+    pytest.skip(msg)
+
+
+_need_oracle.version = None
+
+
+@pytest.fixture(scope="session")
+def oracle_python() -> Path:
+    """The interpreter with llama-cpp-python 0.3.36 (skips or fails without it, see above)."""
+    return _need_oracle()
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_tools() -> Path:
+    """The folder of llama.cpp's llama-quantize, llama-imatrix and llama-perplexity."""
+    return _need_oracle("llama-quantize", "llama-imatrix", "llama-perplexity").parent
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that use the oracle carry the ``oracle`` marker (``-m oracle`` runs just them)."""
+    for item in items:
+        if any(f in getattr(item, "fixturenames", ()) for f in ORACLE_FIXTURES):
+            item.add_marker(pytest.mark.oracle)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line counting the oracle tests by outcome, so a log shows they ran."""
+    counts: dict[str, int] = {}
+    for outcome in ("passed", "failed", "skipped", "error"):
+        for rep in terminalreporter.stats.get(outcome, []):
+            if "oracle" in getattr(rep, "keywords", {}) and (rep.when == "call" or outcome != "passed"):
+                counts[outcome] = counts.get(outcome, 0) + 1
+    if counts:
+        shown = ", ".join(f"{n} {k}" for k, n in counts.items())
+        terminalreporter.write_line(f"llama.cpp oracle tests ({ORACLE_PYTHON}): {shown}")
+
+
 # golden id -> registry name
 MODELS = {"qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b-instruct", "gemma3-270m": "gemma-3-270m"}
 

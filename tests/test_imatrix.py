@@ -10,7 +10,6 @@
 """
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
@@ -21,7 +20,6 @@ from edge.engine import Engine
 from edge.imatrix import ImatrixError, compute_imatrix, load_imatrix, write_imatrix
 from tests.conftest import GOLDEN
 
-ORACLE_PYTHON = Path("/tmp/llvenv/bin/python")  # llama-cpp-python 0.3.36, the build of the goldens
 ORACLE_SCRIPT = Path(__file__).with_name("llama_quantize_imatrix.py")
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
@@ -201,13 +199,11 @@ def _quantize(src: Path, dst: Path, ftype: str, imatrix=None) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ftype", ["Q4_K_M", "Q4_0"])
-def test_same_file_as_llama_quantize(gemma_f16_path, calib_imatrix, tmp_path, ftype):
-    if not ORACLE_PYTHON.is_file():
-        pytest.skip(f"{ORACLE_PYTHON} (llama-cpp-python) not found: cannot run llama_model_quantize")
+def test_same_file_as_llama_quantize(gemma_f16_path, calib_imatrix, tmp_path, ftype, oracle_python):
     ours = _quantize(gemma_f16_path, tmp_path / "edge.gguf", ftype, calib_imatrix)
     np.savez(tmp_path / "w.npz", __file__=calib_imatrix.path, __dataset__=calib_imatrix.datasets[0],
              __chunks__=calib_imatrix.chunk_count, **calib_imatrix.weights)
-    subprocess.run([str(ORACLE_PYTHON), str(ORACLE_SCRIPT), str(gemma_f16_path), str(tmp_path / "ll.gguf"), ftype,
+    subprocess.run([str(oracle_python), str(ORACLE_SCRIPT), str(gemma_f16_path), str(tmp_path / "ll.gguf"), ftype,
                     str(tmp_path / "w.npz")], check=True, timeout=900, capture_output=True)
     a, b = ours.read_bytes(), (tmp_path / "ll.gguf").read_bytes()
     assert len(a) == len(b)
@@ -238,21 +234,15 @@ def test_imatrix_lowers_kld(gemma_quant_lab):
     assert diff < 2 * se
 
 
-LLAMA_CPP_BIN = Path(os.environ.get("EDGE_LLAMA_CPP_BIN", "/tmp/llbuild/bin"))   # llama.cpp tools built from
-# the source llama-cpp-python 0.3.36 vendors (0c1e57098), where a developer has built them
-
-
 @pytest.mark.slow
-def test_same_imatrix_as_llama_imatrix(gemma_quant_lab, gemma_f16_path, tmp_path):
+def test_same_imatrix_as_llama_imatrix(gemma_quant_lab, gemma_f16_path, tmp_path, llama_cpp_tools):
     """llama-imatrix on the same model and text: the same entries, counts and chunk count, sums
     within 2e-3 of the largest (edge's F16 products round differently), and llama-quantize reads
     edge's file into the same bytes edge quantize writes with it."""
-    if not (LLAMA_CPP_BIN / "llama-imatrix").is_file() or not (LLAMA_CPP_BIN / "llama-quantize").is_file():
-        pytest.skip(f"llama-imatrix / llama-quantize not found in {LLAMA_CPP_BIN} (EDGE_LLAMA_CPP_BIN)")
     from edge.gguf_file import GGUFFile
 
     theirs_path = tmp_path / "llama.imatrix.gguf"
-    subprocess.run([str(LLAMA_CPP_BIN / "llama-imatrix"), "-m", str(gemma_f16_path), "-f", str(GOLDEN / "calib_text.txt"),
+    subprocess.run([str(llama_cpp_tools / "llama-imatrix"), "-m", str(gemma_f16_path), "-f", str(GOLDEN / "calib_text.txt"),
                     "-o", str(theirs_path), "-t", "2", "--no-ppl"], check=True, capture_output=True, timeout=900)
     ours, theirs = load_imatrix(gemma_quant_lab.calib_imatrix()), load_imatrix(theirs_path)
     assert set(ours.weights) == set(theirs.weights) and ours.chunk_count == theirs.chunk_count == 13
@@ -264,7 +254,7 @@ def test_same_imatrix_as_llama_imatrix(gemma_quant_lab, gemma_f16_path, tmp_path
     a.close()
     b.close()
     out = tmp_path / "ll-Q3_K_M.gguf"
-    subprocess.run([str(LLAMA_CPP_BIN / "llama-quantize"), "--imatrix", str(gemma_quant_lab.calib_imatrix()),
+    subprocess.run([str(llama_cpp_tools / "llama-quantize"), "--imatrix", str(gemma_quant_lab.calib_imatrix()),
                     str(gemma_f16_path), str(out), "Q3_K_M", "2"], check=True, capture_output=True, timeout=900)
     mine = tmp_path / "edge-Q3_K_M.gguf"
     _quantize(gemma_f16_path, mine, "Q3_K_M", load_imatrix(gemma_quant_lab.calib_imatrix()))

@@ -24,7 +24,6 @@ from edge.logits_file import (HEADER_BYTES, MAGIC, BaseLogits, BaseLogitsWriter,
                               dequantize_log_probs, n_scored, quantize_log_probs, record_len)
 from tests.conftest import GOLDEN, golden
 
-ORACLE_PYTHON = Path("/tmp/llvenv/bin/python")   # llama-cpp-python 0.3.36
 N_CTX = 256
 
 
@@ -261,8 +260,7 @@ np.save(out, np.stack(rows))
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not ORACLE_PYTHON.exists(), reason=f"{ORACLE_PYTHON} (llama-cpp-python) is not installed")
-def test_llama_cpp_logits_against_the_base(quant_kld, f16_base, gemma_f16_path, tmp_path):
+def test_llama_cpp_logits_against_the_base(quant_kld, f16_base, gemma_f16_path, tmp_path, oracle_python):
     """llama.cpp's logits (llama-cpp-python) of the first two chunks, compared with edge's F16 base
     file: llama.cpp's F16 is ~0 away, and its Q8_0 (edge's file) has edge's KLD at every position."""
     base = BaseLogits(f16_base[1])
@@ -273,7 +271,7 @@ def test_llama_cpp_logits_against_the_base(quant_kld, f16_base, gemma_f16_path, 
     got = {}
     for name, model in (("F16", gemma_f16_path), ("Q8_0", q8_path)):
         out = tmp_path / f"{name}.npy"
-        proc = subprocess.run([str(ORACLE_PYTHON), "-c", _ORACLE_LOGITS, str(model), str(N_CTX), str(out),
+        proc = subprocess.run([str(oracle_python), "-c", _ORACLE_LOGITS, str(model), str(N_CTX), str(out),
                                str(tmp_path / "chunks.npy")], capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-2000:]
         logits = np.load(out)

@@ -24,7 +24,6 @@ from tests.conftest import golden
 
 K = 512  # values per test row: 2 K-quant super-blocks, 16 blocks of 32
 QUANTIZED = [t for t in SUPPORTED_TYPES if t != T.F32]  # the 12 types ggml_quantize_chunk converts to
-ORACLE_PYTHON = Path("/tmp/llvenv/bin/python")  # llama-cpp-python 0.3.36, the build of the goldens
 ORACLE_SCRIPT = Path(__file__).with_name("ggml_oracle_quantize.py")
 F32 = np.float32
 
@@ -293,17 +292,14 @@ def test_bad_input_raises():
 
 
 @pytest.fixture(scope="module")
-def ggml_bytes(tmp_path_factory) -> tuple[np.ndarray, dict[T, np.ndarray]]:
+def ggml_bytes(tmp_path_factory, oracle_python) -> tuple[np.ndarray, dict[T, np.ndarray]]:
     """(x, {type: ggml_quantize_chunk bytes}) for all edge-case and non-finite rows."""
-    if not ORACLE_PYTHON.is_file():
-        pytest.skip(f"{ORACLE_PYTHON} (llama-cpp-python with libggml-base.so) not found: "
-                    "cannot compare with ggml_quantize_chunk")
     x = np.concatenate([*CASES.values(), non_finite_rows()])
     folder = tmp_path_factory.mktemp("ggml_oracle")
     types = np.array([int(t) for t in QUANTIZED], np.int64)
     row_bytes = np.array([K // GGML_QUANT_SIZES[t][0] * GGML_QUANT_SIZES[t][1] for t in QUANTIZED], np.int64)
     np.savez(folder / "in.npz", x=x, types=types, row_bytes=row_bytes)
-    subprocess.run([str(ORACLE_PYTHON), str(ORACLE_SCRIPT), str(folder / "in.npz"), str(folder / "out.npz")],
+    subprocess.run([str(oracle_python), str(ORACLE_SCRIPT), str(folder / "in.npz"), str(folder / "out.npz")],
                    check=True, timeout=300)
     out = np.load(folder / "out.npz")
     return x, {t: out[str(int(t))] for t in QUANTIZED}

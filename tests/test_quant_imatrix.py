@@ -14,7 +14,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from kernels_cpu.dequant import dequantize
 from quant.blocks import QuantizeError, quantize_rows
 from quant.blocks_imatrix import WEIGHTED_KERNELS
-from tests.test_quant_blocks import ORACLE_PYTHON, ORACLE_SCRIPT
+from tests.test_quant_blocks import ORACLE_SCRIPT
 
 K = 512
 F32 = np.float32
@@ -53,11 +53,8 @@ WEIGHTS = _weights()
 
 
 @pytest.fixture(scope="module")
-def ggml_bytes(tmp_path_factory):
+def ggml_bytes(tmp_path_factory, oracle_python):
     """{weights name: (x, {type: ggml_quantize_chunk bytes with that imatrix})}."""
-    if not ORACLE_PYTHON.is_file():
-        pytest.skip(f"{ORACLE_PYTHON} (llama-cpp-python with libggml-base.so) not found: "
-                    "cannot compare with ggml_quantize_chunk")
     folder = tmp_path_factory.mktemp("ggml_oracle_imatrix")
     types = np.array([int(t) for t in WEIGHTED], np.int64)
     row_bytes = np.array([K // GGML_QUANT_SIZES[t][0] * GGML_QUANT_SIZES[t][1] for t in WEIGHTED], np.int64)
@@ -65,7 +62,7 @@ def ggml_bytes(tmp_path_factory):
     for i, (name, qw) in enumerate(WEIGHTS.items()):
         x = _rows(i)
         np.savez(folder / f"in_{name}.npz", x=x, qw=qw, types=types, row_bytes=row_bytes)
-        subprocess.run([str(ORACLE_PYTHON), str(ORACLE_SCRIPT), str(folder / f"in_{name}.npz"),
+        subprocess.run([str(oracle_python), str(ORACLE_SCRIPT), str(folder / f"in_{name}.npz"),
                         str(folder / f"out_{name}.npz")], check=True, timeout=300)
         out = np.load(folder / f"out_{name}.npz")
         result[name] = x, {t: out[str(int(t))] for t in WEIGHTED}

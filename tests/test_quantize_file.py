@@ -39,8 +39,6 @@ from tests.conftest import GOLDEN, golden, real_model_path
 
 GOLD = golden("gemma3-270m", "quantize.json")
 GOLDEN_MIXES = list(GOLD["quantized"])                    # Q8_0, Q4_0, Q4_K_M, Q6_K, Q5_K_M
-ORACLE_PYTHON = Path("/tmp/llvenv/bin/python")            # llama-cpp-python 0.3.36, the build of the goldens
-NO_ORACLE = f"{ORACLE_PYTHON} (llama-cpp-python 0.3.36) is not installed"
 
 
 # ------------------------------------------------------------------------------------- helpers
@@ -305,8 +303,7 @@ ORACLE_OPTIONS = [{}, {"pure": True}, {"output_tensor_type": "Q4_0"}, {"output_t
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not ORACLE_PYTHON.exists(), reason=NO_ORACLE)
-def test_types_equal_llama_cpp_dry_run(gemma_f16_path):
+def test_types_equal_llama_cpp_dry_run(gemma_f16_path, oracle_python):
     """llama_model_quantize (dry run) on gemma (F16, tied), Qwen2.5-0.5B (rows of 896, untied)
     and Qwen2.5-1.5B (rows of 1536, all K-quants fit): every ftype x option set gives the same
     tensors, order and types; where llama.cpp would write a row its block does not divide
@@ -316,7 +313,7 @@ def test_types_equal_llama_cpp_dry_run(gemma_f16_path):
     cases = [{"id": f"{s}|{ft}|{i}", "src": str(p), "ftype": ft, "params": {**o, "allow_requantize": True}}
              for s, p in sources.items() for ft in FILE_TYPES for i, o in enumerate(ORACLE_OPTIONS)
              if s != "qwen15" or i < 2]           # 1.5B: the mixture rules without fallback, plain and pure
-    proc = subprocess.run([str(ORACLE_PYTHON), "-c", _ORACLE_TYPES], input=json.dumps(cases), capture_output=True,
+    proc = subprocess.run([str(oracle_python), "-c", _ORACLE_TYPES], input=json.dumps(cases), capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     ref = json.loads(proc.stdout)
@@ -397,10 +394,9 @@ sys.exit(llama_cpp.llama_model_quantize(src.encode(), dst.encode(), p))
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not ORACLE_PYTHON.exists(), reason=NO_ORACLE)
 @pytest.mark.parametrize("case", ["Q3_K_M --output-tensor-type Q4_1", "Q8_0 -> Q4_0 --allow-requantize",
                                   "Q4_K_M -> Q6_K --allow-requantize"])
-def test_whole_file_equals_llama_cpp(case, quantized, gemma_f16_path, tmp_path):
+def test_whole_file_equals_llama_cpp(case, quantized, gemma_f16_path, tmp_path, oracle_python):
     """The whole output file equals llama.cpp's, for a mix with an option and for
     requantization (kernels_cpu.dequant of Q8_0, Q5_0, Q4_K, Q6_K sources, then quantized)."""
     words = case.split()
@@ -410,7 +406,7 @@ def test_whole_file_equals_llama_cpp(case, quantized, gemma_f16_path, tmp_path):
         src, ftype, args, params = gemma_f16_path, words[0], words[1:], ["output_tensor_type=Q4_1"]
     ours, theirs = tmp_path / "edge.gguf", tmp_path / "llama.gguf"
     assert main(["quantize", str(src), str(ours), ftype, *args]) == 0
-    proc = subprocess.run([str(ORACLE_PYTHON), "-c", _ORACLE_QUANTIZE, str(src), str(theirs), ftype, *params],
+    proc = subprocess.run([str(oracle_python), "-c", _ORACLE_QUANTIZE, str(src), str(theirs), ftype, *params],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert ours.stat().st_size == theirs.stat().st_size
@@ -459,13 +455,12 @@ print(json.dumps(res))
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not ORACLE_PYTHON.exists(), reason=NO_ORACLE)
-def test_llama_cpp_loads_and_generates(quantized, gemma_f16_path):
+def test_llama_cpp_loads_and_generates(quantized, gemma_f16_path, oracle_python):
     """llama-cpp-python loads edge's Q4_K_M and Q8_0 files, generates, and scores the perplexity
     text's first chunk within 3% (Q8_0) / 10% (Q4_K_M) of the F16 source (a broken file is far off)."""
     paths = [str(gemma_f16_path), str(quantized("Q8_0")), str(quantized("Q4_K_M"))]
     ref = golden("gemma3-270m", "perplexity.json")
-    proc = subprocess.run([str(ORACLE_PYTHON), "-c", _ORACLE_RUN, str(GOLDEN / ref["text_file"]), *paths],
+    proc = subprocess.run([str(oracle_python), "-c", _ORACLE_RUN, str(GOLDEN / ref["text_file"]), *paths],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(proc.stdout)

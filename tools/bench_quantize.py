@@ -9,7 +9,7 @@ gemma-3-270m-f16.gguf, made by ../shared/tools/make_f16_source.py). Each run is 
 (`edge quantize`, wall time from start to exit: start-up, numba's cached kernels and the write
 included), writing into a temporary folder. llama.cpp runs as the llama-quantize binary when --llama-quantize is given,
 else as llama_model_quantize through llama-cpp-python in --llama-python (default
-/tmp/llvenv/bin/python, skipped when missing), both the same code (src/llama-quant.cpp). The
+$EDGE_ORACLE_PYTHON or where tools/build_oracle.sh puts it, skipped when missing), both the same code (src/llama-quant.cpp). The
 outputs are compared byte for byte. Prints the median of -r runs of each and their ratio.
 Run it on an otherwise idle machine; the machine's load average is printed with the result.
 """
@@ -55,7 +55,9 @@ def main() -> int:
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count())
     ap.add_argument("-r", "--repetitions", type=int, default=3)
     ap.add_argument("--imatrix", default=None, help="quantize with this imatrix (both engines)")
-    ap.add_argument("--llama-python", default="/tmp/llvenv/bin/python")
+    oracle = os.environ.get("EDGE_ORACLE_PYTHON") or str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                                                         / "edge-oracle/llama-cpp-python-0.3.36/venv/bin/python")
+    ap.add_argument("--llama-python", default=oracle)
     ap.add_argument("--llama-quantize", default=None, help="llama-quantize binary (preferred over --llama-python)")
     args = ap.parse_args()
     src = Path(args.source)
