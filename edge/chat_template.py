@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import jinja2
 
-from edge import template_budget
+from edge import template_budget, template_sandbox
 from edge.gguf_file import GGUFError, GGUFFile
 from edge.template_budget import RenderBudgetError
 
@@ -78,7 +78,7 @@ def _strftime_now(fmt: str) -> str:
 
 
 def _make_environment() -> jinja2.Environment:
-    env = template_budget.make_environment()
+    env = template_sandbox.make_environment()
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
@@ -134,7 +134,7 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
         try:
-            self._template = template_budget.compile_template(_make_environment(), source)
+            self._template = template_sandbox.compile_template(_make_environment(), source)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(_describe(exc)) from exc
 
