@@ -292,6 +292,10 @@ class Budget:
             return _leaf_size(value), 0
         known = self._known(id(value))
         if known is None:
+            flat = _flat_size(value)
+            if flat is not None:  # strings and numbers only: no walk
+                self.check_len(flat, what)
+                return flat, 1
             known = self._walk(value, what, {})
             if id(value) not in self._memo:
                 self.remember(value, *known)
@@ -317,7 +321,7 @@ class Budget:
         elif isinstance(value, _BUILT):
             self.measure(value, what)
             self.built(8 * len(value))
-        elif type(value) is int:
+        elif type(value) is int and value.bit_length() > MAX_INT_BITS:
             self.measure(value, what)
         return value
 

@@ -1,7 +1,8 @@
 """Filters under the render budget: every jinja2 filter costs a step and has its result
 checked; the ones that scale a size by an argument (center, indent, format, wordwrap, replace,
-join, batch, slice, list, urlize) are checked before they run; sum adds through the bounded
-``+`` and tojson streams when it indents."""
+join, batch, slice, list) are checked before they run, the slow pure-Python ones (wordwrap,
+urlize, pprint) take at most SLOW_FILTER_CHARS; sum adds through the bounded ``+`` and tojson
+streams when it indents."""
 from __future__ import annotations
 
 import inspect
@@ -23,7 +24,6 @@ from edge.template_budget import (
 )
 
 
-# -------------------------------------------------------------------- filters
 def _int(x: Any) -> int:
     return x if isinstance(x, int) else 0
 
@@ -91,10 +91,16 @@ def _check_urlize(b, value, trim_url_limit=None, nofollow=False, target=None, re
             b.fail("size", "the urlize filter's target and rel take at most 256 characters")
 
 
+def _check_pprint(b, value):
+    if b.text_size(value, "the value given to pprint") > SLOW_FILTER_CHARS:
+        b.fail("size", f"the pprint filter takes at most {_n(SLOW_FILTER_CHARS)} characters")
+
+
 _FILTER_CHECKS = {
     "center": _check_center, "indent": _check_indent, "format": _check_format,
     "wordwrap": _check_wordwrap, "replace": _check_replace_filter, "join": _check_join,
     "batch": _check_batch, "slice": _check_slice, "list": _check_list, "urlize": _check_urlize,
+    "pprint": _check_pprint,
 }
 _FIRST_ARG = {_PassArg.context: lambda c: c, _PassArg.eval_context: lambda c: c.eval_ctx,
               _PassArg.environment: lambda c: c.environment}

@@ -242,7 +242,11 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
             args = (b.loop(args[0]),) + args[1:]
         elif isinstance(obj, (types.BuiltinMethodType, types.MethodType)) and \
                 isinstance(getattr(obj, "__self__", None), (*_TEXT, int)):
-            args, kwargs = _call_method(b, obj, args, kwargs)
+            formatter = self.wrap_str_format(obj)  # a str.format that came around getattr
+            if formatter is not None:
+                obj = formatter
+            else:
+                args, kwargs = _call_method(b, obj, args, kwargs)
         args = tuple(b.bounded(a, "the items of a call's argument") if _is_iterator(a)
                      else a for a in args)
         return b.result(context.call(obj, *args, **kwargs), "the result of a call")
