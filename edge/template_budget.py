@@ -352,8 +352,9 @@ class Budget:
         """``list(iterable)`` within the size limit."""
         if isinstance(iterable, _CONTAINERS):
             return list(iterable)
-        if isinstance(iterable, str):
-            self.check_len(5 * len(iterable), what)
+        if isinstance(iterable, (str, range)):  # a list of characters or of numbers
+            self.check_len((5 if isinstance(iterable, str) else 16) * len(iterable), what)
+            return list(iterable)
         return list(self.bounded(iter(iterable), what))
 
 
@@ -404,7 +405,11 @@ _DIGITS = re.compile(r"\d+")
 
 
 def check_width(b: Budget, text: str, what: str) -> int:
-    """A width or precision written in a format; refused when over the size limit."""
+    """The width or precision ``text`` (digits) of a format field.
+
+    Raises:
+        RenderBudgetError: it is over the size limit.
+    """
     if len(text) > 12:
         b.check_len(10 ** 12, what)
     n = int(text)
@@ -413,7 +418,12 @@ def check_width(b: Budget, text: str, what: str) -> int:
 
 
 def check_printf(b: Budget, fmt: Any, args: Any, what: str) -> None:
-    """Refuse ``fmt % args`` when its result could be over the size limit."""
+    """Refuse ``fmt % args`` when its result could be over the size limit: an upper bound of
+    its length from the literal text, each field's width and precision and the biggest argument.
+
+    Raises:
+        RenderBudgetError: naming ``what``.
+    """
     if not isinstance(fmt, str):
         return
     positional = list(args) if isinstance(args, tuple) else [args]
@@ -428,7 +438,7 @@ def check_printf(b: Budget, fmt: Any, args: Any, what: str) -> None:
             if part == "*":
                 n = positional[index] if index < len(positional) else 0
                 index += 1
-                total += n if isinstance(n, int) and n > 0 else 0
+                total += abs(n) if isinstance(n, int) else 0  # a negative width pads too
                 b.check_len(total, what)
             elif part:
                 total += check_width(b, part, what)

@@ -104,6 +104,7 @@ ATTACKS = {  # id: (template, the budget it must exceed)
     "format-filter-width": ("{{ '%02000000000d'|format(1) }}", "size"),
     "percent-width": ("{{ '%02000000000d' % 1 }}", "size"),
     "percent-star-width": ("{{ '%*d' % (2000000000, 1) }}", "size"),
+    "percent-negative-star-width": ("{{ '%*d' % (-2000000000, 1) }}", "size"),
     "concat-doubling": (_doubling("~", "'ab'", 31), "size"),
     "plus-doubling": (_doubling("+", "'ab'", 31), "size"),
     "list-doubling": (_doubling("+", "[1]", 40), "size"),
