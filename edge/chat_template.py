@@ -15,33 +15,30 @@ does and what produced the goldens in ``golden/<model>/chat.json``:
 
 The template is untrusted input (a GGUF file from anywhere; ../shared/BUGS.md C1). The sandbox
 refuses ``__class__``/``__globals__`` walks (here as an error, not an empty string) and
-mutation of lists and dicts; on top of it, ``*`` and ``**`` are bounded so a template cannot build a multi-gigabyte string. Every failure
-(parse error, ``raise_exception``, sandbox violation, runtime error) is a
-:class:`ChatTemplateError` whose message is fit to show the user as an HTTP 400 (C2).
+mutation of lists and dicts; on top of it every render runs under a budget of steps, sizes,
+time and memory (:mod:`edge.template_budget`), so a template can neither hang a turn nor build
+gigabytes. Every failure (parse error, ``raise_exception``, sandbox violation, runtime error,
+budget overrun) is a :class:`ChatTemplateError` whose message is fit to show the user as an
+HTTP 400 (C2).
 
 The rendered text may begin with ``bos_token``; whoever tokenizes it must not add a second BOS
 (BUGS.md T3).
 """
 from __future__ import annotations
 
-import json
-import operator
 from datetime import datetime
 from typing import Any, Sequence
 
 import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from edge import template_budget, template_sandbox
 from edge.gguf_file import GGUFError, GGUFFile
+from edge.template_budget import RenderBudgetError
 
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 TOKENS_KEY = "tokenizer.ggml.tokens"
 BOS_ID_KEY = "tokenizer.ggml.bos_token_id"
 EOS_ID_KEY = "tokenizer.ggml.eos_token_id"
-
-MAX_REPEAT_LEN = 1 << 20  # longest string or list a template may build with `*`
-MAX_EXPONENT = 1 << 10  # largest exponent a template may use with `**`
 
 # exceptions a template can raise while rendering; all of them are the template's fault
 _RENDER_ERRORS = (
@@ -60,6 +57,10 @@ class ChatTemplateError(ValueError):
     failed at run time, or was given malformed messages. The message is meant for the user."""
 
 
+class ChatTemplateBudgetError(ChatTemplateError):
+    """A chat template went over a render budget (steps, size, output, time, memory)."""
+
+
 class NoChatTemplateError(ChatTemplateError):
     """The model has no ``tokenizer.chat_template``; it can only be used for raw completion."""
 
@@ -76,46 +77,15 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | str | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-class _Environment(ImmutableSandboxedEnvironment):
-    """The immutable sandbox, where an unsafe attribute fails at once (jinja2 would return an
-    undefined that prints as "" and fails only when used) and `*` and `**` are bounded
-    (jinja2's intercepted_binops hook)."""
-
-    intercepted_binops = frozenset({"*", "**"})
-
-    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
-        raise jinja2.sandbox.SecurityError(
-            f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is unsafe")
-
-    def call_binop(self, context, op: str, left: Any, right: Any) -> Any:
-        if op == "**":
-            if isinstance(right, (int, float)) and abs(right) > MAX_EXPONENT:
-                raise jinja2.sandbox.SecurityError(f"exponent {right} is larger than {MAX_EXPONENT}")
-            return operator.pow(left, right)
-        for seq, count in ((left, right), (right, left)):
-            if isinstance(seq, (str, list, tuple)) and isinstance(count, int):
-                if len(seq) * count > MAX_REPEAT_LEN:
-                    raise jinja2.sandbox.SecurityError(
-                        f"repeating a sequence {count} times exceeds {MAX_REPEAT_LEN} items")
-        return operator.mul(left, right)
-
-
 def _make_environment() -> jinja2.Environment:
-    env = _Environment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
+    env = template_sandbox.make_environment()
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, _RaisedByTemplate):
+    if isinstance(exc, (_RaisedByTemplate, RenderBudgetError)):
         return str(exc)
     if isinstance(exc, jinja2.TemplateSyntaxError):
         return f"chat template does not parse (line {exc.lineno}): {exc.message}"
@@ -164,7 +134,7 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
         try:
-            self._template = _make_environment().from_string(source)
+            self._template = template_sandbox.compile_template(_make_environment(), source)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(_describe(exc)) from exc
 
@@ -211,7 +181,9 @@ class ChatTemplate:
             raise ChatTemplateError(f"template variables {clash} are set by render() itself")
         variables = {"tools": None, **kwargs, **fixed}
         try:
-            return self._template.render(**variables)
+            return template_budget.render(self._template, variables)
+        except RenderBudgetError as exc:
+            raise ChatTemplateBudgetError(_describe(exc)) from exc
         except _RENDER_ERRORS as exc:
             raise ChatTemplateError(_describe(exc)) from exc
 

@@ -731,6 +731,8 @@ def _client_gone(server: Server, stream: bool) -> None:
 API_KEY = "sk-test-7d1e"
 ALTERNATE = "Conversation roles must alternate user/assistant/user/assistant/..."
 TINY_TEMPLATE = ("{% if messages[0].content == 'escape' %}{{ ''.__class__.__mro__[1].__subclasses__() }}{% endif %}"
+                 "{% if messages[0].content == 'spin' %}{% for a in range(100000) %}{% for b in range(100000) %}"
+                 "{% endfor %}{% endfor %}{% endif %}"
                  "{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
                  "{{ raise_exception('" + ALTERNATE + "') }}{% endif %}<t1>{{ m.content }}{% endfor %}")
 TINY_N_CTX, TINY_N_BATCH = 64, 16
@@ -807,10 +809,12 @@ def test_openai_client_over_unix_socket(tiny_server):
     ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], ALTERNATE),
     ([{"role": "assistant", "content": "a"}], ALTERNATE),
     ([{"role": "user", "content": "escape"}], "unsafe"),
-], ids=["raise_exception-user-user", "raise_exception-assistant-first", "sandbox-escape"])
+    ([{"role": "user", "content": "spin"}], "chat template exceeded its step budget: more than 1,"),
+], ids=["raise_exception-user-user", "raise_exception-assistant-first", "sandbox-escape", "render-budget"])
 def test_template_errors_are_400(tiny_server, messages, message):
     """C2: raise_exception in the template is the client's 400 with its message; C1: a template
-    reaching for __class__ fails to render. Nothing is generated; the server goes on."""
+    reaching for __class__ fails to render; a template looping 10^10 times stops at its step
+    budget. Nothing is generated; the server goes on."""
     before = tiny_server.wait_idle()
     status, body = tiny_server.post("/v1/chat/completions", {"messages": messages, "max_tokens": 2})
     err = _assert_error(status, body, 400, param="messages", code="chat_template_error")
