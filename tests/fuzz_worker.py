@@ -39,7 +39,7 @@ ERRORS_ALLOWED = ("GGUFError", "ChatTemplateError", "SamplingError")   # what an
 @dataclass
 class Result:
     """What one case did. ``rc`` None: the worker died (``signal``), hung (``timed_out``), grew
-    past the memory ceiling (``over_memory``) or let an exception escape (``traceback``)."""
+    past the RSS ceiling (``over_memory``) or let an exception escape (``traceback``)."""
 
     rc: int | None = None
     stderr: str = ""
@@ -50,7 +50,7 @@ class Result:
     peak_rss: int = 0
     signal: int | None = None
     timed_out: bool = False
-    over_memory: bool = False
+    over_memory: int = 0   # the RSS ceiling in bytes the worker was killed at, 0 if not
 
     @property
     def error_lines(self) -> list[str]:
@@ -63,7 +63,7 @@ class Result:
         if self.timed_out:
             return f"no answer after {self.cpu:.1f} s of CPU, {self.wall:.1f} s wall"
         if self.over_memory:
-            return f"RSS passed {memory_budget >> 20} MiB"
+            return f"RSS passed {self.over_memory >> 20} MiB"
         if self.traceback:
             return f"traceback: {self.traceback[-600:]}"
         if self.rc not in (0, 1):
@@ -119,7 +119,8 @@ class Worker:
 
     def _start(self) -> None:
         self._err = tempfile.TemporaryFile()
-        env = dict(os.environ, PYTHONPATH=str(ROOT), EDGE_HOME=self.home, PYTHONFAULTHANDLER="")
+        # PYTHONFAULTHANDLER: a death by signal leaves the Python stack in the stderr tail
+        env = dict(os.environ, PYTHONPATH=str(ROOT), EDGE_HOME=self.home, PYTHONFAULTHANDLER="1")
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.fuzz_worker"], cwd=ROOT, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err)
         self.started += 1
@@ -164,7 +165,7 @@ class Worker:
                 return Result(timed_out=True, wall=wall, cpu=cpu)
             elif _vm_kib(self.proc.pid, "VmRSS") * 1024 > self.max_rss:
                 self._stop()
-                return Result(over_memory=True, wall=wall)
+                return Result(over_memory=self.max_rss, wall=wall)
         return Result(**json.loads(buf))
 
     def close(self) -> None:

@@ -21,7 +21,10 @@ A fault is one GGUFError naming the key, its value and what it must agree with. 
 refuses a value edge refuses it too (block_count above 512; for llama and qwen2 a
 rope.dimension_count other than the head size; an odd one or one above the head size); a value
 llama.cpp gives a meaning is taken with that meaning (sliding_window_pattern 0: every layer
-uses the window; a per-layer array of the pattern).
+uses the window; a per-layer array of the pattern). Deliberate differences: rope.dimension_count
+0 is refused (llama.cpp then rotates nothing); an integer key may have any integer type and a
+float key any number type, range-checked (llama.cpp wants uint32 and float32 exactly); a
+per-layer array for head counts or feed_forward_length is refused as a type error.
 """
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ def read_int(gf: GGUFFile, key: str, default: int | None = None, lo: int = 1, hi
     """Integer metadata ``key`` (``default`` when absent; required without one) in lo..hi.
 
     Raises GGUFError naming the key when it is missing, not an integer, or out of range (a
-    default out of range too: it is derived from other keys, which the message names).
+    default too, which the message says was the default).
     """
     v = gf.get_int(key, default=default)
     if not lo <= v <= hi:
