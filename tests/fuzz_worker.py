@@ -21,6 +21,7 @@ import io
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -169,7 +170,9 @@ class Worker:
         return Result(**json.loads(buf))
 
     def close(self) -> None:
+        """Stop the worker and remove its EDGE_HOME."""
         self._stop()
+        shutil.rmtree(self.home, ignore_errors=True)
 
 
 def _serve() -> None:
