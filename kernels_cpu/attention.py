@@ -528,6 +528,10 @@ def attention_f16(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, 
     block id is an out-of-bounds read.
     """
     T, H, hd = q.shape
+    if k_pool.ndim != 4 or v_pool.shape[:3] != k_pool.shape[:3] or H % k_pool.shape[2] or out.shape[:2] != (T, H) \
+            or seq_ids.shape != (T,) or positions.shape != (T,):
+        raise ValueError(f"attention_f16: q {q.shape}, pools {k_pool.shape} / {v_pool.shape}, out {out.shape} "
+                         "do not fit")
     tiny_kq, tiny_kqv = _paths(T, hd, out.shape[2], batch_invariant)
     cells = int(positions.max()) + 1 if window <= 0 else min(int(positions.max()) + 1, window)
     if T * H * cells * hd >= PARALLEL_MIN_MACS:

@@ -22,7 +22,7 @@ _SQRT_2_OVER_PI = np.float32(0.79788456080286535587989211986876)  # ggml's SQRT_
 _GELU_COEF_A = np.float32(0.044715)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")   # IEEE division as ggml: 1/0 = inf, no exception
 def _rms_norm_rows(x, weight, eps, out, r0, r1):
     n = x.shape[1]
     for t in range(r0, r1):
@@ -35,7 +35,7 @@ def _rms_norm_rows(x, weight, eps, out, r0, r1):
             out[t, i] = (x[t, i] * scale) * weight[i]
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def _rms_norm_par(x, weight, eps, out):
     for t in prange(x.shape[0]):
         _rms_norm_rows(x, weight, eps, out, t, t + 1)
@@ -49,6 +49,8 @@ def rms_norm(x, weight, eps, out):
     scale = 1 / sqrt(mean + eps) in float32; y = (x * scale) * weight. Rows of a 3-D x[T, H, hd]
     viewed as [T*H, hd] give Gemma 3's per-head q/k norms (ggml_rms_norm on [hd, H, T]).
     """
+    if x.ndim != 2 or weight.shape != (x.shape[1],) or out.shape != x.shape:
+        raise ValueError(f"rms_norm: x {x.shape}, weight {weight.shape}, out {out.shape} do not fit")
     if x.size >= PARALLEL_MIN:
         _rms_norm_par(x, weight, eps, out)
     else:
@@ -72,7 +74,11 @@ def rope_cos_sin(positions, n_rot, freq_base, freq_scale=1.0, freq_factors=None)
     pair; entry i = cosf/sinf(freq_scale * (theta / freq_factors[i])). cosf/sinf/powf are the C
     library's, as in ggml. ``freq_factors`` (llama 3's ``rope_freqs`` tensor) is float32[n_rot/2].
     """
+    if n_rot < 2 or n_rot % 2:
+        raise ValueError(f"rope_cos_sin: n_rot must be even and at least 2, got {n_rot}")
     ff = np.ones(n_rot // 2, np.float32) if freq_factors is None else np.asarray(freq_factors, np.float32)
+    if ff.shape != (n_rot // 2,):
+        raise ValueError(f"rope_cos_sin: freq_factors has shape {ff.shape}, expected ({n_rot // 2},)")
     pos = np.asarray(positions, dtype=np.int64)
     cos = np.empty((len(pos), n_rot // 2), np.float32)
     sin = np.empty_like(cos)
@@ -80,7 +86,7 @@ def rope_cos_sin(positions, n_rot, freq_base, freq_scale=1.0, freq_factors=None)
     return cos, sin
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")   # a 0 in freq_factors: inf as in ggml, no exception
 def _rope_cache(positions, freq_base, freq_scale, freq_factors, cos, sin):
     half = cos.shape[1]
     theta_scale = freq_base ** (np.float32(-2.0) / np.float32(2 * half))
@@ -125,6 +131,9 @@ def rope(x, cos, sin, neox):
     ggml's rotate_pairs computes x0*c - x1*s and x0*s + x1*c, which GCC contracts to
     fma(x0, c, -(x1*s)) and fma(x0, s, x1*c).
     """
+    if x.ndim != 3 or cos.ndim != 2 or sin.shape != cos.shape or cos.shape[0] != x.shape[0] \
+            or 2 * cos.shape[1] > x.shape[2]:
+        raise ValueError(f"rope: cos/sin {cos.shape} do not fit x {x.shape} (n_rot/2 pairs of at most head_dim)")
     if x.size >= PARALLEL_MIN:
         _rope_par(x, cos, sin, neox)
     else:

@@ -19,7 +19,8 @@ K-quants. These kernels mirror the functions llama.cpp's CPU backend runs on x86
 (ggml's portable ``quantize_row_q8_0_ref`` differs slightly: it multiplies by 1/d and rounds
 half away from zero, so a rare tie can differ by one unit.) f16-stored scales are returned as
 float32 holding the f16-rounded value, which is what ggml's dot products use. All arithmetic
-is float32 as in ggml. Inputs must be finite: NaN or Inf give unspecified (memory-safe) results.
+is float32 as in ggml. Inputs must be finite: NaN or Inf give unspecified (memory-safe) results,
+never an exception.
 
 Shapes (T rows of K values): x float32[T, K] -> qs int8[T, K] plus, per format,
 Q8_0: d float32[T, K/32]; Q8_1: d, s float32[T, K/32]; Q8_K: d float32[T, K/256],
@@ -115,13 +116,13 @@ def quantize_q8_1_kernel(x, qs, d, s):
         _q8_0_row(x[t], qs[t], d[t], s[t], True)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")   # an infinite max: d = 1 / -0.0, no exception
 def _quantize_q8_k_rows(x, qs, d, bsums):
     for t in range(x.shape[0]):
         _q8_k_row(x[t], qs[t], d[t], bsums[t])
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def _quantize_q8_k_par(x, qs, d, bsums):
     for t in prange(x.shape[0]):
         _q8_k_row(x[t], qs[t], d[t], bsums[t])

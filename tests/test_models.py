@@ -119,7 +119,8 @@ def test_missing_and_extra_tensors(tmp_path):
 def test_token_count_must_match_embedding_rows(tmp_path):
     """G2: a token list whose length differs from the embedding rows."""
     p = write_tiny_model(tmp_path / "v.gguf", arch="llama", n_tokens=95)
-    with pytest.raises(GGUFError, match="tokenizer.ggml.tokens has 95 tokens but token_embd.weight has 96 rows"):
+    with pytest.raises(GGUFError, match=r"'token_embd.weight' has shape \[64, 96\], but the metadata gives "
+                       r"\[llama.embedding_length = 64, the 95 tokens of tokenizer.ggml.tokens\]"):
         load_model(GGUFFile(p))
 
 

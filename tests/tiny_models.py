@@ -40,11 +40,13 @@ def random_tensor(rng, shape, qtype, scale=0.3):
 def write_tiny_model(path, arch="llama", types=None, seed=0, n_embd=64, n_head=4, n_head_kv=2,
                      head_dim=None, n_ff=128, n_layer=2, n_vocab=96, sliding_window=0,
                      rope_scaling_factor=0.0, rope_freqs=False, tie_output=False, extra_tensors=(),
-                     n_tokens=None):
+                     n_tokens=None, rope_dims=None, swa_pattern=None):
     """Write a tiny ``arch`` model with random weights to ``path``.
 
     ``types`` maps a tensor role ('attn_q', 'ffn_down', 'token_embd', 'output', ...) to a
-    GGMLQuantizationType (default F32 everywhere). Returns the path.
+    GGMLQuantizationType (default F32 everywhere). ``rope_dims`` and ``swa_pattern``, when
+    given, are written as rope.dimension_count and attention.sliding_window_pattern (absent
+    otherwise: the loaders' defaults). Returns the path.
     """
     types = types or {}
     rng = np.random.default_rng(seed)
@@ -64,6 +66,10 @@ def write_tiny_model(path, arch="llama", types=None, seed=0, n_embd=64, n_head=4
         w.add_uint32(k + "attention.value_length", hd)
     if sliding_window:
         w.add_uint32(k + "attention.sliding_window", sliding_window)
+    if rope_dims is not None:
+        w.add_uint32(k + "rope.dimension_count", rope_dims)
+    if swa_pattern is not None:
+        w.add_uint32(k + "attention.sliding_window_pattern", swa_pattern)
     if rope_scaling_factor:
         w.add_string(k + "rope.scaling.type", "linear")
         w.add_float32(k + "rope.scaling.factor", rope_scaling_factor)

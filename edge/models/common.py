@@ -1,8 +1,9 @@
 """The decoder-only transformer shared by the architectures, and its weights.
 
-An architecture module (``llama.py``, ``qwen2.py``, ``gemma3.py``) reads its :class:`ModelArgs`
-from GGUF metadata and says which optional parts its blocks have (QKV bias, q/k norms,
-post-norms, activation, sliding-window layers); the forward pass here runs them. Attribute
+An architecture module (``llama.py``, ``qwen2.py``, ``gemma3.py``) reads its ModelArgs from GGUF
+metadata (edge.models.hparams, which checks every value against the tensors before anything is
+sized by it) and says which optional parts its blocks have (QKV bias, q/k norms, post-norms,
+activation, sliding-window layers); the forward pass here runs them. Attribute
 names equal GGUF tensor names (``attn_q``, ``ffn_down``, ``output_norm``). Weights stay in
 their GGML block formats inside the memory-mapped file; only 1-D tensors (norms, biases) are
 read as float32.
@@ -10,107 +11,17 @@ read as float32.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFValueType
+from gguf import GGMLQuantizationType
 
 from edge.gguf_file import GGUFError, GGUFFile
+from edge.models.hparams import ModelArgs
 from edge.threads import AdaptiveThreads
 from kernels_cpu import ops
 from kernels_cpu.attention import attention_f16, store_kv
 from kernels_cpu.dequant import dequantize, dequantize_rows
 from kernels_cpu.matmul import MatmulWorkspace, matmul, quantize_activations
-
-
-@dataclass
-class ModelArgs:
-    """Hyperparameters read from ``{arch}.*`` metadata (llama.cpp's llama_hparams).
-
-    head_dim is ``attention.key_length`` (n_embd / n_head when absent); ``rope_neox`` selects
-    GPT-NeoX RoPE pairing; ``swa_layers[i]`` is True for sliding-window layers, which use
-    ``sliding_window`` and their own RoPE base ``rope_freq_base_swa``.
-    """
-
-    arch: str
-    n_vocab: int
-    n_ctx_train: int
-    n_embd: int
-    n_layer: int
-    n_ff: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    head_dim_v: int
-    rms_eps: float
-    rope_freq_base: float
-    rope_freq_scale: float
-    n_rot: int
-    rope_neox: bool
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    post_norms: bool = False
-    activation: str = "silu"
-    embed_scale: float = 1.0
-    attention_scale: float = 0.0  # softmax scale of the scores; 0 = 1/sqrtf(head_dim)
-    query_scale: float = 0.0  # q multiplied by this after RoPE (Gemma's f_attention_scale); 0 = none
-    sliding_window: int = 0
-    swa_layers: tuple[bool, ...] = ()
-    rope_freq_base_swa: float = 10000.0
-    rope_freq_scale_swa: float = 1.0
-    final_logit_softcap: float = 0.0
-
-    @classmethod
-    def common_from_gguf(cls, gf: GGUFFile, arch: str, **overrides) -> "ModelArgs":
-        """Read the keys every architecture shares; ``overrides`` sets arch-specific fields.
-
-        Raises GGUFError naming a missing or mistyped key, or an unsupported RoPE scaling.
-        """
-        k = f"{arch}."
-        n_embd = gf.get_int(k + "embedding_length")
-        n_head = gf.get_int(k + "attention.head_count")
-        n_layer = gf.get_int(k + "block_count")
-        if n_embd <= 0 or n_head <= 0 or n_layer <= 0:
-            raise GGUFError(f"{gf.path}: {arch} has embedding_length {n_embd}, head_count {n_head}, "
-                            f"block_count {n_layer}; all must be positive")
-        n_head_kv = gf.get_int(k + "attention.head_count_kv", default=n_head)
-        if n_head_kv <= 0 or n_head % n_head_kv:
-            raise GGUFError(f"{gf.path}: {k}attention.head_count_kv = {n_head_kv} does not divide "
-                            f"head_count = {n_head}")
-        head_dim = gf.get_int(k + "attention.key_length", default=n_embd // n_head)
-        n_vocab = len(gf.get_array("tokenizer.ggml.tokens", (GGUFValueType.STRING,)))
-        embd = gf.tensors.get("token_embd.weight")
-        if embd is not None and embd.shape[-1] != n_vocab:
-            raise GGUFError(f"{gf.path}: tokenizer.ggml.tokens has {n_vocab} tokens but "
-                            f"token_embd.weight has {embd.shape[-1]} rows")
-        scale_type = gf.get_str(k + "rope.scaling.type", default="none")
-        factor = gf.get_float(k + "rope.scaling.factor", default=0.0)
-        if scale_type not in ("none", "linear"):
-            raise GGUFError(f"{gf.path}: {k}rope.scaling.type = {scale_type!r} is not supported "
-                            "(supported: none, linear)")
-        freq_scale = 1.0 / factor if scale_type == "linear" and factor > 0 else 1.0
-        args = dict(
-            arch=arch,
-            n_vocab=n_vocab,
-            n_ctx_train=gf.get_int(k + "context_length"),
-            n_embd=n_embd,
-            n_layer=n_layer,
-            n_ff=gf.get_int(k + "feed_forward_length"),
-            n_head=n_head,
-            n_head_kv=n_head_kv,
-            head_dim=head_dim,
-            head_dim_v=gf.get_int(k + "attention.value_length", default=head_dim),
-            rms_eps=gf.get_float(k + "attention.layer_norm_rms_epsilon"),
-            rope_freq_base=gf.get_float(k + "rope.freq_base", default=10000.0),
-            rope_freq_scale=freq_scale,
-            n_rot=gf.get_int(k + "rope.dimension_count", default=head_dim),
-            rope_neox=True,
-        )
-        args.update(overrides)
-        a = cls(**args)
-        if not a.swa_layers:
-            a.swa_layers = (False,) * a.n_layer
-        return a
 
 
 class Weight:
@@ -401,6 +312,7 @@ class Transformer:
     """
 
     def __init__(self, gf: GGUFFile, args: ModelArgs):
+        args.check(gf)   # every size and index below comes from args, now held to the tensors
         self.args = args
         self.gguf = gf
         ld = TensorLoader(gf)

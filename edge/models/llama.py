@@ -3,7 +3,8 @@ interleaved (NORM) pairing, optional QKV bias, optional llama-3 ``rope_freqs`` f
 linear RoPE scaling, output tied to token_embd when ``output.weight`` is absent.
 Mirrors llama.cpp's llm_build_llama."""
 from edge.gguf_file import GGUFFile
-from edge.models.common import ModelArgs, Transformer
+from edge.models.common import Transformer
+from edge.models.hparams import ModelArgs
 
 
 def load(gf: GGUFFile) -> Transformer:

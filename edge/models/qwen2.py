@@ -1,7 +1,8 @@
 """Qwen2 (``general.architecture = qwen2``): LLaMA-like blocks with QKV bias and GPT-NeoX
 RoPE pairing. Mirrors llama.cpp's llm_build_qwen2."""
 from edge.gguf_file import GGUFFile
-from edge.models.common import ModelArgs, Transformer
+from edge.models.common import Transformer
+from edge.models.hparams import ModelArgs
 
 
 def load(gf: GGUFFile) -> Transformer:
