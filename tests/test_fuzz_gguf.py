@@ -44,6 +44,7 @@ LONG = os.environ.get("EDGE_FUZZ_LONG") == "1"
 SEED = int(os.environ.get("EDGE_FUZZ_SEED", "0"))
 N_RANDOM = int(os.environ.get("EDGE_FUZZ_RANDOM", "1000"))
 REAL_SAMPLE = 12
+WARM_UP_CPU_LIMIT = 900.0   # CPU seconds of an unchanged model's first run: a fresh checkout compiles its kernels
 
 _COMMON = {"block_count": "int", "context_length": "int", "embedding_length": "int", "feed_forward_length": "int",
            "attention.head_count": "int", "attention.head_count_kv": "int", "attention.key_length": "int",
@@ -158,25 +159,30 @@ class Fuzz:
         self.problems: list[str] = []
         self.worst = {"cpu": (0.0, ""), "wall": (0.0, ""), "peak_rss": (0, "")}
 
-    def _run(self, header: Header, changes: dict, sparse: bool):
+    def _run(self, header: Header, changes: dict, sparse: bool, cpu_limit: float | None = None):
         path = header.write(self.tmp / f"case{self.n}.gguf", changes, sparse=sparse)
         try:
             # a real header's chat prompt would cost a prefill of tens of tokens: raw there
             raw = ["--raw"] if sparse else []
-            return self.worker.run(["run", "-m", path, "-n", "2", "-c", "512", "-t", "1", *raw, "Hi <t1>"])
+            return self.worker.run(["run", "-m", path, "-n", "2", "-c", "512", "-t", "1", *raw, "Hi <t1>"],
+                                   cpu_limit)
         finally:
             os.unlink(path)
 
     def warm_up(self, headers: dict[str, Header], sparse: set) -> None:
-        """Each file unchanged (must answer), outside the counts: the worker's first case also
-        loads numba's compiled kernels, which is no case's cost."""
+        """Each file unchanged (must answer), outside the counts and budgets: a worker's first
+        run of a model loads (in a fresh checkout: compiles) numba's kernels for its types,
+        which is no case's cost."""
         for name, header in headers.items():
-            res = self._run(header, {}, name in sparse)
+            res = self._run(header, {}, name in sparse, cpu_limit=WARM_UP_CPU_LIMIT)
             problem = res.problem(cpu_budget=math.inf)
             if res.rc != 0 or problem:
                 self.problems.append(f"{name} unchanged: exit {res.rc}: {problem or res.stderr[-300:]}")
 
-    def run(self, name: str, header: Header, changes: dict, label: str, sparse: bool) -> None:
+    def run(self, name: str, header: Header, changes: dict, label: str, sparse: bool,
+            headers: dict[str, Header], sparse_names: set) -> None:
+        if not self.worker.alive():   # a case killed the worker: the new one warms up first
+            self.warm_up(headers, sparse_names)
         self.n += 1
         res = self._run(header, changes, sparse)
         problem = res.problem()
@@ -218,9 +224,8 @@ def _random_cases(rng: random.Random, pools: dict[str, list], n: int):
 
 def _run_all(capsys, title, fuzz: Fuzz, headers: dict[str, Header], sparse: set, cases):
     try:
-        fuzz.warm_up(headers, sparse)
         for name, label, changes in cases:
-            fuzz.run(name, headers[name], changes, label, name in sparse)
+            fuzz.run(name, headers[name], changes, label, name in sparse, headers, sparse)
     finally:
         fuzz.worker.close()
         with capsys.disabled():
