@@ -139,9 +139,12 @@ async def _body(request: Request, state: "ServerState", model_cls):
             chunks.append(chunk)
     except ClientDisconnect:
         raise P.APIError(CLIENT_GONE, "the client went away", code="client_gone") from None
-    data = P.parse_json_object(b"".join(chunks))
+    return await run_in_threadpool(_validate, b"".join(chunks), model_cls)   # megabytes: off the event loop
+
+
+def _validate(raw: bytes, model_cls):
     try:
-        return model_cls.model_validate(data)
+        return model_cls.model_validate(P.parse_json_object(raw))
     except ValidationError as e:
         raise P.validation_error(e) from None
 
@@ -532,7 +535,8 @@ class _Handlers:
             raise P.APIError(400, f"token {bad[0]} is not in the vocabulary (0..{n_vocab - 1})", param="tokens",
                              code="invalid_value")
         # special tokens as their text, as llama-server's /detokenize: /tokenize's ids round-trip
-        text = engine.tokenizer.decode(body.tokens, unparse_special=True).decode("utf-8", errors="replace")
+        raw = await run_in_threadpool(engine.tokenizer.decode, body.tokens, unparse_special=True)
+        text = raw.decode("utf-8", errors="replace")
         return JSONResponse({"content": text})
 
     async def health(self, request: Request):

@@ -61,6 +61,7 @@ def _finite(text: str) -> float:
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")   # JSON's only way to write one
 
 
 def parse_json_object(raw: bytes) -> dict:
@@ -80,12 +81,21 @@ def parse_json_object(raw: bytes) -> dict:
         raise APIError(400, "the request body is nested too deeply to parse", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-    bad = _lone_surrogate(data)
+    bad = _lone_surrogate(data) if _SURROGATE_ESCAPE.search(raw) and not _is_unicode(data) else None
     if bad is not None:
         path, char = bad
         raise APIError(400, f"{path or 'a key'}: the string holds a lone surrogate \\u{ord(char):04x}, which is not "
                             "Unicode text", param=path or None, code="invalid_value")
     return data
+
+
+def _is_unicode(data: Any) -> bool:
+    """True if every string of the parsed JSON ``data`` is Unicode text (checked at C speed)."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _lone_surrogate(data: Any) -> tuple[str, str] | None:
@@ -105,7 +115,13 @@ def _lone_surrogate(data: Any) -> tuple[str, str] | None:
                     return _dotted(node), m.group()
                 stack.append((item, (node, key)))
         elif isinstance(value, list):
-            stack.extend((item, (node, i)) for i, item in enumerate(value))
+            for i, item in enumerate(value):
+                if isinstance(item, str):
+                    m = _SURROGATE.search(item)
+                    if m:
+                        return _dotted((node, i)), m.group()
+                elif isinstance(item, (dict, list)):
+                    stack.append((item, (node, i)))
     return None
 
 
