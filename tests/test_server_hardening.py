@@ -195,6 +195,15 @@ def test_lone_surrogate_is_400(srv, route, body, param):
     assert srv.post("/tokenize", b'{"content": "\\ud83d\\ude00"}')[0] == 200
 
 
+def test_encoded_surrogate_bytes_are_400(srv):
+    """A surrogate written as UTF-8-style bytes (ED A0 80) is not UTF-8: 400, not a 500
+    (json.loads of bytes decodes with surrogatepass)."""
+    for route, body in (("/v1/completions", b'{"prompt": "a\xed\xa0\x80"}'),
+                        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\xed\xbf\xbf"}]}')):
+        status, _, raw = srv.request("POST", route, body)
+        assert "utf-8" in _assert_error(status, json.loads(raw), 400, param=None, code="invalid_json")["message"]
+
+
 def test_deep_nesting_is_400(srv):
     for route in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
         status, _, raw = srv.request("POST", route, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")

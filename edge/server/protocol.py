@@ -61,27 +61,28 @@ def _finite(text: str) -> float:
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")   # JSON's only way to write one
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")   # JSON's only way to write one
 
 
 def parse_json_object(raw: bytes) -> dict:
     """The request body as a JSON object.
 
     Raises:
-        APIError: 400 invalid_json for bytes that are not JSON (or not UTF-8), NaN / Infinity
+        APIError: 400 invalid_json for bytes that are not UTF-8 JSON, NaN / Infinity
             or a number too large for a float, nesting too deep to parse, or a value that is not
             an object; 400 invalid_value (param: the field's path) for a string holding a lone
             UTF-16 surrogate (``"\\ud800"``), which is not Unicode text.
     """
-    try:
-        data = json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
+    try:                          # UTF-8 only (RFC 8259): json.loads(bytes) would take UTF-16 and
+        text = raw.decode("utf-8")  # encoded surrogates ("surrogatepass")
+        data = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
     except ValueError as e:       # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     except RecursionError:
         raise APIError(400, "the request body is nested too deeply to parse", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-    bad = _lone_surrogate(data) if _SURROGATE_ESCAPE.search(raw) and not _is_unicode(data) else None
+    bad = _lone_surrogate(data) if _SURROGATE_ESCAPE.search(text) and not _is_unicode(data) else None
     if bad is not None:
         path, char = bad
         raise APIError(400, f"{path or 'a key'}: the string holds a lone surrogate \\u{ord(char):04x}, which is not "
