@@ -61,7 +61,7 @@ def _text(rng: random.Random) -> str:
     if k < 0.8:
         return "".join(chr(rng.choice([rng.randint(0, 0x7f), rng.randint(0x80, 0xffff), rng.randint(0, 0x10ffff)]))
                        for _ in range(rng.randint(1, 40)))
-    return rng.choice(TEXTS) * rng.choice([100, 5000, 200_000])
+    return rng.choice(TEXTS) * rng.choice([100, 5000, 20_000])
 
 
 def _value(rng: random.Random, depth: int = 0):

@@ -6,7 +6,9 @@ not), GET /v1/models, POST /tokenize, POST /detokenize (llama-server's shapes), 
 
 Every error is ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for the
 client's mistakes (bad JSON, wrong types, out-of-range values, unknown model, a prompt longer
-than the context, a chat template's own error) and 503 when the queue is full or the model is
+than the context, a chat template's own error, a field not implemented: 400; a foreign Host or
+Origin: 403; a body larger than any prompt that fits: 413; not application/json: 415; a request
+that does not arrive whole in --timeout: 408) and 503 when the queue is full or the model is
 not loaded yet; an unexpected exception becomes a 500 of the same shape and the server goes
 on. With an API key, every route but /health needs ``Authorization: Bearer KEY``; the Host
 and Origin checks and CORS are edge.server.guard's.
