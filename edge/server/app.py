@@ -121,7 +121,7 @@ class ServerState:
         return self.engine, self.scheduler
 
 
-MIN_BODY_LIMIT = 8 << 20     # bytes a request body may have whatever the context size
+MIN_BODY_LIMIT = 2 << 20     # bytes a request body may have whatever the context size
 
 
 async def _body(request: Request, state: "ServerState", model_cls):
