@@ -121,15 +121,19 @@ class ServerState:
         return self.engine, self.scheduler
 
 
-MIN_BODY_LIMIT = 2 << 20     # bytes a request body may have whatever the context size
+# bytes a body may have whatever n_ctx: for generation (text that cannot fit is refused before it
+# is tokenized), for /tokenize and /detokenize (done whatever the length, at a few MB/s at best)
+MIN_BODY_LIMIT = 8 << 20
+MIN_TOKENIZE_BODY_LIMIT = 2 << 20
 
 
-async def _body(request: Request, state: "ServerState", model_cls):
+async def _body(request: Request, state: "ServerState", model_cls, min_limit: int = MIN_BODY_LIMIT):
     """The request's JSON body validated as ``model_cls``. Raises APIError: 415 unless it is
-    sent as application/json, 413 past the size no prompt that fits n_ctx can need, 400 for
-    bad JSON (protocol.parse_json_object) or fields."""
+    sent as application/json, 413 past max(min_limit, 8 x n_ctx x the longest token's bytes),
+    more than any prompt that fits can need, 400 for bad JSON (protocol.parse_json_object) or
+    fields."""
     P.check_content_type(request.headers.get("content-type"))
-    limit = max(MIN_BODY_LIMIT, 8 * state.engine.n_ctx * state.max_piece_bytes())
+    limit = max(min_limit, 8 * state.engine.n_ctx * state.max_piece_bytes())
     chunks, n = [], 0
     try:
         async for chunk in request.stream():
@@ -524,13 +528,13 @@ class _Handlers:
 
     async def tokenize(self, request: Request):
         engine, _ = self.state.require()
-        body = await _body(request, self.state, P.TokenizeRequest)
+        body = await _body(request, self.state, P.TokenizeRequest, MIN_TOKENIZE_BODY_LIMIT)
         ids = await run_in_threadpool(engine.tokenizer.encode, body.content, body.add_special, body.parse_special)
         return JSONResponse({"tokens": [int(t) for t in ids]})
 
     async def detokenize(self, request: Request):
         engine, _ = self.state.require()
-        body = await _body(request, self.state, P.DetokenizeRequest)
+        body = await _body(request, self.state, P.DetokenizeRequest, MIN_TOKENIZE_BODY_LIMIT)
         n_vocab = engine.model.args.n_vocab
         bad = [t for t in body.tokens if not 0 <= t < n_vocab]
         if bad:
