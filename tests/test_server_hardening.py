@@ -152,12 +152,14 @@ def test_cross_site_post_is_refused(srv):
         assert r.status == 200 and r.getheader("access-control-allow-origin") == origin
         r.read()
         conn.close()
-    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type,authorization"}
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type,authorization",
+                 "Access-Control-Request-Private-Network": "true"}         # Chrome's, for a page calling loopback
     conn = srv.connection()
     conn.request("OPTIONS", "/v1/chat/completions", headers={"Origin": ALLOWED_ORIGIN, **preflight})
     r = conn.getresponse()
     assert r.status == 200 and r.getheader("access-control-allow-origin") == ALLOWED_ORIGIN
     assert "POST" in r.getheader("access-control-allow-methods")
+    assert r.getheader("access-control-allow-private-network") == "true"
     r.read()
     conn.close()
     status, _, raw = srv.request("OPTIONS", "/v1/chat/completions", headers={"Origin": "https://evil.example",

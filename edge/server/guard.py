@@ -176,7 +176,8 @@ def middleware(listen_host: str, allowed_hosts: tuple[str, ...], cors_origins: t
     out = [Middleware(HostOriginGuard, listen_host=listen_host, allowed_hosts=allowed_hosts,
                       cors_origins=cors_origins),
            Middleware(CORSMiddleware, allow_origin_regex=".*", allow_methods=["GET", "POST", "OPTIONS"],
-                      allow_headers=["*"], expose_headers=["Retry-After"], max_age=600)]
+                      allow_headers=["*"], allow_private_network=True,   # Chrome's preflight to loopback
+                      expose_headers=["Retry-After"], max_age=600)]
     if api_key is not None:
         out.append(Middleware(RequireAPIKey, key=api_key))
     return out
