@@ -132,7 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions) with continuous batching",
                            description="Serve the model over the OpenAI API (POST /v1/chat/completions, "
-                                       "/v1/completions; GET /v1/models, /health, /metrics) on loopback.")
+                                       "/v1/completions; GET /v1/models, /health, /metrics) on loopback. "
+                                       "POST bodies must be sent as Content-Type: application/json. Web pages "
+                                       "of other sites cannot use it (Host and Origin are checked; see "
+                                       "--allowed-hosts, --cors-origins).")
     _add_model_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8080, help="TCP port (default: 8080)")
@@ -142,9 +145,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sequences generated at once (default: 4); each may use the whole -c")
     serve.add_argument("--max-queue", type=int, default=64,
                        help="requests that may wait for a free sequence; more get HTTP 503 (default: 64)")
-    serve.add_argument("--api-key", default=os.environ.get("EDGE_API_KEY"),
+    serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on every route but /health "
-                            "(default: $EDGE_API_KEY, else none)")
+                            "(default: $EDGE_API_KEY, else none; an empty key is an error)")
+    serve.add_argument("--allowed-hosts", default=os.environ.get("EDGE_ALLOWED_HOSTS"), metavar="HOSTS",
+                       help="comma-separated host names to answer besides localhost, *.localhost, IP "
+                            "addresses, this machine's name and --host; * = any. Other Host headers get "
+                            "403: that is how DNS rebinding reaches a local server (default: "
+                            "$EDGE_ALLOWED_HOSTS, else none)")
+    serve.add_argument("--cors-origins", "--cors-origin", dest="cors_origins",
+                       default=os.environ.get("EDGE_CORS_ORIGINS"), metavar="ORIGINS",
+                       help="comma-separated web page origins (scheme://host[:port]) that may use the server "
+                            "from a browser, besides http(s)://localhost and loopback addresses on any port; "
+                            "* = any. Requests from other origins get 403 (default: $EDGE_CORS_ORIGINS, "
+                            "else none)")
+    serve.add_argument("-to", "--timeout", type=float, default=60.0, metavar="SECONDS",
+                       help="a request must arrive whole within this time (else 408 and the connection "
+                            "closes), and a client that reads nothing of its answer for this long is "
+                            "dropped (default: 60)")
     serve.set_defaults(func=cmd_serve)
 
     chat = sub.add_parser("chat", help="chat with a model in the terminal (a textual app)",
@@ -288,8 +306,17 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from edge.server.app import ServerConfig, create_app
+    from edge.server.guard import check_api_key, parse_hosts, parse_origins
+    from edge.server.transport import timed_protocol
     from edge.store import resolve_model
 
+    api_key, key_source = args.api_key, "--api-key"
+    if api_key is None and "EDGE_API_KEY" in os.environ:
+        api_key, key_source = os.environ["EDGE_API_KEY"], "EDGE_API_KEY"
+    check_api_key(api_key, key_source)
+    allowed_hosts = parse_hosts(args.allowed_hosts)
+    cors_origins = parse_origins(args.cors_origins)
+    protocol = timed_protocol(args.timeout)
     _check_sizes(args)
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be 0 or more, got {args.max_queue}")
@@ -298,9 +325,10 @@ def cmd_serve(args) -> int:
     _set_threads(args.threads)
     model = str(resolve_model(args.model))      # pull before listening: errors show here
     config = ServerConfig(model=model, n_ctx=args.ctx_size, n_parallel=args.parallel, max_queue=args.max_queue,
-                          n_batch=args.batch_size, threads=args.threads or physical_cores(), api_key=args.api_key,
+                          n_batch=args.batch_size, threads=args.threads or physical_cores(), api_key=api_key,
+                          host=args.host, allowed_hosts=allowed_hosts, cors_origins=cors_origins,
                           cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.unix_socket and not args.api_key:
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.unix_socket and not api_key:
         print(f"warning: listening on {args.host} without --api-key: anyone who can reach this port can use "
               "the model", file=sys.stderr)
     sock = _listen_socket(args.host, args.port, args.unix_socket)   # errors before the banner
@@ -319,7 +347,7 @@ def cmd_serve(args) -> int:
                 os._exit(128 + signal.SIGINT)
             super().handle_exit(sig, frame)
 
-    server = _Server(uvicorn.Config(create_app(config), log_level="warning", access_log=False,
+    server = _Server(uvicorn.Config(create_app(config), log_level="warning", access_log=False, http=protocol,
                                     timeout_graceful_shutdown=None))
     try:
         server.run(sockets=[sock])

@@ -321,11 +321,14 @@ def _empty_file(path) -> bool:
 
 def _content_spans(template: ChatTemplate, messages: list[dict], add_generation_prompt: bool,
                    rendered: str) -> list[tuple[int, int]]:
-    """Character spans of the message contents inside ``rendered``.
+    """Character spans of the message contents inside ``rendered``, in linear time.
 
-    Renders once more with each content replaced by a unique sentinel and puts the contents
-    back; if that does not rebuild ``rendered`` exactly (the template transforms contents),
-    falls back to finding each content's text in order.
+    Renders once more with each content replaced by a unique sentinel, which splits the
+    prompt into the template's own text and the contents, and walks ``rendered`` along it: each
+    content as it is or stripped of surrounding whitespace (templates that ``trim``), the longest
+    that is followed by the template's next text. If the walk fails (the template changes
+    contents otherwise, or its output depends on them), falls back to finding each content's
+    text in order, within a scanning budget of a few times the prompt's length.
     """
     contents = {i: m["content"] for i, m in enumerate(messages) if isinstance(m.get("content"), str)}
     marked = [dict(m, content=_SENTINEL.format(i)) if i in contents else m for i, m in enumerate(messages)]
@@ -333,19 +336,41 @@ def _content_spans(template: ChatTemplate, messages: list[dict], add_generation_
         parts = _SENTINEL_RE.split(template.render(marked, add_generation_prompt=add_generation_prompt))
     except ChatTemplateError:
         parts = []
-    spans, rebuilt, n = [], [], 0
-    for k, part in enumerate(parts):  # text, index, text, index, ..., text
-        if k % 2:
-            part = contents.get(int(part), "")
-            spans.append((n, n + len(part)))
-        rebuilt.append(part)
-        n += len(part)
-    if parts and "".join(rebuilt) == rendered:
-        return spans
+    if parts:
+        spans = _walk_contents(rendered, parts[0::2], [contents.get(int(i), "") for i in parts[1::2]])
+        if spans is not None:
+            return spans
     spans, pos = [], 0
+    budget = 8 * len(rendered) + sum(len(t) for t in contents.values())
     for text in contents.values():
-        j = rendered.find(text, pos) if text else -1
+        if not text or budget <= 0:
+            continue
+        end = min(len(rendered), pos + budget)
+        j = rendered.find(text, pos, end)
         if j >= 0:
             spans.append((j, j + len(text)))
+            budget -= j + len(text) - pos
             pos = j + len(text)
+        else:
+            budget -= end - pos
+    return spans
+
+
+def _walk_contents(rendered: str, pieces: list[str], texts: list[str]) -> list[tuple[int, int]] | None:
+    """The spans of ``texts`` when ``rendered`` is pieces[0] + texts[0]' + pieces[1] + ... with
+    each text' the text itself or stripped (left, right or both); None if it is not."""
+    spans, pos = [], 0
+    for k, text in enumerate(texts):
+        if not rendered.startswith(pieces[k], pos):
+            return None
+        pos += len(pieces[k])
+        following = pieces[k + 1]
+        fits = [c for c in sorted({text, text.strip(), text.lstrip(), text.rstrip()}, key=len, reverse=True)
+                if rendered.startswith(c, pos) and rendered.startswith(following, pos + len(c))]
+        if not fits:
+            return None
+        spans.append((pos, pos + len(fits[0])))
+        pos += len(fits[0])
+    if rendered[pos:] != pieces[-1]:
+        return None
     return spans

@@ -6,36 +6,38 @@ not), GET /v1/models, POST /tokenize, POST /detokenize (llama-server's shapes), 
 
 Every error is ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for the
 client's mistakes (bad JSON, wrong types, out-of-range values, unknown model, a prompt longer
-than the context, a chat template's own error) and 503 when the queue is full or the model is
+than the context, a chat template's own error, a field not implemented: 400; a foreign Host or
+Origin: 403; a body larger than any prompt that fits: 413; not application/json: 415; a request
+that does not arrive whole in --timeout: 408) and 503 when the queue is full or the model is
 not loaded yet; an unexpected exception becomes a 500 of the same shape and the server goes
-on. With an API key, every route but /health needs ``Authorization: Bearer KEY``.
+on. With an API key, every route but /health needs ``Authorization: Bearer KEY``; the Host
+and Origin checks and CORS are edge.server.guard's.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
+import math
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import generate_latest
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from edge.chat_template import ChatTemplateError, NoChatTemplateError
 from edge.engine import ContextLengthExceeded
 from edge.sampling import InvalidParameter, SamplingParams
-from edge.server import protocol as P
+from edge.server import guard, protocol as P
+from edge.server.metrics import Metrics
 from edge.server.scheduler import Delta, Failed, Finished, QueueFull, Scheduler
 from edge.server.scheduler import Request as GenRequest
 
@@ -54,51 +56,12 @@ class ServerConfig:
     n_batch: int = 512
     threads: int | None = None
     api_key: str | None = None
+    host: str = "127.0.0.1"                 # the address listened on (a Host it is always allowed)
+    allowed_hosts: tuple[str, ...] = ()     # more Host names to answer ("*" = any)
+    cors_origins: tuple[str, ...] = ()      # web page origins allowed besides loopback ("*" = any)
     kv_storage: str = "file"
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
-
-
-class _Metrics:
-    """Prometheus metrics: histograms observed by the scheduler thread, the rest read from
-    the scheduler's counters when scraped."""
-
-    def __init__(self, state: "ServerState"):
-        self.registry = CollectorRegistry()
-        buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-        self.ttft = Histogram("edge_time_to_first_token_seconds", "Time from request to first token",
-                              buckets=buckets, registry=self.registry)
-        self.tpot = Histogram("edge_time_per_output_token_seconds", "Time between generated tokens",
-                              buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56),
-                              registry=self.registry)
-        self._state = state
-        self.registry.register(self)
-
-    def collect(self):
-        sched = self._state.scheduler
-        if sched is None:
-            return
-        s = sched.stats
-        for name, doc, value in (("edge_prompt_tokens", "Prompt tokens received", s.prompt_tokens),
-                                 ("edge_generation_tokens", "Tokens generated", s.generated_tokens),
-                                 ("edge_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
-                                  s.cached_tokens),
-                                 ("edge_requests_finished", "Requests finished", s.requests_finished)):
-            yield CounterMetricFamily(name, doc, value=value)
-        running, waiting = sched.counts()
-        yield GaugeMetricFamily("edge_requests_running", "Requests being generated", value=running)
-        yield GaugeMetricFamily("edge_requests_waiting", "Requests waiting for a slot", value=waiting)
-        groups = sched.kv.manager.stats().groups
-        yield GaugeMetricFamily("edge_kv_blocks_used", "KV cache blocks held by running sequences",
-                                value=sum(g.used for g in groups))
-        yield GaugeMetricFamily("edge_kv_blocks_free", "KV cache blocks free (empty or holding a cached prefix)",
-                                value=sum(g.free for g in groups))
-
-    def observe(self, ttft=None, tpot=None):
-        if ttft is not None:
-            self.ttft.observe(ttft)
-        if tpot is not None:
-            self.tpot.observe(tpot)
 
 
 class ServerState:
@@ -110,7 +73,7 @@ class ServerState:
         self.scheduler: Scheduler | None = None
         self.load_error: str | None = None
         self._max_piece: int | None = None
-        self.metrics = _Metrics(self)
+        self.metrics = Metrics(self)
         self.created = int(time.time())
 
     def load(self) -> None:
@@ -158,20 +121,36 @@ class ServerState:
         return self.engine, self.scheduler
 
 
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a JSON value")
+# bytes a body may have whatever n_ctx: for generation (text that cannot fit is refused before it
+# is tokenized), for /tokenize and /detokenize (done whatever the length, at a few MB/s at best)
+MIN_BODY_LIMIT = 8 << 20
+MIN_TOKENIZE_BODY_LIMIT = 2 << 20
 
 
-async def _body(request: Request, model_cls):
-    raw = await request.body()
+async def _body(request: Request, state: "ServerState", model_cls, min_limit: int = MIN_BODY_LIMIT):
+    """The request's JSON body validated as ``model_cls``. Raises APIError: 415 unless it is
+    sent as application/json, 413 past max(min_limit, 8 x n_ctx x the longest token's bytes),
+    more than any prompt that fits can need, 400 for bad JSON (protocol.parse_json_object) or
+    fields."""
+    P.check_content_type(request.headers.get("content-type"))
+    limit = max(min_limit, 8 * state.engine.n_ctx * state.max_piece_bytes())
+    chunks, n = [], 0
     try:
-        data = json.loads(raw, parse_constant=_no_constant)    # NaN, Infinity: Python's, not JSON's
-    except ValueError as e:       # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise P.APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise P.APIError(400, "the request body must be a JSON object", code="invalid_json")
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > limit:
+                raise P.APIError(413, f"the request body is larger than {limit} bytes, more than any prompt that "
+                                      f"fits the context (n_ctx {state.engine.n_ctx}) can need",
+                                 code="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise P.APIError(CLIENT_GONE, "the client went away", code="client_gone") from None
+    return await run_in_threadpool(_validate, b"".join(chunks), model_cls)   # megabytes: off the event loop
+
+
+def _validate(raw: bytes, model_cls):
     try:
-        return model_cls.model_validate(data)
+        return model_cls.model_validate(P.parse_json_object(raw))
     except ValidationError as e:
         raise P.validation_error(e) from None
 
@@ -185,8 +164,8 @@ def _sampling(body, engine) -> SamplingParams:
             kw[name] = value
     if kw.get("seed") is not None and kw["seed"] < 0:
         kw["seed"] = None                          # llama-server: -1 = random
+    bias = {}
     if body.logit_bias:
-        bias = {}
         for key, value in body.logit_bias.items():
             try:
                 tok = int(key)
@@ -197,14 +176,48 @@ def _sampling(body, engine) -> SamplingParams:
                 raise P.APIError(400, f"logit_bias token {tok} is not in the vocabulary (0..{engine.model.args.n_vocab - 1})",
                                  param="logit_bias", code="invalid_value")
             bias[tok] = value
+    if body.ignore_eos:                            # llama-server: every end-of-generation token banned
+        bias.update(dict.fromkeys(engine.tokenizer.eog_ids, -math.inf))
+    if bias:
         kw["logit_bias"] = bias
     try:
-        return SamplingParams(**kw)
+        params = SamplingParams(**kw)
     except InvalidParameter as e:
         raise P.APIError(400, str(e), param=e.param, code="invalid_value") from None
+    if body.samplers is not None:
+        _check_samplers(body.samplers, params, engine.model.args.n_vocab)
+    return params
+
+
+# llama.cpp's default sampler order, by name and by letter (common_sampler_type)
+_SAMPLER_ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+_SAMPLER_LETTERS = dict(zip("edskypmxt", _SAMPLER_ORDER))
+
+
+def _check_samplers(samplers, params: SamplingParams, n_vocab: int) -> None:
+    """Raise APIError (400) unless ``samplers`` (names, or letters as one string) keeps
+    llama.cpp's default order and names every sampler this request turns on: the one chain
+    this server runs. Samplers left out of the list must be off."""
+    names = [_SAMPLER_LETTERS.get(c, c) for c in samplers] if isinstance(samplers, str) else list(samplers)
+    unknown = [n for n in names if n not in _SAMPLER_ORDER]
+    if unknown:
+        raise P.APIError(400, f"samplers: unknown sampler {unknown[0]!r} (known: {', '.join(_SAMPLER_ORDER)})",
+                         param="samplers", code="invalid_value")
+    on = {"penalties": params.repeat_last_n != 0 and (params.repeat_penalty != 1 or params.presence_penalty != 0
+                                                       or params.frequency_penalty != 0),
+          "top_k": 0 < params.top_k < n_vocab, "top_p": params.top_p < 1, "min_p": params.min_p > 0,
+          "temperature": params.temperature > 0 and params.temperature != 1}
+    positions = [_SAMPLER_ORDER.index(n) for n in names]
+    missing = [n for n, active in on.items() if active and n not in names]
+    if positions != sorted(positions) or missing:
+        why = f"{missing[0]} is on but not listed" if missing else "the order differs"
+        raise P.APIError(400, f"samplers: only llama.cpp's default order ({';'.join(_SAMPLER_ORDER)}) is supported, "
+                              f"with every sampler that is on listed ({why})", param="samplers",
+                         code="unsupported_value")
 
 
 def _check_common(body, state: ServerState, max_tokens, max_tokens_param: str = "max_tokens") -> None:
+    body.check_not_implemented()
     if body.model is not None and body.model not in state.model_names():
         raise P.APIError(400, f"model {body.model!r} is not served here; this server serves "
                               f"{state.model_id()!r} (GET /v1/models)", param="model", code="model_not_found")
@@ -346,13 +359,15 @@ class _Handlers:
     async def chat(self, request: Request):
         state = self.state
         engine, scheduler = state.require()
-        body = await _body(request, P.ChatCompletionRequest)
+        body = await _body(request, state, P.ChatCompletionRequest)
         body.check_unsupported()
         if body.max_completion_tokens is not None:     # OpenAI's newer name wins
             max_tokens, max_tokens_param = body.max_completion_tokens, "max_completion_tokens"
         else:
-            max_tokens, max_tokens_param = body.max_tokens, "max_tokens"
+            max_tokens, max_tokens_param = body.max_tokens_given()
         _check_common(body, state, max_tokens, max_tokens_param)
+        if body.n_probs and not body.logprobs:         # llama-server's name for top_logprobs
+            body.logprobs, body.top_logprobs = True, body.n_probs
         if body.top_logprobs is not None:
             if not body.logprobs:
                 raise P.APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
@@ -421,8 +436,13 @@ class _Handlers:
     async def completions(self, request: Request):
         state = self.state
         engine, scheduler = state.require()
-        body = await _body(request, P.CompletionRequest)
-        _check_common(body, state, body.max_tokens)
+        body = await _body(request, state, P.CompletionRequest)
+        max_tokens, max_tokens_param = body.max_tokens_given()
+        if max_tokens is None and max_tokens_param == "max_tokens":
+            max_tokens = 16                            # OpenAI's default for completions
+        _check_common(body, state, max_tokens, max_tokens_param)
+        if body.logprobs is None and body.n_probs:     # llama-server's name for logprobs
+            body.logprobs = body.n_probs
         if body.echo:
             raise P.APIError(400, "echo is not supported", param="echo", code="unsupported_value")
         if body.suffix:
@@ -446,8 +466,8 @@ class _Handlers:
             ids = list(prompt)
         if not ids:
             raise P.APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
-        gen = GenRequest(ids, params, emit=None, max_tokens=body.max_tokens if body.max_tokens is not None else 16,
-                         stop=body.stop_list(), logprobs=body.logprobs)
+        gen = GenRequest(ids, params, emit=None, max_tokens=max_tokens, stop=body.stop_list(),
+                         logprobs=body.logprobs)
         stream = _Stream(scheduler, gen)
         try:
             stream.submit()
@@ -508,20 +528,21 @@ class _Handlers:
 
     async def tokenize(self, request: Request):
         engine, _ = self.state.require()
-        body = await _body(request, P.TokenizeRequest)
+        body = await _body(request, self.state, P.TokenizeRequest, MIN_TOKENIZE_BODY_LIMIT)
         ids = await run_in_threadpool(engine.tokenizer.encode, body.content, body.add_special, body.parse_special)
         return JSONResponse({"tokens": [int(t) for t in ids]})
 
     async def detokenize(self, request: Request):
         engine, _ = self.state.require()
-        body = await _body(request, P.DetokenizeRequest)
+        body = await _body(request, self.state, P.DetokenizeRequest, MIN_TOKENIZE_BODY_LIMIT)
         n_vocab = engine.model.args.n_vocab
         bad = [t for t in body.tokens if not 0 <= t < n_vocab]
         if bad:
             raise P.APIError(400, f"token {bad[0]} is not in the vocabulary (0..{n_vocab - 1})", param="tokens",
                              code="invalid_value")
         # special tokens as their text, as llama-server's /detokenize: /tokenize's ids round-trip
-        text = engine.tokenizer.decode(body.tokens, unparse_special=True).decode("utf-8", errors="replace")
+        raw = await run_in_threadpool(engine.tokenizer.decode, body.tokens, unparse_special=True)
+        text = raw.decode("utf-8", errors="replace")
         return JSONResponse({"content": text})
 
     async def health(self, request: Request):
@@ -571,27 +592,9 @@ def create_app(config: ServerConfig, load: bool = True) -> Starlette:
         if state.scheduler is not None:
             await run_in_threadpool(state.scheduler.stop)
 
-    middleware = [Middleware(_RequireAPIKey, key=config.api_key)] if config.api_key else []
+    middleware = guard.middleware(config.host, config.allowed_hosts, config.cors_origins, config.api_key)
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={Exception: on_error, HTTPException: on_error, P.APIError: on_error})
     app.state.edge = state
     return app
 
-
-class _RequireAPIKey:
-    """ASGI middleware: every HTTP route but /health needs ``Authorization: Bearer KEY``
-    (compared in constant time); otherwise a 401 in the OpenAI error shape."""
-
-    def __init__(self, app, key: str):
-        self.app = app
-        self.want = key.encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] != "/health":
-            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            scheme, _, token = given.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.want):
-                err = P.APIError(401, "invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key")
-                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)

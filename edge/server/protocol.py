@@ -1,13 +1,26 @@
 """OpenAI request bodies (validated with pydantic) and the errors the server returns.
 
 Requests follow OpenAI's Chat Completions and (legacy) Completions APIs plus llama-server's
-sampling extensions (top_k, min_p, repeat_penalty). Unknown fields are ignored, as OpenAI does;
-known fields of the wrong type or out of range are a 400 whose ``param`` names the field.
-Types are strict: "0.5" is not a number and true is not an integer.
+extensions (top_k, min_p, repeat_penalty, n_predict, ignore_eos, n_probs). Unknown fields are
+ignored, as OpenAI does; known fields of the wrong type or out of range are a 400 whose
+``param`` names the field. Types are strict: "0.5" is not a number and true is not an integer.
+
+A field that would change what the answer must be and that this server does not implement
+(grammar, json_schema, mirostat, typical_p, tool_choice "required", audio ...) is a 400
+naming it unless it has its neutral value (mirostat 0, typical_p 1.0 ...): never silently
+dropped. Fields that do not change the answer (user, metadata, store, cache_prompt ...) are
+accepted.
+
+Bodies must be sent as ``Content-Type: application/json`` (415 otherwise) and be JSON whose
+strings are Unicode text (a lone surrogate escape is a 400 naming the field), whose numbers are
+finite and whose nesting the parser can hold.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+import math
+import re
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -24,6 +37,101 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def check_content_type(content_type: str | None) -> None:
+    """Raise APIError (415) unless the media type is application/json (parameters such as
+    charset=utf-8 are allowed)."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        got = f"got {content_type!r}" if content_type else "no Content-Type was sent"
+        raise APIError(415, f"the request body must be JSON, sent with the header Content-Type: application/json "
+                            f"({got})", code="unsupported_media_type")
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")   # JSON's only way to write one
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """The request body as a JSON object.
+
+    Raises:
+        APIError: 400 invalid_json for bytes that are not UTF-8 JSON, NaN / Infinity
+            or a number too large for a float, nesting too deep to parse, or a value that is not
+            an object; 400 invalid_value (param: the field's path) for a string holding a lone
+            UTF-16 surrogate (``"\\ud800"``), which is not Unicode text.
+    """
+    try:                          # UTF-8 only (RFC 8259): json.loads(bytes) would take UTF-16 and
+        text = raw.decode("utf-8")  # encoded surrogates ("surrogatepass")
+        data = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+    except ValueError as e:       # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply to parse", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    bad = _lone_surrogate(data) if _SURROGATE_ESCAPE.search(text) and not _is_unicode(data) else None
+    if bad is not None:
+        path, char = bad
+        raise APIError(400, f"{path or 'a key'}: the string holds a lone surrogate \\u{ord(char):04x}, which is not "
+                            "Unicode text", param=path or None, code="invalid_value")
+    return data
+
+
+def _is_unicode(data: Any) -> bool:
+    """True if every string of the parsed JSON ``data`` is Unicode text (checked at C speed)."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _lone_surrogate(data: Any) -> tuple[str, str] | None:
+    """(dotted path, the surrogate) of the first string or key in ``data`` holding a lone
+    surrogate, or None. Walks without recursion, in time linear in the size of ``data``."""
+    stack: list[tuple[Any, tuple | None]] = [(data, None)]     # (value, (parent's node, key))
+    while stack:
+        value, node = stack.pop()
+        if isinstance(value, str):
+            m = _SURROGATE.search(value)
+            if m:
+                return _dotted(node), m.group()
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                m = _SURROGATE.search(key)
+                if m:
+                    return _dotted(node), m.group()
+                stack.append((item, (node, key)))
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, str):
+                    m = _SURROGATE.search(item)
+                    if m:
+                        return _dotted((node, i)), m.group()
+                elif isinstance(item, (dict, list)):
+                    stack.append((item, (node, i)))
+    return None
+
+
+def _dotted(node: tuple | None) -> str:
+    keys = []
+    while node is not None:
+        node, key = node
+        keys.append(str(key))
+    return ".".join(reversed(keys))
 
 
 def validation_error(e: ValidationError) -> APIError:
@@ -73,11 +181,42 @@ class Message(_Body):
 
 Number = float  # strict float accepts JSON integers too
 MAX_STOP = 16
+MAX_N_PROBS = 20
+
+
+def _short(value) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# Fields this server does not implement, each with the test of its neutral values and how to
+# write one (None: every value changes the answer, e.g. a grammar).
+_Neutral = tuple[Any, str] | None
+_SAMPLING_NOT_IMPLEMENTED: dict[str, _Neutral] = {
+    "typical_p": (lambda v: v >= 1, "1.0"),
+    "mirostat": (lambda v: v == 0, "0"),
+    "dynatemp_range": (lambda v: v <= 0, "0"),
+    "xtc_probability": (lambda v: v <= 0, "0"),
+    "dry_multiplier": (lambda v: v == 0, "0"),
+    "top_n_sigma": (lambda v: v <= 0, "-1"),
+    "adaptive_target": (lambda v: v < 0, "-1"),
+    "min_keep": (lambda v: v in (0, 1), "0"),
+    "tfs_z": (lambda v: v >= 1, "1.0"),
+    "penalize_nl": (lambda v: v is False, "false"),
+    "grammar": (lambda v: v == "", '""'),
+    "json_schema": None,
+    "n_indent": (lambda v: v <= 0, "0"),
+    "t_max_predict_ms": (lambda v: v <= 0, "0"),
+    "lora": (lambda v: v == [], "[]"),
+    "image_data": (lambda v: v == [], "[]"),
+    "multimodal_data": (lambda v: v == [], "[]"),
+}
 
 
 class _Sampling(_Body):
     model: str | None = None
     max_tokens: int | None = None
+    n_predict: int | None = None               # llama-server's max_tokens; -1 = no limit
     temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
     top_p: Annotated[Number, Field(ge=0, le=1)] | None = None
     top_k: int | None = None
@@ -93,6 +232,28 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     # OpenAI's range: +-100 already bans or forces a token; larger values overflow the logits
     logit_bias: dict[str, Annotated[Number, Field(ge=-100, le=100)]] | None = None
+    ignore_eos: bool = False                   # llama-server: end-of-generation tokens banned
+    n_probs: Annotated[int, Field(ge=0, le=MAX_N_PROBS)] | None = None   # llama-server's logprobs count
+    samplers: list[str] | str | None = None    # llama-server's sampler order (see app._check_samplers)
+    typical_p: Number | None = None
+    mirostat: int | None = None
+    dynatemp_range: Number | None = None
+    xtc_probability: Number | None = None
+    dry_multiplier: Number | None = None
+    top_n_sigma: Number | None = None
+    adaptive_target: Number | None = None
+    min_keep: int | None = None
+    tfs_z: Number | None = None
+    penalize_nl: bool | None = None
+    grammar: str | None = None
+    json_schema: dict | bool | None = None
+    n_indent: int | None = None
+    t_max_predict_ms: int | None = None
+    lora: list | None = None
+    image_data: list | None = None
+    multimodal_data: list | None = None
+
+    NOT_IMPLEMENTED: ClassVar[dict[str, _Neutral]] = _SAMPLING_NOT_IMPLEMENTED
 
     def stop_list(self) -> list[str]:
         """The stop strings; raises APIError (400) for more than MAX_STOP."""
@@ -103,25 +264,70 @@ class _Sampling(_Body):
                            code="invalid_value")
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def check_not_implemented(self) -> None:
+        """Raise APIError (400 unsupported_value, param: the field) for the first field this
+        server does not implement that is given with a value other than its neutral one."""
+        for name, neutral in self.NOT_IMPLEMENTED.items():
+            value = getattr(self, name)
+            if value is None or (neutral is not None and neutral[0](value)):
+                continue
+            how = f"leave it out or send {name}: {neutral[1]}" if neutral else "leave it out"
+            raise APIError(400, f"{name} = {_short(value)} is not supported by this server: it would change the "
+                                f"answer; {how}", param=name, code="unsupported_value")
+
+    def max_tokens_given(self) -> tuple[int | None, str]:
+        """(the token limit asked for, the field that asked): max_tokens, else n_predict (its -1,
+        no limit, as None). Raises APIError (400) for n_predict 0 or below -1."""
+        if self.max_tokens is not None or self.n_predict is None:
+            return self.max_tokens, "max_tokens"
+        if self.n_predict == -1:
+            return None, "n_predict"
+        if self.n_predict < 1:
+            raise APIError(400, f"n_predict must be -1 (no limit) or at least 1, got {self.n_predict}",
+                           param="n_predict", code="invalid_value")
+        return self.n_predict, "n_predict"
+
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # not served yet: a request that depends on them gets a 400 rather than a silent plain answer
+    # not served: a request that depends on them gets a 400 rather than a silent plain answer
     tools: list | None = None
     response_format: dict | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    modalities: list[str] | None = None
+    audio: dict | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict | None = None
+    chat_template_kwargs: dict | None = None
+
+    NOT_IMPLEMENTED: ClassVar[dict[str, _Neutral]] = {
+        **_SAMPLING_NOT_IMPLEMENTED,
+        "tool_choice": (lambda v: v in ("none", "auto"), '"none"'),
+        "functions": (lambda v: v == [], "[]"),
+        "function_call": (lambda v: v in ("none", "auto"), '"none"'),
+        "modalities": (lambda v: v in ([], ["text"]), '["text"]'),
+        "audio": None,
+        "reasoning_effort": None,
+        "verbosity": None,
+        "web_search_options": None,
+        "chat_template_kwargs": (lambda v: v == {}, "{}"),
+    }
 
     def check_unsupported(self) -> None:
-        """Raise APIError (400) for features this server does not provide: tool calling, and a
-        response_format other than plain text (JSON mode / schemas)."""
+        """Raise APIError (400) for tool calling and a response_format other than plain text
+        (JSON mode / schemas); the rest of NOT_IMPLEMENTED is check_not_implemented's."""
         if self.tools:
             raise APIError(400, "tools (function calling) are not supported by this server", param="tools",
                            code="unsupported_value")
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
-            raise APIError(400, f"response_format {kind!r} is not supported by this server (only 'text')",
+            raise APIError(400, f"response_format {_short(kind)} is not supported by this server (only 'text')",
                            param="response_format", code="unsupported_value")
 
 
@@ -130,6 +336,10 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None
+
+    NOT_IMPLEMENTED: ClassVar[dict[str, _Neutral]] = {
+        **_SAMPLING_NOT_IMPLEMENTED, "best_of": (lambda v: v == 1, "1")}
 
 
 class TokenizeRequest(_Body):

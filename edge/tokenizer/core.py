@@ -7,7 +7,9 @@ All text out of this module is bytes; turning bytes into str for display is the 
 """
 from __future__ import annotations
 
+import bisect
 import operator
+import re
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -60,6 +62,7 @@ class Tokenizer:
         candidates.sort(key=lambda i: (-len(encoded[i]), i))
         self._specials_all = [(i, encoded[i]) for i in candidates]
         self._specials_user = [(i, t) for i, t in self._specials_all if not self._attrs[i] & _SPECIAL]
+        self._matchers: dict[bool, _SpecialMatcher] = {}   # by parse_special, built on first use
 
         token_to_id = vocab.token_to_id
         if self.model == "llama":
@@ -153,33 +156,44 @@ class Tokenizer:
 
         Special tokens are tried longest first; each splits every remaining text fragment at all
         its non-overlapping occurrences, left to right (skipping, for control and unknown
-        tokens, occurrences that overlap a ``protected`` byte span).
+        tokens, occurrences that overlap a ``protected`` byte span). Equivalently, and so
+        computed here: in that order of tokens and, per token, of positions, an occurrence is
+        taken when none of its bytes is taken yet and it overlaps no guarding span. One regex
+        pass finds every occurrence of every candidate token, so the work grows with the text
+        and the number of occurrences, not with their product or with the vocabulary.
         """
-        pieces: list[tuple[int, int] | int] = [(0, len(raw))]
-        for tid, token in self._specials_all if parse_special else self._specials_user:
-            if token not in raw:
-                continue
-            guard = protected if self._attrs[tid] & _SPECIAL else ()
-            split: list[tuple[int, int] | int] = []
-            for piece in pieces:
-                if isinstance(piece, int):
-                    split.append(piece)
+        specials = self._specials_all if parse_special else self._specials_user
+        matcher = self._matchers.get(parse_special)
+        if matcher is None:
+            matcher = self._matchers[parse_special] = _SpecialMatcher(specials)
+        occurrences = matcher.occurrences(raw)
+        if not occurrences:
+            return [raw]
+        guard = _SpanGuard(protected)
+        taken = bytearray(len(raw))
+        found: list[tuple[int, int, int]] = []
+        for rank in sorted(occurrences):
+            tid, token = specials[rank]
+            n = len(token)
+            guarded = bool(self._attrs[tid] & _SPECIAL) and bool(guard)
+            mark = b"\x01" * n
+            for j in occurrences[rank]:
+                k = j + n
+                if taken.find(1, j, k) >= 0 or (guarded and guard.overlaps(j, k)):
                     continue
-                pos, end = piece
-                search = pos
-                while (j := raw.find(token, search, end)) >= 0:
-                    k = j + len(token)
-                    if any(s < k and j < e for s, e in guard):
-                        search = j + 1
-                        continue
-                    if j > pos:
-                        split.append((pos, j))
-                    split.append(tid)
-                    pos = search = k
-                if pos < end:
-                    split.append((pos, end))
-            pieces = split
-        return [p if isinstance(p, int) else raw[p[0] : p[1]] for p in pieces]
+                taken[j:k] = mark
+                found.append((j, k, tid))
+        found.sort()
+        out: list[bytes | int] = []
+        pos = 0
+        for j, k, tid in found:
+            if j > pos:
+                out.append(raw[pos:j])
+            out.append(tid)
+            pos = k
+        if pos < len(raw):
+            out.append(raw[pos:])
+        return out
 
     # ------------------------------------------------------------------ decode
     def token_to_piece(self, token_id: int, special: bool = False) -> bytes:
@@ -253,15 +267,106 @@ class Tokenizer:
 
 
 def _byte_spans(text: str | bytes, spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``(start, end)`` spans of ``text`` -> spans of its UTF-8 bytes."""
-    out = []
+    """``(start, end)`` spans of ``text`` -> spans of its UTF-8 bytes (one pass over the text)."""
     for start, end in spans:
         if not 0 <= start <= end <= len(text):
             raise TokenizerError(f"protect span ({start}, {end}) is not within the text of length {len(text)}")
-        if isinstance(text, str):
-            start, end = (len(text[:i].encode("utf-8", "surrogatepass")) for i in (start, end))
-        out.append((start, end))
-    return out
+    if isinstance(text, bytes) or text.isascii():
+        return [(s, e) for s, e in spans]
+    offsets, prev, n = {0: 0}, 0, 0
+    for i in sorted({i for span in spans for i in span}):
+        n += len(text[prev:i].encode("utf-8", "surrogatepass"))
+        offsets[i], prev = n, i
+    return [(offsets[s], offsets[e]) for s, e in spans]
+
+
+class _SpanGuard:
+    """Whether a byte range overlaps any of a set of spans, in O(log n) per question."""
+
+    def __init__(self, spans: Sequence[tuple[int, int]]):
+        spans = sorted(spans)
+        self._starts = [s for s, _ in spans]
+        self._max_end, m = [], -1       # the largest end among the spans starting at or before each
+        for _, e in spans:
+            m = max(m, e)
+            self._max_end.append(m)
+
+    def __bool__(self) -> bool:
+        return bool(self._starts)
+
+    def overlaps(self, j: int, k: int) -> bool:
+        """True if some span (s, e) has s < k and j < e (an empty span strictly inside counts)."""
+        i = bisect.bisect_left(self._starts, k)
+        return i > 0 and self._max_end[i - 1] > j
+
+
+class _SpecialMatcher:
+    """Every occurrence of every token of a priority-ordered list of ``(id, bytes)``, found
+    with one regex: a trie of the token texts in a lookahead, which gives at each position
+    the longest token starting there; the shorter ones starting there are its prefixes that
+    are tokens, known in advance."""
+
+    def __init__(self, specials: list[tuple[int, bytes]]):
+        rank = {text: r for r, (_, text) in enumerate(specials)}
+        lengths = sorted({len(t) for t in rank})
+        self._prefixes = {text: [rank[text[:n]] for n in lengths if n <= len(text) and text[:n] in rank]
+                          for text in rank}
+        self._regex = None
+        if rank:
+            try:
+                self._regex = re.compile(b"(?=(" + _trie_pattern(list(rank)) + b"))")
+            except (RecursionError, re.error, OverflowError):   # a vocabulary no regex can hold
+                self._regex = None
+        self._texts = [t for _, t in specials] if rank and self._regex is None else None
+
+    def occurrences(self, raw: bytes) -> dict[int, list[int]]:
+        """{token rank: its start positions in ``raw``, ascending}, overlapping ones included."""
+        out: dict[int, list[int]] = {}
+        if self._texts is not None:          # the slow path: one scan per token
+            for r, token in enumerate(self._texts):
+                j = raw.find(token)
+                while j >= 0:
+                    out.setdefault(r, []).append(j)
+                    j = raw.find(token, j + 1)
+            return out
+        if self._regex is None:
+            return out
+        prefixes = self._prefixes
+        for m in self._regex.finditer(raw):
+            j = m.start()
+            for r in prefixes[m.group(1)]:
+                out.setdefault(r, []).append(j)
+        return out
+
+
+def _trie_pattern(texts: list[bytes]) -> bytes:
+    """A regex (bytes) matching any of ``texts``, the longest where several match: the texts'
+    trie, with runs of single children as one literal."""
+    trie: dict = {}
+    for t in texts:
+        node = trie
+        for b in t:
+            node = node.setdefault(b, {})
+        node[None] = True
+
+    def pattern(node: dict) -> bytes:
+        alts = []
+        for b, child in node.items():
+            if b is None:
+                continue
+            run = bytearray([b])
+            while len(child) == 1 and None not in child:
+                (b2, child), = child.items()
+                run.append(b2)
+            alts.append(re.escape(bytes(run)) + pattern(child))
+        if not alts:
+            return b""
+        group = alts[0] if len(alts) == 1 else b"(?:" + b"|".join(alts) + b")"
+        if None in node:
+            return b"(?:" + group + b")?"
+        return group if len(alts) == 1 else group
+
+    return pattern(trie)
 
 
 def _byte_level_to_bytes(text: str) -> bytes:
