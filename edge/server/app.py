@@ -6,9 +6,10 @@ not), GET /v1/models, POST /tokenize, POST /detokenize (llama-server's shapes), 
 
 Every error is ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for the
 client's mistakes (bad JSON, wrong types, out-of-range values, unknown model, a prompt longer
-than the context, a chat template's own error) and 503 when the queue is full or the model is
-not loaded yet; an unexpected exception becomes a 500 of the same shape and the server goes
-on. With an API key, every route but /health needs ``Authorization: Bearer KEY``.
+than the context, a chat template's own error) and 503 when the queue is full, the model is
+not loaded yet or the KV cache's file system is full (that request fails, its KV blocks are
+freed, the others go on); an unexpected exception becomes a 500 of the same shape and the
+server goes on. With an API key, every route but /health needs ``Authorization: Bearer KEY``.
 """
 from __future__ import annotations
 
@@ -254,7 +255,7 @@ class _Stream:
 
     async def events(self):
         """The request's Delta events, then its Finished; ends early, without Finished, once
-        cancel() was called. Raises APIError(500) for Failed."""
+        cancel() was called. Raises APIError for Failed (its status and code)."""
         while True:
             ev = await self.queue.get()
             if ev is None:                  # cancel(): the scheduler emits nothing more
@@ -262,7 +263,7 @@ class _Stream:
                 return
             if isinstance(ev, Failed):
                 self.finished = True
-                raise P.APIError(500, ev.message, code="internal_error")
+                raise P.APIError(ev.status, ev.message, code=ev.code)
             yield ev
             if isinstance(ev, Finished):
                 self.finished = True
