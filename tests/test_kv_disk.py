@@ -88,6 +88,23 @@ def test_run_on_a_full_file_system_is_one_error_line(tiny, tmp_path):
     assert r.returncode == 0 and "generated: 4 tokens" in r.stderr, r.stderr
 
 
+@pytest.mark.slow
+def test_default_model_runs_out_of_disk_while_decoding(qwen_path, tmp_path):
+    """The default model with q8_0 K/V (one layer's block is 2176 bytes: blocks share pages)
+    on a 512 KiB file system: the prompt fits, the disk runs out a few tokens in. The text so
+    far is the text of a run with room, then one error line of its own, exit 1."""
+    home = tmp_path / "home"
+    run = ["run", "-m", str(qwen_path), "-ctk", "q8_0", "-ctv", "q8_0", "-c", "512", "-n", "20", "--temp", "0",
+           "-p", "Count from 1 to 100, separated by spaces."]
+    full = _edge(_in_tmpfs(home, "size=512k"), home, *run)
+    roomy = _edge([], tmp_path / "roomy", *run)
+    assert roomy.returncode == 0 and "generated: 20 tokens" in roomy.stderr, roomy.stderr
+    assert full.returncode == 1 and full.stdout and roomy.stdout.startswith(full.stdout), (full.stdout, roomy.stdout)
+    assert full.stderr.splitlines()[-2:] == ["", f"edge run: error: no space for the KV cache in {home}/kv (No space "
+                                                 f"left on device): the next step needs 102.0 KiB more, 0 B are free; "
+                                                 f"{NO_ROOM}"]
+
+
 def test_run_with_a_read_only_edge_home(tiny, tmp_path):
     """Nothing of the pool outlives the process: with $EDGE_HOME read-only it is anonymous
     memory, and the answer is the same (on 03fa838: "error: .../kv: Read-only file system")."""

@@ -258,12 +258,20 @@ class PagedKVCache:
         """Back the blocks of group g holding positions start .. end-1 of ``slot``."""
         if self._backed is None or end <= start:
             return
-        bs = self.block_size
-        blocks = self.manager.block_table(slot, g)[start // bs : (end - 1) // bs + 1]
-        blocks = blocks[blocks != HOLE]
-        new = np.unique(blocks[~self._backed[g][blocks]])
-        if not new.size:
-            return
+        bs, backed = self.block_size, self._backed[g]
+        table = self.manager.block_table(slot, g)
+        first, last = start // bs, (end - 1) // bs
+        if first == last:                        # a decode step: one block, mostly backed already
+            b = int(table[first])
+            if b == HOLE or backed[b]:
+                return
+            new = np.array([b])
+        else:
+            blocks = table[first : last + 1]          # distinct: a table never holds a block twice
+            blocks = blocks[blocks != HOLE]
+            new = np.sort(blocks[~backed[blocks]])
+            if not new.size:
+                return
         runs = _runs(new)
         page, size = mmap.PAGESIZE, len(self._map)
         ranges = []
@@ -283,8 +291,8 @@ class PagedKVCache:
                 if attempt == 0 and self._reclaim():
                     continue
                 st = os.fstatvfs(self._file.fileno())
-                raise KVNoSpace(self._folder, sum(hi - lo for lo, hi in ranges), st.f_bavail * st.f_frsize,
-                                os.strerror(e.errno)) from None
+                needed = new.size * sum(block_bytes for _, block_bytes in self._spans[g])
+                raise KVNoSpace(self._folder, needed, st.f_bavail * st.f_frsize, os.strerror(e.errno)) from None
         self._backed[g][new] = True
 
     def _reclaim(self) -> bool:
@@ -336,7 +344,7 @@ class PagedKVCache:
         """Give the pages of blocks that left the window back to the system: they read as
         zeros when written again, after :meth:`reserve` backs them again."""
         for g in range(len(self.manager.groups)):
-            ids = np.unique(np.array([b for gb, b in blocks if gb == g], np.int64))
+            ids = np.array(sorted({b for gb, b in blocks if gb == g}), np.int64)
             if ids.size:
                 if self._backed is not None:
                     self._backed[g][ids] = False
@@ -435,8 +443,9 @@ def _pool_file(size: int, home: Path | None) -> tuple[io.FileIO, Path]:
 
 def _runs(ids: np.ndarray) -> list[tuple[int, int]]:
     """Sorted unique block ids as runs of consecutive ids ``[(first, end), ...]``."""
-    cuts = np.flatnonzero(np.diff(ids) != 1) + 1
-    return list(zip(ids[np.r_[0, cuts]].tolist(), (ids[np.r_[cuts - 1, ids.size - 1]] + 1).tolist()))
+    ids = ids.tolist()
+    cuts = [i for i in range(1, len(ids)) if ids[i] != ids[i - 1] + 1]
+    return [(ids[a], ids[b - 1] + 1) for a, b in zip([0, *cuts], [*cuts, len(ids)])]
 
 
 def _human_bytes(n: int) -> str:
