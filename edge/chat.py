@@ -32,9 +32,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from edge.engine import ContextLengthExceeded, Engine, GenerationStats, GenerationStopped
+from edge.files import atomic_write, remove_dead_temps
 from edge.sampling import SamplingParams
 from edge.session import SessionError
-from edge.files import atomic_write, remove_dead_temps
 from edge.store import edge_home
 from edge.tokenizer import StreamDecoder
 

@@ -3,9 +3,9 @@
 $EDGE_HOME is a real tmpfs of a few hundred KiB, mounted in a private mount namespace of the
 command under test (``unshare -m`` as root, ``unshare -rm`` otherwise), so that a context
 needs more disk than there is: ``edge run`` prints one error line and exits 1 (it died of
-SIGBUS when the pool's pages got their disk blocks on first write), ``edge serve`` answers
-that request 503 and goes on serving, ``edge chat`` shows the error and takes the next
-message. A read-only $EDGE_HOME puts the pool in anonymous memory. The tiny random llama
+SIGBUS when the pool's pages got their disk blocks on first write; also when it restores a
+session), ``edge serve`` answers that request 503 and goes on serving, ``edge chat`` shows the
+error and takes the next message. A read-only $EDGE_HOME puts the pool in anonymous memory. The tiny random llama
 model has 4 KiB of K/V per token: a 16-token block is 64 KiB over its 2 layers.
 """
 from __future__ import annotations
@@ -86,6 +86,22 @@ def test_run_on_a_full_file_system_is_one_error_line(tiny, tmp_path):
     assert "Traceback" not in r.stderr
     r = _edge(_in_tmpfs(home, "size=256k"), home, *run, "-p", "hello")
     assert r.returncode == 0 and "generated: 4 tokens" in r.stderr, r.stderr
+
+
+def test_session_restore_on_a_full_file_system(tiny, tmp_path):
+    """Restoring a session writes its K/V into the pool: with no room for it, the same error
+    line (on 03fa838: SIGBUS)."""
+    session = tmp_path / "s.session"
+    run = ["run", "-m", str(tiny), "--raw", "-c", "256", "-n", "2", "--temp", "0", "-p", LONG, "--session",
+           str(session)]
+    assert _edge([], tmp_path / "roomy", *run).returncode == 0 and session.is_file()
+    home = tmp_path / "home"
+    r = _edge(_in_tmpfs(home, "size=256k"), home, *run)
+    needed = -(-_n_tokens(tiny, LONG) // 16) * BLOCK      # the whole saved prompt
+    assert (r.returncode, r.stdout) == (1, ""), r.stderr
+    assert r.stderr.splitlines()[-1] == (f"edge run: error: no space for the KV cache in {home}/kv (No space left on "
+                                         f"device): the next step needs {needed // 1024}.0 KiB more, 256.0 KiB are "
+                                         f"free; {NO_ROOM}")
 
 
 @pytest.mark.slow
