@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_server import Server
+from tests.test_server import Server, _sse_events, _start
 from tests.tiny_models import write_tiny_model
 
 BLOCK = 64 * 1024                     # bytes of one 16-token block over all pools of the tiny model
@@ -186,6 +186,37 @@ def test_serve_on_a_full_file_system(tiny, tmp_path):
         srv.stop()
 
 
+def test_serve_a_request_without_room_leaves_a_running_one_alone(tiny, tmp_path):
+    """While a stream decodes, a request whose K/V cannot fit gets its 503; the stream goes on
+    to its last token with the text it has alone. The disk is filled from outside to 316 KiB
+    free: always room for the stream's 4 blocks, never for the other's 13, in whichever order
+    the scheduler gets to them."""
+    home = tmp_path / "home"
+    srv = Server(["-m", str(tiny), "-np", "2", "-c", "256"], tmp_path / "serve.log",
+                 prefix=_in_tmpfs(home, "size=1m"), env={"EDGE_HOME": str(home)})
+    try:
+        srv.wait_ready(60)
+        (_room(srv, home) / "filler").write_bytes(b"x" * (704 * 1024))
+        stream = {"prompt": [1, 2, 3, 4], "max_tokens": 60, "temperature": 0, "stream": True,
+                  "logit_bias": {"2": -100}}                          # no end-of-generation token: 60 tokens
+        conn = _start(srv, "/v1/completions", stream)
+        response = conn.getresponse()
+        first = response.readline()
+        assert response.status == 200 and first.startswith(b"data: {"), first
+        status, body = _complete(srv, [50 + i % 40 for i in range(200)])
+        assert status == 503 and body["error"]["code"] == "insufficient_storage", body
+        events = _sse_events(first + response.read())
+        conn.close()
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+        status, _, raw = srv.request("POST", "/v1/completions", {**stream, "stream": False})
+        alone = json.loads(raw)
+        assert status == 200 and alone["usage"]["completion_tokens"] == 60, alone
+        assert ("".join(c["text"] for c in chunks), chunks[-1]["finish_reason"]) == (alone["choices"][0]["text"], "length")
+    finally:
+        srv.stop()
+
+
 def test_serve_with_a_read_only_edge_home(tiny, tmp_path):
     """On 03fa838 the model never loaded (/health 503: the pool folder could not be made)."""
     home = tmp_path / "home"
@@ -282,3 +313,27 @@ def test_window_blocks_give_their_disk_space_back(tmp_path):
     # 1 and 2 at 48, 2 and 3 at 64
     assert out == {"storage": "file", "used": [(k + 1) * per_block + min(k + 1, 2) * 5 * per_block for k in range(4)],
                    "backed": [2, 3], "table": [-1, -1, 2, 3]}
+
+
+def test_pool_storage_falls_back_to_anonymous_memory(tmp_path, monkeypatch):
+    """Where $EDGE_HOME/kv cannot hold a pool file (a file in the way) or its file system cannot
+    allocate ahead (posix_fallocate: EOPNOTSUPP, as tmpfs-less FUSE or musl without emulation),
+    the pool is anonymous memory; a file system that is full right now keeps the file (the
+    forward that needs space says so)."""
+    import errno
+
+    from edge.gguf_file import GGUFFile
+    from edge.kv.cache import PagedKVCache
+    from edge.models import load_model
+
+    args = load_model(GGUFFile(write_tiny_model(tmp_path / "l.gguf", arch="llama"))).args
+    (tmp_path / "file").write_text("not a folder")
+    assert PagedKVCache(args, 64, home=tmp_path / "file").storage == "anon"
+    assert PagedKVCache(args, 64, home=tmp_path / "ok").storage == "file"
+    for code, storage in ((errno.EOPNOTSUPP, "anon"), (errno.ENOSPC, "file")):
+        def refuse(fd, offset, length, code=code):
+            raise OSError(code, os.strerror(code))
+
+        monkeypatch.setattr(os, "posix_fallocate", refuse)
+        assert PagedKVCache(args, 64, home=tmp_path / "ok").storage == storage
+    assert list((tmp_path / "ok" / "kv").iterdir()) == []
