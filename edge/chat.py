@@ -24,7 +24,6 @@ in it has no file.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import threading
 import time
@@ -33,9 +32,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from edge.engine import ContextLengthExceeded, Engine, GenerationStats, GenerationStopped
+from edge.files import atomic_write, remove_dead_temps
 from edge.sampling import SamplingParams
 from edge.session import SessionError
-from edge.store import edge_home, fsync_dir
+from edge.store import edge_home
 from edge.tokenizer import StreamDecoder
 
 FORMAT, VERSION = "edge-chat", 1
@@ -144,7 +144,8 @@ class Conversation:
 
     def save(self, folder: Path | None = None) -> Path:
         """Write the conversation to ``<folder>/<id>.json`` atomically (temporary file, fsync,
-        rename); returns the path. A conversation with nothing in it (no message, draft or
+        rename; edge.files.atomic_write, and the temporary files of killed saves in the folder
+        are removed); returns the path. A conversation with nothing in it (no message, draft or
         title) has no file (an old one is removed). Raises OSError when it cannot be written."""
         folder = folder or chats_dir()
         folder.mkdir(parents=True, exist_ok=True)
@@ -153,20 +154,9 @@ class Conversation:
         if not self.messages and not self.draft and not self.title:   # nothing said: no file
             path.unlink(missing_ok=True)
             return path
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(self.to_json(), f, ensure_ascii=False, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        try:
-            fsync_dir(folder)
-        except OSError:
-            pass
+        remove_dead_temps(folder)       # what killed saves of any conversation left
+        with atomic_write(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self.to_json(), f, ensure_ascii=False, indent=1)
         return path
 
     @classmethod

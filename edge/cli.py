@@ -547,11 +547,16 @@ def cmd_run(args) -> int:
     stats = GenerationStats()
     decoder = StreamDecoder()
     out = sys.stdout
-    for tok in engine.generate(ids, params, args.max_tokens, stats, session=args.session):
-        text = decoder.feed(engine.tokenizer.token_to_piece(tok, special=False))
-        if text:
-            out.write(text)
-            out.flush()
+    try:
+        for tok in engine.generate(ids, params, args.max_tokens, stats, session=args.session):
+            text = decoder.feed(engine.tokenizer.token_to_piece(tok, special=False))
+            if text:
+                out.write(text)
+                out.flush()
+    except Exception:
+        if stats.n_generated:      # e.g. the disk filled while decoding: the error gets a line of its own
+            print(file=sys.stderr, flush=True)
+        raise
     out.write(decoder.flush())
     if out.isatty():
         out.write("\n")  # end the line for the shell prompt; piped output stays the model's text

@@ -79,7 +79,8 @@ class Engine:
         n_seq: sequences the KV cache holds at once.
         block_size: KV cache block size in tokens.
         cache_type_k, cache_type_v: KV cache types, "f16" (default), "q8_0" or "f32".
-        kv_storage: "file" (the KV pool is a memory-mapped file under $EDGE_HOME/kv) or "anon".
+        kv_storage: "file" (the KV pool is a memory-mapped file under $EDGE_HOME/kv; anonymous
+            memory when that file cannot be made) or "anon".
 
     Generation goes through one paged KV cache (edge.kv.cache), kept for the engine's life:
     a prompt that starts like an earlier one (the next turn of a chat) reuses its cached
@@ -205,7 +206,9 @@ class Engine:
         stops by closing the generator).
 
         Raises ContextLengthExceeded if the prompt is longer than n_ctx,
-        SessionError for a session file made with another model or KV type, or damaged.
+        SessionError for a session file made with another model or KV type, or damaged,
+        edge.kv.cache.KVNoSpace when the file system of the KV pool file is full (the
+        sequence is freed; tokens already yielded stand).
         """
         stats = stats if stats is not None else GenerationStats()
         prompt_ids = [int(t) for t in prompt_ids]

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 from numba import njit, prange
+
+from edge.files import atomic_write
 
 MIN_ROWS = 16  # llama-imatrix ignores products of fewer activation rows
 
@@ -127,34 +127,27 @@ def compute_imatrix(engine, text: str, n_ctx: int, n_batch: int | None = None, m
 
 def write_imatrix(path: str | os.PathLike, imatrix: Imatrix) -> None:
     """Write ``imatrix`` as llama-imatrix's GGUF file at ``path``, atomically (a temporary file
-    in the same folder, fsynced and renamed; on any error nothing is left)."""
+    in the same folder, fsynced and renamed: edge.files.atomic_write; on any error nothing is
+    left)."""
     from gguf import GGUFWriter
 
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-    os.close(fd)
-    try:
+    with atomic_write(path) as tmp:
         writer = GGUFWriter(tmp, arch="")
-        writer.kv_data[0].clear()      # no general.architecture: llama-imatrix writes none
-        writer.add_string("general.type", "imatrix")
-        writer.add_array("imatrix.datasets", list(imatrix.datasets))
-        writer.add_uint32("imatrix.chunk_count", imatrix.chunk_count)
-        writer.add_uint32("imatrix.chunk_size", imatrix.chunk_size)
-        for name in sorted(imatrix.sums):
-            # ggml [n_in, 1] and [1, 1]: the file stores their ggml_n_dims, 1 dimension each
-            writer.add_tensor(f"{name}.in_sum2", imatrix.sums[name].reshape(-1))
-            writer.add_tensor(f"{name}.counts", np.array([imatrix.counts[name]], np.float32))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)                    # mkstemp made it private
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        try:
+            writer.kv_data[0].clear()      # no general.architecture: llama-imatrix writes none
+            writer.add_string("general.type", "imatrix")
+            writer.add_array("imatrix.datasets", list(imatrix.datasets))
+            writer.add_uint32("imatrix.chunk_count", imatrix.chunk_count)
+            writer.add_uint32("imatrix.chunk_size", imatrix.chunk_size)
+            for name in sorted(imatrix.sums):
+                # ggml [n_in, 1] and [1, 1]: the file stores their ggml_n_dims, 1 dimension each
+                writer.add_tensor(f"{name}.in_sum2", imatrix.sums[name].reshape(-1))
+                writer.add_tensor(f"{name}.counts", np.array([imatrix.counts[name]], np.float32))
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+        finally:
+            writer.close()
 
 
 @dataclass

@@ -18,11 +18,13 @@ top: ``log p_i = scale * q_i + min_log_prob`` (tokens further down read as min_l
 """
 from __future__ import annotations
 
-import os
+import contextlib
 import struct
 from pathlib import Path
 
 import numpy as np
+
+from edge.files import atomic_write
 
 MAGIC = b"_logits_"
 HEADER_BYTES = len(MAGIC) + 12
@@ -78,8 +80,9 @@ def dequantize_log_probs(records: np.ndarray, n_vocab: int) -> np.ndarray:
 
 class BaseLogitsWriter:
     """Writes a base-logits file atomically: a context manager; the file appears at ``path``
-    (temporary file, fsync, rename) only when the block ends without an exception after all
-    ``n_chunk * n_scored(n_ctx)`` records were added; otherwise nothing is left.
+    (temporary file, fsync, rename: edge.files.atomic_write) only when the block ends without
+    an exception after all ``n_chunk * n_scored(n_ctx)`` records were added; otherwise nothing
+    is left.
 
     ``tokens``: the n_chunk * n_ctx text tokens (int). Raises OSError when it cannot write.
     """
@@ -93,18 +96,15 @@ class BaseLogitsWriter:
         self.n_chunk = len(tokens) // n_ctx
         self._tokens = tokens
         self._left = self.n_chunk * n_scored(n_ctx)
-        self._tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        self._f = None
+        self._f = self._stack = None
 
     def __enter__(self) -> BaseLogitsWriter:
-        self._f = open(self._tmp, "wb")
-        try:
+        with contextlib.ExitStack() as stack:
+            tmp = stack.enter_context(atomic_write(self.path))
+            self._f = stack.enter_context(open(tmp, "wb"))
             self._f.write(MAGIC + struct.pack("<3i", self.n_ctx, self.n_vocab, self.n_chunk))
             self._f.write(self._tokens.tobytes())
-        except BaseException:
-            self._f.close()
-            self._tmp.unlink(missing_ok=True)
-            raise
+            self._stack = stack.pop_all()
         return self
 
     def add(self, logits: np.ndarray) -> None:
@@ -116,17 +116,11 @@ class BaseLogitsWriter:
         self._left -= logits.shape[0]
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        try:
-            if exc_type is None and self._left:
-                raise ValueError(f"{self._left} scored positions were not written to {self.path}")
-            if exc_type is None:
-                self._f.flush()
-                os.fsync(self._f.fileno())
-                self._f.close()
-                os.replace(self._tmp, self.path)
-        finally:
-            self._f.close()
-            self._tmp.unlink(missing_ok=True)
+        if exc_type is None and self._left:
+            exc = ValueError(f"{self._left} scored positions were not written to {self.path}")
+            self._stack.__exit__(ValueError, exc, None)      # the temporary file goes
+            raise exc
+        self._stack.__exit__(exc_type, exc, tb)
 
 
 class BaseLogits:

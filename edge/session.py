@@ -17,7 +17,8 @@ File format (edge's own; all integers little-endian)::
     32 bytes     SHA-256 of everything before it
 
 A file is written to a temporary name in the same folder, fsynced, then renamed over the
-target, so an interrupted save leaves the old file whole. Loading checks the digest first
+target (edge.files.atomic_write), so an interrupted save leaves the old file whole, and the
+temporary file a killed save left is removed by the next save. Loading checks the digest first
 (truncated or corrupted files are refused), then that the model fingerprint, KV types and
 shapes are this engine's.
 """
@@ -32,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge.store import fsync_dir
+from edge.files import atomic_write
 
 MAGIC = b"EDGESESS"
 VERSION = 2
@@ -116,26 +117,14 @@ def save_session(path: str | Path, engine, slot: int, logits: np.ndarray) -> int
     for k, v in zip(ks, vs):
         parts += [k.tobytes(), v.tobytes()]
     digest = hashlib.sha256()
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        with atomic_write(path) as tmp, open(tmp, "wb") as f:
             for part in parts:
                 digest.update(part)
                 f.write(part)
             f.write(digest.digest())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise OSError(f"{path}: cannot write the session file ({e.strerror or e})") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    try:
-        fsync_dir(path.parent)
-    except OSError:  # some file systems cannot fsync a directory; the rename is done
-        pass
     return path.stat().st_size
 
 

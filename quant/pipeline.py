@@ -20,17 +20,16 @@ optional importance matrix (llama-quantize --imatrix; edge.imatrix.load_imatrix)
   by quant.blocks.quantize_rows (ggml_quantize_chunk), a slab of rows at a time, with the
   tensor's imatrix weights (in_sum2 / counts) when the imatrix has an entry for it.
 
-The file is written to a temporary file beside the output, fsynced, then renamed over it: an
+The file is written to a temporary file beside the output, fsynced, then renamed over it
+(edge.files.atomic_write; a killed run's temporary file is removed by the next run): an
 error or Ctrl+C leaves neither a partial output nor the temporary file, and an existing output
 is untouched until the new one is complete. The source is memory-mapped; memory use is bounded
 by one slab (:data:`SLAB_BYTES` of float32 values) whatever the model size.
 """
 from __future__ import annotations
 
-import glob
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -40,7 +39,8 @@ from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFValueType, GGUFWr
 
 from edge.gguf_file import GGUFFile
 from edge.imatrix import ImatrixError, ImatrixFile
-from edge.store import check_output_file, file_starts_with, fsync_dir
+from edge.files import atomic_write, remove_dead_temps
+from edge.store import check_output_file, file_starts_with
 from kernels_cpu.dequant import KERNELS as DEQUANT_KERNELS
 from kernels_cpu.dequant import dequantize
 from quant.blocks import QuantizeError, quantize_rows
@@ -263,21 +263,6 @@ def _write_tensor(plan: QuantizePlan, t: TensorChoice, fout) -> Iterator[int]:
     fout.write(bytes(_pad(t.new_bytes)))
 
 
-def _remove_stale_partials(dst: Path) -> None:
-    """Delete the temporary files of earlier runs writing ``dst`` whose process is gone (killed
-    with SIGKILL, or the machine stopped: nothing else leaves one); a running one's is kept."""
-    for p in dst.parent.glob(f".{glob.escape(dst.name)}.pid*.partial"):
-        pid = p.name[len(dst.name) + 5:].split(".", 1)[0]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            p.unlink(missing_ok=True)
-        except PermissionError:      # another user's running process
-            pass
-
-
 def quantize_file(src: str | os.PathLike, dst: str | os.PathLike, ftype: FileType,
                   options: QuantizeOptions = QuantizeOptions(),
                   progress: ProgressCallback | None = None, imatrix: ImatrixFile | None = None) -> QuantizePlan:
@@ -296,47 +281,36 @@ def quantize_file(src: str | os.PathLike, dst: str | os.PathLike, ftype: FileTyp
     check_output_path(src, dst, imatrix.path if imatrix is not None else None)   # before Path() drops a trailing /
     src, dst = Path(src), Path(dst)
     plan = plan_quantize(src, ftype, options, imatrix)
-    _remove_stale_partials(dst)
+    remove_dead_temps(dst.parent, dst.name)       # a killed run's file: its space counts below
     free = shutil.disk_usage(dst.parent).free
     if free < plan.output_size:
         raise QuantizeError(f"not enough disk space in {dst.parent}: the output needs {plan.output_size:,} bytes, "
                             f"{free:,} are free" + (" (a pseudo file system such as /sys or /proc?)" if free == 0 else ""))
-    fd, tmp_name = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.pid{os.getpid()}.", suffix=".partial")
-    os.close(fd)
-    tmp = Path(tmp_name)
-    writer = None
-    try:
+    with atomic_write(dst) as tmp:
         writer = GGUFWriter(None, plan.source.architecture)
-        writer.kv_data[0].clear()                 # the constructor's general.architecture: source order instead
-        for key, value, vtype, atype in plan.metadata:
-            writer.add_key_value(key, value, vtype, sub_type=atype)
-        for t in plan.tensors:
-            shape = tuple(reversed(t.shape[:n_dims(t.shape)]))     # numpy order, trailing 1s dropped
-            writer.add_tensor_info(t.name, shape, np.dtype(np.float32), t.new_bytes, raw_dtype=t.new_type)
-        writer.write_header_to_file(tmp)
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        fout = writer.fout[0]
-        fout.write(bytes(_pad(fout.tell())))
-        done, total = 0, plan.n_values
-        for t in plan.tensors:
-            if progress is not None:
-                progress(done, total, t)
-            for n in _write_tensor(plan, t, fout):
-                done += n
+        try:
+            writer.kv_data[0].clear()                 # the constructor's general.architecture: source order instead
+            for key, value, vtype, atype in plan.metadata:
+                writer.add_key_value(key, value, vtype, sub_type=atype)
+            for t in plan.tensors:
+                shape = tuple(reversed(t.shape[:n_dims(t.shape)]))     # numpy order, trailing 1s dropped
+                writer.add_tensor_info(t.name, shape, np.dtype(np.float32), t.new_bytes, raw_dtype=t.new_type)
+            writer.write_header_to_file(tmp)
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            fout = writer.fout[0]
+            fout.write(bytes(_pad(fout.tell())))
+            done, total = 0, plan.n_values
+            for t in plan.tensors:
                 if progress is not None:
                     progress(done, total, t)
-        fout.flush()
-        if fout.tell() != plan.output_size:
-            raise QuantizeError(f"internal error: wrote {fout.tell():,} bytes, planned {plan.output_size:,}")
-        os.fsync(fout.fileno())
-        writer.close()
-        tmp.chmod(0o644)                          # mkstemp made it private
-        os.replace(tmp, dst)
-        fsync_dir(dst.parent)
-    except BaseException:
-        if writer is not None:
+                for n in _write_tensor(plan, t, fout):
+                    done += n
+                    if progress is not None:
+                        progress(done, total, t)
+            fout.flush()
+            if fout.tell() != plan.output_size:
+                raise QuantizeError(f"internal error: wrote {fout.tell():,} bytes, planned {plan.output_size:,}")
+        finally:
             writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
     return plan

@@ -109,6 +109,25 @@ def golden(golden_id: str, name: str):
     return path
 
 
+def kill_when_printed(argv: list[str], line: str, env: dict | None = None, timeout: float = 120) -> int:
+    """Run ``argv``, SIGKILL it as soon as it prints ``line`` (a whole stdout line); returns its
+    pid. Fails the test, with its stderr, when it ends first or stays silent ``timeout`` s."""
+    import signal
+    import threading
+
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    try:
+        got = proc.stdout.readline()
+    finally:
+        timer.cancel()
+        proc.kill()
+        _, err = proc.communicate()
+    assert got == line + "\n" and proc.returncode == -signal.SIGKILL, err
+    return proc.pid
+
+
 @pytest.fixture(scope="session")
 def qwen_path() -> Path:
     return real_model_path("qwen2.5-coder-0.5b")

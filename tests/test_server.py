@@ -73,15 +73,17 @@ def _free_port() -> int:
 class Server:
     """An `edge serve` subprocess listening on a TCP port of 127.0.0.1 or a Unix socket."""
 
-    def __init__(self, args: list[str], log: Path, uds: str | None = None, api_key: str | None = None):
+    def __init__(self, args: list[str], log: Path, uds: str | None = None, api_key: str | None = None,
+                 prefix: list[str] = (), env: dict | None = None):
+        """``prefix``: argv the command runs under (e.g. unshare); ``env``: variables to set."""
         self.uds, self.api_key, self.log = uds, api_key, log
         self.port = None if uds else _free_port()
         where = ["--unix-socket", uds] if uds else ["--host", "127.0.0.1", "--port", str(self.port)]
         key = ["--api-key", api_key] if api_key else []
-        env = {**os.environ, "NUMBA_NUM_THREADS": os.environ.get("NUMBA_NUM_THREADS", "2")}
+        env = {**os.environ, "NUMBA_NUM_THREADS": os.environ.get("NUMBA_NUM_THREADS", "2"), **(env or {})}
         env.pop("EDGE_API_KEY", None)
         with open(log, "wb") as f:
-            self.proc = subprocess.Popen([sys.executable, "-m", "edge.cli", "serve", *args, *where, *key],
+            self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "edge.cli", "serve", *args, *where, *key],
                                          stdout=f, stderr=subprocess.STDOUT, env=env)
 
     def log_text(self) -> str:

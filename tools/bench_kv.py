@@ -2,7 +2,7 @@
 """KV cache measurements (issue 4): prefix caching in a 4-turn chat, session restore against
 prefill, RSS at two context sizes, KV bytes per token, and q8_0 against f16 perplexity.
 
-    python tools/bench_kv.py [-m MODEL] [-t THREADS] [--tests prefix,session,rss,bytes,ppl]
+    python tools/bench_kv.py [-m MODEL] [-t THREADS] [--tests prefix,session,rss,bytes,ppl,reserve]
 
 prefix:  a 4-turn chat on the model (default: the default model) whose first user message is
          about 1,000 tokens of this project's own source; for each later turn, TTFT with the
@@ -16,6 +16,11 @@ rss:     peak RSS of `edge run -n 16` in a child process at -c 4096 and -c 32768
 bytes:   KV bytes per token of every pulled registry model for f16, q8_0 and f32.
 ppl:     `edge perplexity` on ../shared/golden/ppl_text.txt (-c 256) with f16 and q8_0 KV.
          Target: within 1%.
+reserve: (not in the default list) prefill of 512 tokens and 128 greedy decode steps in a
+         fresh pool file under $EDGE_HOME/kv, with its disk reservation (PagedKVCache.reserve:
+         posix_fallocate of the blocks a forward writes) and with the reservation made a no-op
+         (how the pool ran before it), alternating, medians of 5; and the time spent reserving.
+         Target: no measurable difference.
 Prints markdown tables.
 """
 from __future__ import annotations
@@ -150,6 +155,62 @@ def bench_ppl(model: str, threads: int) -> list[str]:
     return rows
 
 
+def bench_reserve(path, reps: int = 5) -> list[str]:
+    import statistics
+
+    import numpy as np
+
+    from edge.engine import Engine
+    from edge.kv.cache import PagedKVCache
+
+    eng = Engine(path)
+    ids = eng.raw_prompt(_history_text(8000))[:512]
+    real = PagedKVCache._back_positions
+    spent = [0.0]
+
+    def timed(self, *args):
+        t = time.perf_counter()
+        real(self, *args)
+        spent[0] += time.perf_counter() - t
+
+    runs = {on: {"pp": [], "tg": [], "pp_in": [], "tg_in": []} for on in (True, False)}
+    for _ in range(reps):
+        for on in (True, False):
+            PagedKVCache._back_positions = timed if on else (lambda self, *args: None)
+            kv = PagedKVCache(eng.model.args, eng.n_ctx, 1, eng.block_size, storage="file")
+            try:
+                assert kv.storage == "file", "the pool file could not be made under $EDGE_HOME/kv"
+                spent[0] = 0.0
+                t = time.perf_counter()
+                slot, _ = kv.new_sequence(ids)
+                tok = int(np.argmax(eng.prefill(ids, kv, seq=slot)))
+                runs[on]["pp"].append(len(ids) / (time.perf_counter() - t))
+                runs[on]["pp_in"].append(spent[0])
+                spent[0] = 0.0
+                t = time.perf_counter()
+                for _ in range(128):
+                    kv.append(slot, [tok])
+                    tok = int(np.argmax(eng.model.forward([tok], kv)[-1]))
+                runs[on]["tg"].append(128 / (time.perf_counter() - t))
+                runs[on]["tg_in"].append(spent[0] / 128)
+            finally:
+                PagedKVCache._back_positions = real
+                kv.close()
+    med = {on: {k: statistics.median(v) for k, v in r.items()} for on, r in runs.items()}
+    rows = ["| disk reservation | pp512 tokens/s | tg128 tokens/s | reserving per prefill (ms) | "
+            "reserving per decode step (us) |", "|---|---|---|---|---|"]
+    for on in (True, False):
+        m = med[on]
+        rows.append(f"| {'on' if on else 'off (before)'} | {m['pp']:.1f} | {m['tg']:.2f} | "
+                    + (f"{m['pp_in'] * 1e3:.2f} | {m['tg_in'] * 1e6:.1f} |" if on else "- | - |"))
+    rows.append(f"\n{len(ids)} prompt tokens, medians of {reps} alternating runs; all runs (on): pp "
+                + ", ".join(f"{x:.0f}" for x in runs[True]["pp"]) + "; (off): "
+                + ", ".join(f"{x:.0f}" for x in runs[False]["pp"]) + "; tg (on): "
+                + ", ".join(f"{x:.1f}" for x in runs[True]["tg"]) + "; (off): "
+                + ", ".join(f"{x:.1f}" for x in runs[False]["tg"]))
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default="qwen2.5-coder-0.5b-instruct")
@@ -175,6 +236,8 @@ def main() -> int:
         print("## KV bytes per token\n", *bench_bytes(), "", sep="\n")
     if "ppl" in tests:
         print("## Perplexity by KV type (ppl_text.txt, -c 256)\n", *bench_ppl(args.model, args.threads), "", sep="\n")
+    if "reserve" in tests:
+        print("## Disk reservation of the pool file\n", *bench_reserve(path), "", sep="\n")
     return 0
 
 

@@ -27,6 +27,7 @@ from textual.widgets import Markdown, Static, TextArea
 
 from edge.chat import ChatError, ChatRunner, ChatSettings, Conversation, chats_dir, find_chat, list_chats
 from edge.engine import ContextLengthExceeded
+from edge.kv.cache import KVNoSpace
 
 SETTING_COMMANDS = {  # command -> ChatSettings field
     "/temp": "temperature", "/top-k": "top_k", "/top-p": "top_p", "/min-p": "min_p",
@@ -412,6 +413,9 @@ class ChatApp(App):
         except ContextLengthExceeded as e:
             self.post_message(TurnEnded(error=f"{e} (start a /new conversation, or restart with a larger -c)",
                                         user_text=text))
+            return
+        except KVNoSpace as e:     # the disk under $EDGE_HOME is full: once space is freed, send again
+            self.post_message(TurnEnded(error=f"{e}; then send your message again", user_text=text))
             return
         except Exception as e:     # shown in the chat, never a crash
             self.post_message(TurnEnded(error=f"{type(e).__name__}: {e}", user_text=text))

@@ -380,6 +380,19 @@ class KVBlockManager:
                     pool.release(block_id)
         del self._seqs[seq_id]
 
+    def forget_free_blocks(self, group: int, block_ids: Sequence[int]) -> None:
+        """Drop what free blocks of ``group`` hold (their storage was given back): their hashes
+        go, so no prefix hit reaches them, and they move to the head of the free queue.
+
+        Raises:
+            ValueError: a block a sequence holds.
+        """
+        pool = self._pools[group]
+        for block_id in block_ids:
+            if pool.blocks[block_id].ref_count:
+                raise ValueError(f"forget_free_blocks: block {block_id} of group {group} is in use")
+            pool.forget(block_id)
+
     def pop_forgotten(self) -> list[tuple[int, int]]:
         """(group, block id) of the blocks forgotten since the last call (forget_out_of_window)."""
         out, self._forgotten = self._forgotten, []

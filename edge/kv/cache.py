@@ -10,8 +10,16 @@ as they leave the window (their pages given back to the system, so a long contex
 local layers only their window); the others form group 0 (full attention).
 
 The pools live in one memory map: a file under ``$EDGE_HOME/kv/`` (unlinked as soon as it is
-mapped, so nothing is left behind) or anonymous memory. Either way a page costs RAM only once
-a token's K/V is written there, so a large n_ctx reserves address space, not memory.
+mapped, so nothing is left behind; the kernel can write cold pages there instead of keeping
+them in RAM) or anonymous memory. Either way a page costs RAM only once a token's K/V is
+written there, so a large n_ctx reserves address space, not memory. A page of the file gets
+its disk blocks before the first K/V is written to it: :meth:`PagedKVCache.reserve` (called by
+:meth:`~PagedKVCache.prepare` for every forward) allocates them (posix_fallocate) for the
+blocks a forward is about to write (on a full file system, after taking the space of free
+blocks, whose cached prefixes are dropped), so a full file system is a :class:`KVNoSpace`
+error before the forward, never a page that cannot be written (SIGBUS). When the file cannot be
+made (a read-only ``$EDGE_HOME``) or its file system cannot allocate ahead, the pools are
+anonymous memory.
 
 A sequence is a slot ``0 .. n_seq-1``. :meth:`PagedKVCache.new_sequence` reuses the longest
 cached prefix (prefix caching, see edge.kv.blocks) and reserves blocks for the prompt;
@@ -21,6 +29,8 @@ through the block tables (:meth:`prepare` / :meth:`commit`); :meth:`free` ends a
 """
 from __future__ import annotations
 
+import errno
+import io
 import mmap
 import os
 import uuid
@@ -37,6 +47,20 @@ _ALIGN = 4096
 
 class NoFreeSlot(RuntimeError):
     """Every sequence slot of the KV cache is in use (n_seq sequences are running)."""
+
+
+class KVNoSpace(RuntimeError):
+    """The file system of the KV pool file cannot give disk space to the blocks a forward is
+    about to write (no space left, or the disk quota reached); nothing was written.
+
+    Attributes: folder (the pool's folder), needed and free (bytes), reason (the system's).
+    """
+
+    def __init__(self, folder: Path, needed: int, free: int, reason: str):
+        super().__init__(f"no space for the KV cache in {folder} ({reason}): the next step needs "
+                         f"{_human_bytes(needed)} more, {_human_bytes(free)} are free; free some space there or "
+                         "set EDGE_HOME to a folder on a file system with room")
+        self.folder, self.needed, self.free, self.reason = folder, needed, free, reason
 
 
 def kv_row(kv_type: str, head_dim: int) -> int:
@@ -68,9 +92,11 @@ class PagedKVCache:
         block_size: token positions per block (default 16).
         type_k, type_v: "f16" (default), "f32" or "q8_0".
         model_key: bytes naming the model (so prefix hashes of other models never match).
-        storage: "file" (a memory-mapped file under ``home``/kv, the default) or "anon".
+        storage: "file" (a memory-mapped file under ``home``/kv, the default; anonymous memory
+            when that file cannot be made or its file system cannot allocate ahead) or "anon".
+            The attribute ``storage`` says which the pools got.
         home: the edge data directory (for storage="file").
-    Raises ValueError for bad sizes or types, OSError when the pool file cannot be created.
+    Raises ValueError for bad sizes or types.
     """
 
     def __init__(self, args, n_ctx: int, n_seq: int = 1, block_size: int = 16, type_k: str = "f16",
@@ -97,13 +123,18 @@ class PagedKVCache:
             shapes.append(((n_blocks, block_size, args.n_head_kv, row_k), _DTYPE[type_k]))
             shapes.append(((n_blocks, block_size, args.n_head_kv, row_v), _DTYPE[type_v]))
         sizes = [-(-int(np.prod(s)) * np.dtype(d).itemsize // _ALIGN) * _ALIGN for s, d in shapes]
-        self._map = _map_memory(sum(sizes), storage, home)
+        self._map, self._file, self._folder = _map_memory(sum(sizes), storage, home)
+        self.storage = "anon" if self._file is None else "file"
         arrays, offset = [], 0
-        for (shape, dtype), size in zip(shapes, sizes):
+        self._spans: list[list[tuple[int, int]]] = [[] for _ in groups]   # per group: (offset, bytes per block)
+        for i, ((shape, dtype), size) in enumerate(zip(shapes, sizes)):
             arrays.append(np.frombuffer(self._map, dtype=dtype, count=int(np.prod(shape)), offset=offset).reshape(shape))
+            self._spans[self.layer_group[i // 2]].append((offset, arrays[-1][0].nbytes))
             offset += size
         self.k, self.v = arrays[0::2], arrays[1::2]
         self.nbytes = sum(sizes)
+        # per group: blocks whose bytes in the pool file have disk blocks (file storage only)
+        self._backed = None if self._file is None else [np.zeros(n_blocks, bool) for _ in groups]
         self.pos = np.zeros(n_seq, np.int64)            # computed positions per slot
         self._free_slots = list(range(n_seq - 1, -1, -1))
         self._tables: list[np.ndarray] = []   # per group, built by prepare() for one forward
@@ -176,8 +207,8 @@ class PagedKVCache:
     def import_sequence(self, tokens, ks: list[np.ndarray], vs: list[np.ndarray]) -> int:
         """Start a sequence from a saved state (export_sequence's arrays): returns its slot,
         with all len(tokens) positions computed (blocks the prefix cache holds are reused, the
-        rest written). Raises ValueError for arrays of the wrong shape or type, NoFreeSlot or
-        NoFreeBlocks (nothing changed)."""
+        rest written). Raises ValueError for arrays of the wrong shape or type, NoFreeSlot,
+        NoFreeBlocks or KVNoSpace (nothing changed)."""
         n = len(tokens)
         if n > self.n_ctx:
             raise ValueError(f"the session holds {n} tokens but n_ctx is {self.n_ctx}")
@@ -190,6 +221,13 @@ class PagedKVCache:
         slot = self._next_slot()
         n_cached = self.manager.restore(slot, tokens)
         self._free_slots.pop()
+        try:
+            for g in range(len(self.manager.groups)):
+                il = self.layer_group.index(g)
+                self._back_positions(slot, g, max(self.first_position(il, n), n_cached), n)
+        except KVNoSpace:
+            self.free(slot)
+            raise
         for il in range(self.args.n_layer):
             lo = self.first_position(il, n)
             start = max(lo, n_cached)
@@ -202,14 +240,85 @@ class PagedKVCache:
 
     # ---- the forward pass ------------------------------------------------------------------
 
+    def reserve(self, slot: int, n_tokens: int) -> None:
+        """Give disk space to the next ``n_tokens`` positions of ``slot`` (from pos[slot], known
+        tokens) in every layer's pools before they are written: posix_fallocate of the blocks
+        holding them that have none yet. Nothing to do for anonymous memory or blocks already
+        backed (a decode step within a block costs a table lookup). When the file system is
+        full, the free blocks give their space back first (their cached prefixes are dropped).
+
+        Raises KVNoSpace (nothing was written; the blocks backed before stay so)."""
+        if self._backed is None or n_tokens <= 0:
+            return
+        start = int(self.pos[slot])
+        for g in range(len(self.manager.groups)):
+            self._back_positions(slot, g, start, start + n_tokens)
+
+    def _back_positions(self, slot: int, g: int, start: int, end: int) -> None:
+        """Back the blocks of group g holding positions start .. end-1 of ``slot``."""
+        if self._backed is None or end <= start:
+            return
+        bs, backed = self.block_size, self._backed[g]
+        table = self.manager.block_table(slot, g)
+        first, last = start // bs, (end - 1) // bs
+        if first == last:                        # a decode step: one block, mostly backed already
+            b = int(table[first])
+            if b == HOLE or backed[b]:
+                return
+            new = np.array([b])
+        else:
+            blocks = table[first : last + 1]          # distinct: a table never holds a block twice
+            blocks = blocks[blocks != HOLE]
+            new = np.sort(blocks[~backed[blocks]])
+            if not new.size:
+                return
+        runs = _runs(new)
+        page, size = mmap.PAGESIZE, len(self._map)
+        ranges = []
+        for offset, block_bytes in self._spans[g]:
+            for a, b in runs:     # whole pages: a page is written back whole
+                ranges.append(((offset + a * block_bytes) // page * page,
+                               min(size, -(-(offset + b * block_bytes) // page) * page)))
+        for attempt in range(2):
+            try:
+                for lo, hi in ranges:
+                    os.posix_fallocate(self._file.fileno(), lo, hi - lo)
+                break
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                self._punch(g, runs)   # give back what this call took: those blocks hold nothing yet
+                if attempt == 0 and self._reclaim():
+                    continue
+                st = os.fstatvfs(self._file.fileno())
+                needed = new.size * sum(block_bytes for _, block_bytes in self._spans[g])
+                raise KVNoSpace(self._folder, needed, st.f_bavail * st.f_frsize, os.strerror(e.errno)) from None
+        self._backed[g][new] = True
+
+    def _reclaim(self) -> bool:
+        """Give back the disk space of the free blocks that have some (cached prefixes and what
+        failed requests wrote: their hashes are dropped); returns whether there were any."""
+        found = False
+        for g in range(len(self.manager.groups)):
+            ids = np.array([b for b in self.manager.free_queue(g) if self._backed[g][b]], np.int64)
+            if ids.size:
+                found = True
+                self.manager.forget_free_blocks(g, ids.tolist())
+                self._backed[g][ids] = False
+                self._punch(g, _runs(np.sort(ids)))
+        return found
+
     def prepare(self, runs: np.ndarray, lengths: np.ndarray) -> None:
         """Before a forward that writes ``lengths[i]`` positions of sequence ``runs[i]`` from
-        pos[runs[i]]: check that they are reserved and build the block tables."""
+        pos[runs[i]]: check that they are reserved, give them disk space (:meth:`reserve`) and
+        build the block tables. Raises ValueError (positions not reserved) or KVNoSpace."""
         for s, n in zip(runs.tolist(), lengths.tolist()):
             reserved = self.manager.num_tokens(s)
             if self.pos[s] + n > reserved:
                 raise ValueError(f"sequence {s}: positions {self.pos[s]}..{self.pos[s] + n - 1} are not "
                                  f"reserved ({reserved} known tokens); call append() first")
+        for s, n in zip(runs.tolist(), lengths.tolist()):
+            self.reserve(s, n)
         self._tables = []
         for g in range(len(self.manager.groups)):
             rows = {s: self.manager.block_table(s, g) for s in runs.tolist()}
@@ -232,34 +341,43 @@ class PagedKVCache:
         self._release_memory(self.manager.pop_forgotten())
 
     def _release_memory(self, blocks: list[tuple[int, int]]) -> None:
-        """Give the pages of blocks that left the window back to the system (MADV_REMOVE frees
-        shared memory and file pages; they read as zeros when written again)."""
+        """Give the pages of blocks that left the window back to the system: they read as
+        zeros when written again, after :meth:`reserve` backs them again."""
+        for g in range(len(self.manager.groups)):
+            ids = np.array(sorted({b for gb, b in blocks if gb == g}), np.int64)
+            if ids.size:
+                if self._backed is not None:
+                    self._backed[g][ids] = False
+                self._punch(g, _runs(ids))
+
+    def _punch(self, g: int, runs: list[tuple[int, int]]) -> None:
+        """MADV_REMOVE the pages wholly inside blocks ``[a, b)`` of each run in group g's pools
+        (it frees shared memory and file pages with their disk blocks; pages shared with a
+        neighbouring block stay). Nothing on a system or file system that cannot."""
         advice = getattr(mmap, "MADV_REMOVE", None)
-        if advice is None or not blocks:
+        if advice is None:
             return
-        base = np.frombuffer(self._map, np.uint8, 1).ctypes.data
-        for g, b in blocks:
-            for il in range(self.args.n_layer):
-                if self.layer_group[il] != g:
-                    continue
-                for pool in (self.k[il], self.v[il]):
-                    lo = pool[b].ctypes.data - base
-                    hi = lo + pool[b].nbytes
-                    lo = -(-lo // mmap.PAGESIZE) * mmap.PAGESIZE
-                    hi = hi // mmap.PAGESIZE * mmap.PAGESIZE
-                    if hi > lo:
-                        try:
-                            self._map.madvise(advice, lo, hi - lo)
-                        except OSError:  # a file system without hole punching: keep the pages
-                            return
+        page = mmap.PAGESIZE
+        for offset, block_bytes in self._spans[g]:
+            for a, b in runs:
+                lo = -(-(offset + a * block_bytes) // page) * page
+                hi = (offset + b * block_bytes) // page * page
+                if hi > lo:
+                    try:
+                        self._map.madvise(advice, lo, hi - lo)
+                    except OSError:  # a file system without hole punching: keep the pages
+                        return
 
     def close(self) -> None:
-        """Release the memory map (the arrays must not be used afterwards)."""
+        """Release the memory map and the pool file (the arrays must not be used afterwards)."""
         self.k = self.v = []
         try:
             self._map.close()
         except BufferError:  # views still held elsewhere: the map goes with the last of them
             pass
+        if self._file is not None:
+            self._file.close()
+            self._backed = None
 
 
 def _check_fits_memory(full_bytes: int, n_ctx: int, n_seq: int) -> None:
@@ -276,22 +394,65 @@ def _check_fits_memory(full_bytes: int, n_ctx: int, n_seq: int) -> None:
                          f"more than this machine's {ram / 2**30:.1f} GiB of RAM; lower -c/--ctx-size")
 
 
-def _map_memory(size: int, storage: str, home: Path | None) -> mmap.mmap:
-    """A zero-filled shared mapping of ``size`` bytes: anonymous, or a sparse file under
-    home/kv unlinked at once (it lives as long as the mapping)."""
+def _map_memory(size: int, storage: str, home: Path | None) -> tuple[mmap.mmap, io.FileIO | None, Path | None]:
+    """A zero-filled shared mapping of ``size`` bytes: (map, pool file, its folder). With
+    storage "file", a sparse file under home/kv, unlinked at once (it lives as long as the
+    mapping and the returned file object); anonymous memory (file and folder None) for "anon"
+    or when that file cannot be made (read-only or missing folder, no permission) or its file
+    system cannot allocate ahead (posix_fallocate unsupported)."""
     size = max(size, _ALIGN)
-    if storage == "anon":
-        return mmap.mmap(-1, size)
+    if storage == "file":
+        try:
+            pool, kv_dir = _pool_file(size, home)
+        except OSError:
+            pass
+        else:
+            try:
+                return mmap.mmap(pool.fileno(), size), pool, kv_dir
+            except BaseException:
+                pool.close()
+                raise
+    return mmap.mmap(-1, size), None, None
+
+
+def _pool_file(size: int, home: Path | None) -> tuple[io.FileIO, Path]:
+    """A new unlinked file of ``size`` bytes (a hole) under home/kv whose file system can
+    allocate its blocks ahead (probed on its first page). Raises OSError otherwise."""
     if home is None:
         from edge.store import edge_home
         home = edge_home()
     kv_dir = Path(home) / "kv"
     kv_dir.mkdir(parents=True, exist_ok=True)
     path = kv_dir / f"pool-{os.getpid()}-{uuid.uuid4().hex[:8]}.kv"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    pool = io.FileIO(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), "r+")
     try:
         os.unlink(path)
-        os.ftruncate(fd, size)
-        return mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
+        os.ftruncate(pool.fileno(), size)
+        try:
+            os.posix_fallocate(pool.fileno(), 0, min(size, mmap.PAGESIZE))
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):   # full now: reserve() says so when it matters
+                pass
+            else:
+                raise
+    except BaseException:
+        pool.close()
+        raise
+    return pool, kv_dir
+
+
+def _runs(ids: np.ndarray) -> list[tuple[int, int]]:
+    """Sorted unique block ids as runs of consecutive ids ``[(first, end), ...]``."""
+    ids = ids.tolist()
+    cuts = [i for i in range(1, len(ids)) if ids[i] != ids[i - 1] + 1]
+    return [(ids[a], ids[b - 1] + 1) for a, b in zip([0, *cuts], [*cuts, len(ids)])]
+
+
+def _human_bytes(n: int) -> str:
+    """``n`` bytes as B, KiB, MiB or GiB with one decimal (KiB and up)."""
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}"

@@ -8,8 +8,9 @@ Every error is ``{"error": {"message", "type", "param", "code"}}`` with a 4xx st
 client's mistakes (bad JSON, wrong types, out-of-range values, unknown model, a prompt longer
 than the context, a chat template's own error, a field not implemented: 400; a foreign Host or
 Origin: 403; a body larger than any prompt that fits: 413; not application/json: 415; a request
-that does not arrive whole in --timeout: 408) and 503 when the queue is full or the model is
-not loaded yet; an unexpected exception becomes a 500 of the same shape and the server goes
+that does not arrive whole in --timeout: 408) and 503 when the queue is full, the model is not
+loaded yet or the KV cache's file system is full (that request fails, its KV blocks are freed,
+the others go on); an unexpected exception becomes a 500 of the same shape and the server goes
 on. With an API key, every route but /health needs ``Authorization: Bearer KEY``; the Host
 and Origin checks and CORS are edge.server.guard's.
 """
@@ -267,7 +268,7 @@ class _Stream:
 
     async def events(self):
         """The request's Delta events, then its Finished; ends early, without Finished, once
-        cancel() was called. Raises APIError(500) for Failed."""
+        cancel() was called. Raises APIError for Failed (its status and code)."""
         while True:
             ev = await self.queue.get()
             if ev is None:                  # cancel(): the scheduler emits nothing more
@@ -275,7 +276,7 @@ class _Stream:
                 return
             if isinstance(ev, Failed):
                 self.finished = True
-                raise P.APIError(500, ev.message, code="internal_error")
+                raise P.APIError(ev.status, ev.message, code=ev.code)
             yield ev
             if isinstance(ev, Finished):
                 self.finished = True

@@ -29,7 +29,7 @@ import numpy as np
 
 from edge.engine import ContextLengthExceeded
 from edge.kv.blocks import NoFreeBlocks
-from edge.kv.cache import NoFreeSlot
+from edge.kv.cache import KVNoSpace, NoFreeSlot
 from edge.sampling import Sampler, SamplingParams
 from edge.textstream import TextStream
 
@@ -70,9 +70,13 @@ class Finished:
 
 @dataclass
 class Failed:
-    """The request could not be completed (an internal error); ``message`` says why."""
+    """The request could not be completed; ``message`` says why. ``status`` and ``code``: the
+    HTTP status and error code the client gets (500 internal_error for a bug, 503
+    insufficient_storage when the KV cache's file system is full)."""
 
     message: str
+    status: int = 500
+    code: str = "internal_error"
 
 
 @dataclass(eq=False)
@@ -252,6 +256,8 @@ class Scheduler:
         for seq in self._running:                       # decode rows
             if seq.next_token is not None:
                 self.kv.append(seq.slot, [seq.next_token])
+                if not self._reserve(seq, 1):
+                    continue
                 tokens.append(seq.next_token)
                 seq_ids.append(seq.slot)
                 logits_rows.append(len(tokens) - 1)
@@ -263,6 +269,8 @@ class Scheduler:
             if seq.n_prompt_done >= n_prompt or budget <= 0:
                 continue
             chunk = seq.req.prompt_ids[seq.n_prompt_done : seq.n_prompt_done + budget]
+            if not self._reserve(seq, len(chunk)):
+                continue
             tokens.extend(chunk)
             seq_ids.extend([seq.slot] * len(chunk))
             seq.n_prompt_done += len(chunk)
@@ -270,8 +278,25 @@ class Scheduler:
             if seq.n_prompt_done == n_prompt:
                 logits_rows.append(len(tokens) - 1)
                 owners.append(seq)
-        if not tokens:
-            return
+        if tokens:
+            self._forward(tokens, seq_ids, logits_rows, owners)
+        for seq in [s for s in self._running if s.req.cancelled or s.done]:
+            self._retire(seq)
+
+    def _reserve(self, seq: _Seq, n: int) -> bool:
+        """Give disk space to the next n positions of seq's KV (PagedKVCache.reserve). When the
+        file system is full, the request fails with a 503 (its blocks are freed when it is
+        retired; the others go on) and False is returned: it takes no part in the step."""
+        try:
+            self.kv.reserve(seq.slot, n)
+        except KVNoSpace as e:
+            self._safe_emit(seq.req, Failed(str(e), status=503, code="insufficient_storage"))
+            seq.done = True
+            return False
+        return True
+
+    def _forward(self, tokens: list[int], seq_ids: list[int], logits_rows: list[int], owners: list[_Seq]) -> None:
+        """One forward pass over the step's rows, then sampling of each owner's next token."""
         logits = self.model.forward(np.asarray(tokens, np.int64), self.kv,
                                     logits_rows=np.asarray(logits_rows, np.int64),
                                     seq_ids=np.asarray(seq_ids, np.int64))
@@ -284,8 +309,6 @@ class Scheduler:
             except Exception as e:   # this request's fault (e.g. its logit_bias): it alone fails
                 self._safe_emit(seq.req, Failed(f"{type(e).__name__}: {e}"))
                 seq.done = True
-        for seq in [s for s in self._running if s.req.cancelled or s.done]:
-            self._retire(seq)
 
     def _sample(self, seq: _Seq, logits: np.ndarray, now: float) -> None:
         req = seq.req
