@@ -35,7 +35,7 @@ from edge.engine import ContextLengthExceeded, Engine, GenerationStats, Generati
 from edge.files import atomic_write, remove_dead_temps
 from edge.sampling import SamplingParams
 from edge.session import SessionError
-from edge.store import edge_home
+from edge.files import edge_home
 from edge.tokenizer import StreamDecoder
 
 FORMAT, VERSION = "edge-chat", 1

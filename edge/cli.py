@@ -447,7 +447,7 @@ def _check_output_file(out: str | Path, flag: str, replaceable: Callable[[Path],
     file, also through links: writing it would destroy the input), and, if a file is there
     already, one that ``replaceable(path)`` accepts as an earlier output of the same ``kind``.
     Raises ValueError with one line naming the path."""
-    from edge.store import check_output_file
+    from edge.files import check_output_file
 
     check_output_file(out, f"{flag} ", inputs)
     out = Path(out)
@@ -574,7 +574,7 @@ def cmd_run(args) -> int:
 
 def cmd_perplexity(args) -> int:
     from edge.perplexity import perplexity
-    from edge.store import file_starts_with
+    from edge.files import file_starts_with
 
     if args.chunks == 0 or args.chunks < -1:
         raise ValueError(f"--chunks must be -1 (all) or at least 1, got {args.chunks}")

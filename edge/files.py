@@ -1,4 +1,5 @@
-"""Atomic file writes, and the temporary files a killed process leaves.
+"""edge's files: where they live (edge_home), atomic writes, the temporary files a killed
+process leaves, and the checks an output path passes before any work.
 
 A file edge writes (a model, a session, a conversation, an imatrix, a logits file) first goes
 to a temporary file beside it, ``.NAME.pidPID.RANDOM.partial`` (a folder of that name for
@@ -123,3 +124,44 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def edge_home() -> Path:
+    """The edge data directory: ``$EDGE_HOME`` if set and non-empty, else ``~/.cache/edge``."""
+    home = os.environ.get("EDGE_HOME")
+    return Path(home).expanduser() if home else Path.home() / ".cache" / "edge"
+
+
+def file_starts_with(path: str | os.PathLike, magic: bytes) -> bool:
+    """True when the file at ``path`` begins with the bytes ``magic`` (False if it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(magic)) == magic
+    except OSError:
+        return False
+
+
+def check_output_file(out: str | os.PathLike, label: str = "", inputs: dict | None = None,
+                      error: type[Exception] = ValueError) -> None:
+    """Before any work, that ``out`` can be written as an output file: not a directory, in an
+    existing folder this process can write to, and not one of ``inputs`` (name -> path of the
+    files the command reads; the same file also through links: writing it would destroy the
+    input), nor an existing device, FIFO or socket (the rename at the end would replace it: ``-o
+    /dev/null`` as root would replace /dev/null). Raises ``error`` with one line, ``label`` (e.g.
+    "-o ") before the path."""
+    raw = os.fspath(out)
+    if not raw or raw.endswith(os.sep):
+        raise error(f"{label}{raw!r} is not the path of a file")
+    out = Path(out)
+    if out.is_dir():
+        raise error(f"{label}{out} is a directory; give the path of a file")
+    if not out.parent.is_dir():
+        raise error(f"{label}{out}: the folder {out.parent} does not exist")
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise error(f"{label}{out}: cannot write in the folder {out.parent}")
+    for what, path in (inputs or {}).items():
+        if path is not None and out.exists() and Path(path).exists() and os.path.samefile(out, path):
+            raise error(f"{label}{out} is the {what} file; give another output path")
+    if out.exists() and not out.is_file():
+        raise error(f"{label}{out} exists and is not a regular file (a device, FIFO or socket); give the path "
+                    "of a file")

@@ -172,7 +172,7 @@ def load_imatrix(path: str | os.PathLike) -> ImatrixFile:
     from gguf import GGMLQuantizationType, GGUFValueType
 
     from edge.gguf_file import GGUFError, GGUFFile
-    from edge.store import file_starts_with
+    from edge.files import file_starts_with
 
     try:
         gf = GGUFFile(path)

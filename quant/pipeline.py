@@ -40,7 +40,7 @@ from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFValueType, GGUFWr
 from edge.gguf_file import GGUFFile
 from edge.imatrix import ImatrixError, ImatrixFile
 from edge.files import atomic_write, remove_dead_temps
-from edge.store import check_output_file, file_starts_with
+from edge.files import check_output_file, file_starts_with
 from kernels_cpu.dequant import KERNELS as DEQUANT_KERNELS
 from kernels_cpu.dequant import dequantize
 from quant.blocks import QuantizeError, quantize_rows

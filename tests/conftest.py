@@ -155,7 +155,7 @@ def gemma_f16_path(gemma_path) -> Path:
     """gemma-3-270m as the unquantized GGUF the quantize goldens came from (F16 matrices, F32
     vectors), built once by the shared tools/make_f16_source.py (beside the goldens) into
     $EDGE_HOME/test-data; reused while its size and sha256 match quantize.json."""
-    from edge.store import edge_home
+    from edge.files import edge_home
 
     want = golden("gemma3-270m", "quantize.json")["source_file_sha256"]
     path = edge_home() / "test-data" / "gemma-3-270m-f16.gguf"

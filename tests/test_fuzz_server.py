@@ -21,7 +21,7 @@ import time
 import pytest
 
 from tests.test_server import ERROR_KEYS, Server
-from tests.tiny_chat import IM_END, IM_START, write_tiny_chat_model
+from tests.tiny_chat import write_tiny_chat_model
 
 LONG = os.environ.get("EDGE_FUZZ_LONG") == "1"
 SEED = int(os.environ.get("EDGE_FUZZ_SEED", "14"))

@@ -47,7 +47,7 @@ def _timed(cmd: list[str]) -> float:
 
 
 def main() -> int:
-    from edge.store import edge_home
+    from edge.files import edge_home
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("source", nargs="?", default=str(edge_home() / "test-data" / "gemma-3-270m-f16.gguf"))

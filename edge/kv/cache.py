@@ -419,7 +419,7 @@ def _pool_file(size: int, home: Path | None) -> tuple[io.FileIO, Path]:
     """A new unlinked file of ``size`` bytes (a hole) under home/kv whose file system can
     allocate its blocks ahead (probed on its first page). Raises OSError otherwise."""
     if home is None:
-        from edge.store import edge_home
+        from edge.files import edge_home
         home = edge_home()
     kv_dir = Path(home) / "kv"
     kv_dir.mkdir(parents=True, exist_ok=True)
