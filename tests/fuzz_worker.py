@@ -188,9 +188,10 @@ def _serve() -> None:
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     from edge import cli
+    from edge.cli import generate
 
     caught: list[BaseException] = []
-    run = cli.cmd_run
+    run = generate.cmd_run
 
     def traced_run(args):   # build_parser looks cmd_run up on each call, so this one is used
         try:
@@ -199,7 +200,7 @@ def _serve() -> None:
             caught.append(e)
             raise
 
-    cli.cmd_run = traced_run
+    generate.cmd_run = traced_run
     for line in sys.stdin:
         argv = json.loads(line)
         caught.clear()

@@ -125,7 +125,7 @@ def test_bench_table_markdown_and_readme_markers(bench_json):
 def test_rich_tables(bench_json):
     from rich.console import Console
 
-    from edge.bench import print_result
+    from edge.cli.bench import print_result
 
     console = Console(file=io.StringIO(), width=200)
     print_result(bench_json, console)

@@ -1,4 +1,4 @@
-"""`edge quantize` (quant/mix.py, quant/pipeline.py, edge/cli.py) against llama-quantize.
+"""`edge quantize` (quant/mix.py, quant/pipeline.py, edge/cli/quantize.py) against llama-quantize.
 
 (a) Type choice: the five golden mixes of gemma-3-270m (quantize.json) and the tables of the
     design note for the other eleven ftypes, by tensor name; the options on gemma and on

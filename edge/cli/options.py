@@ -1,0 +1,156 @@
+"""What several commands share: model, sampling and size options, threads, the engine loader,
+output-file checks, and the first-run compile note."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from edge.kv.cache import KV_TYPES
+
+
+def physical_cores() -> int:
+    """Number of physical cores this process may use (SMT siblings counted once)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = set()
+    for c in cpus:
+        try:
+            cores.add(Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read_text().strip())
+        except OSError:
+            cores.add(str(c))
+    return max(1, len(cores))
+
+
+def add_model_args(p: argparse.ArgumentParser, ctx_default: int | None = 4096) -> None:
+    p.add_argument("-m", "--model", default=None,
+                   help="model name (see `edge list`) or path to a .gguf file; default: "
+                        "qwen2.5-coder-0.5b-instruct, pulled on first use")
+    p.add_argument("-t", "--threads", type=int, default=None,
+                   help="number of threads, >= 1 (default: number of physical cores); fewer while "
+                        "other processes keep cores busy (EDGE_ADAPTIVE_THREADS=0: always this many)")
+    if ctx_default is not None:
+        p.add_argument("-c", "--ctx-size", type=int, default=ctx_default,
+                       help=f"context size in tokens (default: {ctx_default})")
+    p.add_argument("-b", "--batch-size", type=int, default=512,
+                   help="prompt tokens processed per forward pass (default: 512)")
+    p.add_argument("-ctk", "--cache-type-k", default="f16", choices=KV_TYPES,
+                   help="KV cache type for K (default: f16)")
+    p.add_argument("-ctv", "--cache-type-v", default="f16", choices=KV_TYPES,
+                   help="KV cache type for V (default: f16)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default: 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="top-k sampling, 0 = off (default: 40)")
+    p.add_argument("--top-p", type=float, default=0.95, help="top-p sampling, 1.0 = off (default: 0.95)")
+    p.add_argument("--min-p", type=float, default=0.05, help="min-p sampling, 0.0 = off (default: 0.05)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0,
+                   help="penalty for repeated tokens, 1.0 = off (default: 1.0)")
+    p.add_argument("--repeat-last-n", type=int, default=64,
+                   help="last n tokens considered for penalties, 0 = off, -1 = context (default: 64)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="presence penalty (default: 0.0)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="frequency penalty (default: 0.0)")
+    p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed, -1 = random (default: -1)")
+
+
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def positive_int_list(text: str) -> tuple[int, ...]:
+    return tuple(positive_int(x) for x in text.split(","))
+
+
+def set_threads(n: int | None) -> None:
+    import numba
+
+    if n is None:
+        n = physical_cores()
+    if n < 1:
+        raise ValueError(f"-t/--threads must be at least 1, got {n}")
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+
+
+def kernels_compiled() -> bool:
+    """True when numba's on-disk cache already holds edge's kernels (a kernel every forward
+    pass runs has its cache index), so this run will not spend half a minute compiling."""
+    from kernels_cpu import ops
+
+    try:
+        return Path(ops._rms_norm_rows._cache._cache_file._index_path).is_file()
+    except AttributeError:  # another numba version's cache layout: say nothing
+        return True
+
+
+def check_output_file(out: str | Path, flag: str, replaceable: Callable[[Path], bool], kind: str,
+                       **inputs: str | None) -> None:
+    """Checks, before any work, the file an option writes (``flag``, e.g. ``-o``): a file path in
+    an existing folder this process can write to, not one of the named input files (the same
+    file, also through links: writing it would destroy the input), and, if a file is there
+    already, one that ``replaceable(path)`` accepts as an earlier output of the same ``kind``.
+    Raises ValueError with one line naming the path."""
+    from edge.files import check_output_file
+
+    check_output_file(out, f"{flag} ", inputs)
+    out = Path(out)
+    if out.exists() and out.stat().st_size and not replaceable(out):
+        raise ValueError(f"{flag} {out} exists and is not {kind}; edge replaces only such a file: remove it "
+                         "or give another path")
+
+
+def load_engine(args):
+    from edge.engine import Engine
+    from edge.cli.models import resolve_with_bars
+
+    set_threads(args.threads)
+    check_sizes(args)
+    path = resolve_with_bars(args.model)
+    engine = Engine(path, n_ctx=args.ctx_size, n_batch=args.batch_size,
+                    cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
+    if args.ctx_size > engine.model.args.n_ctx_train:
+        print(f"warning: -c {args.ctx_size} is more than the {engine.model.args.n_ctx_train} tokens "
+              f"{engine.name} was trained on; quality drops past that", file=sys.stderr)
+    if not kernels_compiled():
+        print("note: first run: compiling edge's kernels for this CPU (about half a minute, once; "
+              "later runs load them from numba's cache)", file=sys.stderr, flush=True)
+    return engine
+
+
+SAMPLING_FLAGS = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
+                   "repeat_penalty": "--repeat-penalty", "repeat_last_n": "--repeat-last-n",
+                   "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
+                   "seed": "-s/--seed"}
+
+
+def sampling_fields(args) -> dict:
+    """SamplingParams fields from the options of add_sampling_args."""
+    return dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                seed=None if args.seed < 0 else args.seed)
+
+
+@contextlib.contextmanager
+def naming_flags():
+    """An InvalidParameter from SamplingParams becomes a ValueError naming the flag the user typed."""
+    from edge.sampling import InvalidParameter
+
+    try:
+        yield
+    except InvalidParameter as e:
+        raise ValueError(f"{SAMPLING_FLAGS.get(e.param, e.param)} must be {e.rule}, got {e.value!r}") from None
+
+
+def check_sizes(args) -> None:
+    for flag, value in (("-c/--ctx-size", args.ctx_size), ("-b/--batch-size", args.batch_size)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")

@@ -1,0 +1,151 @@
+"""`edge serve`: the OpenAI-compatible server on uvicorn, its listening socket and its Ctrl+C."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from pathlib import Path
+
+from edge.cli.options import add_model_args, check_sizes, physical_cores, positive_int, set_threads
+
+
+def add_parser(sub) -> None:
+    """The serve subcommand."""
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions) with continuous batching",
+                           description="Serve the model over the OpenAI API (POST /v1/chat/completions, "
+                                       "/v1/completions; GET /v1/models, /health, /metrics) on loopback. "
+                                       "POST bodies must be sent as Content-Type: application/json. Web pages "
+                                       "of other sites cannot use it (Host and Origin are checked; see "
+                                       "--allowed-hosts, --cors-origins).")
+    add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8080, help="TCP port (default: 8080)")
+    serve.add_argument("--unix-socket", default=None, metavar="PATH",
+                       help="listen on this Unix domain socket instead of TCP")
+    serve.add_argument("-np", "--parallel", type=positive_int, default=4,
+                       help="sequences generated at once (default: 4); each may use the whole -c")
+    serve.add_argument("--max-queue", type=int, default=64,
+                       help="requests that may wait for a free sequence; more get HTTP 503 (default: 64)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every route but /health "
+                            "(default: $EDGE_API_KEY, else none; an empty key is an error)")
+    serve.add_argument("--allowed-hosts", default=os.environ.get("EDGE_ALLOWED_HOSTS"), metavar="HOSTS",
+                       help="comma-separated host names to answer besides localhost, *.localhost, IP "
+                            "addresses, this machine's name and --host; * = any. Other Host headers get "
+                            "403: that is how DNS rebinding reaches a local server (default: "
+                            "$EDGE_ALLOWED_HOSTS, else none)")
+    serve.add_argument("--cors-origins", "--cors-origin", dest="cors_origins",
+                       default=os.environ.get("EDGE_CORS_ORIGINS"), metavar="ORIGINS",
+                       help="comma-separated web page origins (scheme://host[:port]) that may use the server "
+                            "from a browser, besides http(s)://localhost and loopback addresses on any port; "
+                            "* = any. Requests from other origins get 403 (default: $EDGE_CORS_ORIGINS, "
+                            "else none)")
+    serve.add_argument("-to", "--timeout", type=float, default=60.0, metavar="SECONDS",
+                       help="a request must arrive whole within this time (else 408 and the connection "
+                            "closes), and a client that reads nothing of its answer for this long is "
+                            "dropped (default: 60)")
+    serve.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from edge.server.app import ServerConfig, create_app
+    from edge.server.guard import check_api_key, parse_hosts, parse_origins
+    from edge.server.transport import timed_protocol
+    from edge.cli.models import resolve_with_bars
+
+    api_key, key_source = args.api_key, "--api-key"
+    if api_key is None and "EDGE_API_KEY" in os.environ:
+        api_key, key_source = os.environ["EDGE_API_KEY"], "EDGE_API_KEY"
+    check_api_key(api_key, key_source)
+    allowed_hosts = parse_hosts(args.allowed_hosts)
+    cors_origins = parse_origins(args.cors_origins)
+    protocol = timed_protocol(args.timeout)
+    check_sizes(args)
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be 0 or more, got {args.max_queue}")
+    if not 0 < args.port < 65536 and not args.unix_socket:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    set_threads(args.threads)
+    model = str(resolve_with_bars(args.model))      # pull before listening: errors show here
+    config = ServerConfig(model=model, n_ctx=args.ctx_size, n_parallel=args.parallel, max_queue=args.max_queue,
+                          n_batch=args.batch_size, threads=args.threads or physical_cores(), api_key=api_key,
+                          host=args.host, allowed_hosts=allowed_hosts, cors_origins=cors_origins,
+                          cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.unix_socket and not api_key:
+        print(f"warning: listening on {args.host} without --api-key: anyone who can reach this port can use "
+              "the model", file=sys.stderr)
+    sock = _listen_socket(args.host, args.port, args.unix_socket)   # errors before the banner
+    where = f"unix:{args.unix_socket}" if args.unix_socket else f"http://{args.host}:{args.port}"
+    print(f"edge serve: {Path(model).name} on {where} (-np {args.parallel}, -c {args.ctx_size}); "
+          "Ctrl+C stops after the running requests (twice: at once)", file=sys.stderr, flush=True)
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            """A second Ctrl+C exits at once, with status 130 and one line: uvicorn would cancel
+            the running requests and print their tracebacks."""
+            if self.should_exit and sig == signal.SIGINT:
+                print("\ninterrupted: running requests dropped", file=sys.stderr, flush=True)
+                if args.unix_socket:
+                    with contextlib.suppress(OSError):
+                        os.unlink(args.unix_socket)
+                os._exit(128 + signal.SIGINT)
+            super().handle_exit(sig, frame)
+
+    server = _Server(uvicorn.Config(create_app(config), log_level="warning", access_log=False, http=protocol,
+                                    timeout_graceful_shutdown=None))
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:   # uvicorn re-raises the Ctrl+C it handled: the drain is done
+        pass
+    finally:
+        sock.close()
+        if args.unix_socket:
+            with contextlib.suppress(OSError):
+                os.unlink(args.unix_socket)
+    return 0
+
+
+def _listen_socket(host: str, port: int, unix_path: str | None):
+    """The server's listening socket, bound here so that errors are ours and clear: a Unix
+    socket only the user can open (mode 0600; a path where another server listens is refused,
+    a stale one replaced), or a TCP socket (address in use, unknown host)."""
+    import socket
+
+    if unix_path:
+        path = Path(unix_path)
+        if not path.parent.is_dir():
+            raise ValueError(f"--unix-socket {unix_path}: the folder {path.parent} does not exist")
+        if path.exists() or path.is_symlink():
+            if not path.is_socket():
+                raise ValueError(f"--unix-socket {unix_path}: a file that is not a socket is there")
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(str(path))
+                raise ValueError(f"--unix-socket {unix_path}: another server is listening there")
+            except (ConnectionRefusedError, FileNotFoundError):
+                path.unlink(missing_ok=True)          # left by a server that is gone
+            finally:
+                probe.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            sock.bind(str(path))
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        return sock
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: {e.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
