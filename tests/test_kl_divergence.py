@@ -246,9 +246,11 @@ def test_quantizations_against_f16(quant_kld):
 _ORACLE_LOGITS = r"""
 import sys
 import numpy as np
+import llama_cpp
 from llama_cpp import Llama
 path, n_ctx, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 chunks = np.load(sys.argv[4])
+print(llama_cpp.llama_print_system_info().decode())
 llm = Llama(model_path=path, n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, verbose=False, n_threads=2)
 rows = []
 for chunk in chunks:
@@ -268,12 +270,13 @@ def test_llama_cpp_logits_against_the_base(quant_kld, f16_base, gemma_f16_path, 
     np.save(tmp_path / "chunks.npy", chunks)
     q8_path, q8 = quant_kld("Q8_0")
     n = 2 * n_scored(N_CTX)
-    got = {}
+    got, system_info = {}, ""
     for name, model in (("F16", gemma_f16_path), ("Q8_0", q8_path)):
         out = tmp_path / f"{name}.npy"
         proc = subprocess.run([str(oracle_python), "-c", _ORACLE_LOGITS, str(model), str(N_CTX), str(out),
                                str(tmp_path / "chunks.npy")], capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-2000:]
+        system_info = proc.stdout
         logits = np.load(out)
         got[name] = [position_stats(logits[c], base.records(c), chunks[c, N_CTX // 2 + 1 :]) for c in range(2)]
     kld_f16 = np.concatenate([g[2] for g in got["F16"]])
@@ -282,7 +285,18 @@ def test_llama_cpp_logits_against_the_base(quant_kld, f16_base, gemma_f16_path, 
     print(f"llama.cpp vs edge's F16 base: F16 mean KLD {kld_f16.mean():.2e} (max {kld_f16.max():.2e}); "
           f"Q8_0 mean KLD {kld_q8.mean():.6f} (edge {q8.kld[:n].mean():.6f}), same top "
           f"{same_q8.mean():.4f} (edge {q8.same_top[:n].mean():.4f})")
-    # measured: F16 mean 3e-6, max 4e-5; edge's Q8_0 logits equal llama.cpp's bit for bit here
+    # measured: F16 mean 3e-6, max 4e-5 (AVX-512 and AVX2 builds alike)
     assert abs(kld_f16.mean()) < 1e-4 and kld_f16.max() < 5e-4
-    assert np.abs(kld_q8 - q8.kld[:n]).max() <= 1e-4 * q8.kld[:n].max()
-    assert (same_q8 == q8.same_top[:n]).all()
+    if "AVX512 = 1" in system_info:
+        # edge mirrors the accumulation order of llama.cpp's AVX-512 kernels: the Q8_0 logits
+        # are equal bit for bit, so every position has edge's KLD and top token
+        assert np.abs(kld_q8 - q8.kld[:n]).max() <= 1e-4 * q8.kld[:n].max()
+        assert (same_q8 == q8.same_top[:n]).all()
+    else:
+        # llama.cpp's AVX2 build sums its Q8_0 and f16 dot products in another order (its
+        # answers depend on the machine; edge's do not), so positions differ in the last bits
+        # and the statistics agree only as a whole: measured 2026-12-01 on an AVX2 EPYC,
+        # mean KLD 0.001977 vs edge's 0.002045, same top 0.9685 vs 0.9843
+        print("llama.cpp build without AVX-512: comparing the statistics, not every position")
+        assert abs(kld_q8.mean() - q8.kld[:n].mean()) <= 0.15 * q8.kld[:n].mean()
+        assert abs(same_q8.mean() - q8.same_top[:n].mean()) <= 0.03
