@@ -17,6 +17,7 @@ from pathlib import Path
 
 from edge import __version__
 from edge.kv.cache import KV_TYPES
+from quant.mix import FILE_TYPES  # loads no numba
 
 
 def physical_cores() -> int:
@@ -63,9 +64,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed, -1 = random (default: -1)")
 
 
-# the TYPEs of `edge quantize` (quant.mix.FILE_TYPES, not imported here: it loads numba)
-QUANTIZE_TYPES = ("F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K_S, Q3_K_M, Q3_K_L, Q4_K_S, Q4_K_M, "
-                  "Q5_K_S, Q5_K_M, Q6_K")
+QUANTIZE_TYPES = ", ".join(FILE_TYPES)  # the TYPEs of `edge quantize`
 
 
 def build_parser() -> argparse.ArgumentParser:
