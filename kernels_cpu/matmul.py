@@ -61,6 +61,7 @@ from kernels_cpu.matmul_kernels import (ROWS_TYPES, matmul_bf16_bf16, matmul_f16
 
 T_ = GGMLQuantizationType
 
+
 class MatmulWorkspace:
     """Preallocated activation buffers for matmul, so a decode loop allocates nothing.
 

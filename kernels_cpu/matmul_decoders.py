@@ -9,7 +9,7 @@ from __future__ import annotations
 from gguf import GGMLQuantizationType
 from llvmlite import ir
 
-from kernels_cpu.ggml_types import TYPES
+from kernels_cpu.ggml_types import QUANTIZED_TYPES, TYPES
 from kernels_cpu.simd import (I8, I16, I32, bit_lanes, concat, const_vec, lanes_i8, load, load_half, shuffle,
                               splat, vec)
 
@@ -243,4 +243,4 @@ class Q6_K(BlockFormat):
                                                  _group_scales(b, h["scales"], 8 * half + 2 * g))
 
 
-FORMATS = {f.ggml_type: f for f in (Q4_0(), Q4_1(), Q5_0(), Q5_1(), Q8_0(), Q2_K(), Q3_K(), Q4_K(), Q5_K(), Q6_K())}
+FORMATS = {t: globals()[t.name]() for t in QUANTIZED_TYPES}  # the decoder class named after each quantized type
