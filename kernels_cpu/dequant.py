@@ -11,16 +11,22 @@ writes ``out: float32[n_blocks * block_size]`` (both 1-D, C-contiguous).
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 from numba import njit
 
+from kernels_cpu.ggml_types import QK_K, TYPES, kernels
 from kernels_cpu.simd import f16_bits_to_f32_bits, load_f16
-
-QK_K = 256  # elements per K-quant super-block
 
 
 class QuantFormatError(ValueError):
     """Quantized data that does not fit its GGML type (size, dtype, layout) or an unknown type."""
+
+
+T = GGMLQuantizationType
+# bytes per block (the type table's type_size), constants in the kernels
+(_Q4_0_BYTES, _Q4_1_BYTES, _Q5_0_BYTES, _Q5_1_BYTES, _Q8_0_BYTES, _Q2_K_BYTES, _Q3_K_BYTES, _Q4_K_BYTES,
+ _Q5_K_BYTES, _Q6_K_BYTES) = (TYPES[t].type_size for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K,
+                                                           T.Q4_K, T.Q5_K, T.Q6_K))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,7 +71,7 @@ def dequant_q4_0(raw, out):
     Shapes: uint8[18 nb] -> float32[32 nb].
     """
     for b in range(out.size // 32):
-        p, o = 18 * b, 32 * b
+        p, o = _Q4_0_BYTES * b, 32 * b
         d = load_f16(raw, p)
         for j in range(16):
             q = raw[p + 2 + j]
@@ -80,7 +86,7 @@ def dequant_q4_1(raw, out):
     Nibble order as Q4_0. Shapes: uint8[20 nb] -> float32[32 nb].
     """
     for b in range(out.size // 32):
-        p, o = 20 * b, 32 * b
+        p, o = _Q4_1_BYTES * b, 32 * b
         d = load_f16(raw, p)
         m = load_f16(raw, p + 2)
         for j in range(16):
@@ -103,7 +109,7 @@ def dequant_q5_0(raw, out):
     Shapes: uint8[22 nb] -> float32[32 nb].
     """
     for b in range(out.size // 32):
-        p, o = 22 * b, 32 * b
+        p, o = _Q5_0_BYTES * b, 32 * b
         d = load_f16(raw, p)
         qh = _load_u32(raw, p + 2)
         for j in range(16):
@@ -121,7 +127,7 @@ def dequant_q5_1(raw, out):
     Bits as Q5_0. Shapes: uint8[24 nb] -> float32[32 nb].
     """
     for b in range(out.size // 32):
-        p, o = 24 * b, 32 * b
+        p, o = _Q5_1_BYTES * b, 32 * b
         d = load_f16(raw, p)
         m = load_f16(raw, p + 2)
         qh = _load_u32(raw, p + 4)
@@ -140,7 +146,7 @@ def dequant_q8_0(raw, out):
     Shapes: uint8[34 nb] -> float32[32 nb].
     """
     for b in range(out.size // 32):
-        p, o = 34 * b, 32 * b
+        p, o = _Q8_0_BYTES * b, 32 * b
         d = load_f16(raw, p)
         for j in range(32):
             out[o + j] = np.float32(np.int8(raw[p + 2 + j])) * d
@@ -159,7 +165,7 @@ def dequant_q2_k(raw, out):
     Shapes: uint8[84 nb] -> float32[256 nb].
     """
     for b in range(out.size // QK_K):
-        p, o = 84 * b, QK_K * b
+        p, o = _Q2_K_BYTES * b, QK_K * b
         d = load_f16(raw, p + 80)
         dmin = load_f16(raw, p + 82)
         for h in range(2):
@@ -188,7 +194,7 @@ def dequant_q3_k(raw, out):
     Shapes: uint8[110 nb] -> float32[256 nb].
     """
     for b in range(out.size // QK_K):
-        p, o = 110 * b, QK_K * b
+        p, o = _Q3_K_BYTES * b, QK_K * b
         d = load_f16(raw, p + 108)
         for h in range(2):
             for g in range(4):
@@ -249,7 +255,7 @@ def dequant_q4_k(raw, out):
     low (j even) or high (j odd) nibbles of qs[32*(j//2) : 32*(j//2) + 32];
     x = (d*scale) * q - (dmin*min). Shapes: uint8[144 nb] -> float32[256 nb].
     """
-    _dequant_q45_k(raw, out, 144, False)
+    _dequant_q45_k(raw, out, _Q4_K_BYTES, False)
 
 
 @njit(cache=True, nogil=True)
@@ -258,7 +264,7 @@ def dequant_q5_k(raw, out):
 
     As Q4_K, plus bit 4 of value 32*j + i = bit j of qh[i]. Shapes: uint8[176 nb] -> float32[256 nb].
     """
-    _dequant_q45_k(raw, out, 176, True)
+    _dequant_q45_k(raw, out, _Q5_K_BYTES, True)
 
 
 @njit(cache=True, nogil=True)
@@ -270,7 +276,7 @@ def dequant_q6_k(raw, out):
     x = (d * scales[e//16]) * (q - 32). Shapes: uint8[210 nb] -> float32[256 nb].
     """
     for b in range(out.size // QK_K):
-        p, o = 210 * b, QK_K * b
+        p, o = _Q6_K_BYTES * b, QK_K * b
         d = load_f16(raw, p + 208)
         for h in range(2):
             for g in range(4):
@@ -286,13 +292,7 @@ def dequant_q6_k(raw, out):
 # ---------------------------------------------------------------------------------------------
 # dispatch
 
-T = GGMLQuantizationType
-KERNELS = {
-    T.F32: dequant_f32, T.F16: dequant_f16, T.BF16: dequant_bf16,
-    T.Q4_0: dequant_q4_0, T.Q4_1: dequant_q4_1, T.Q5_0: dequant_q5_0, T.Q5_1: dequant_q5_1,
-    T.Q8_0: dequant_q8_0, T.Q2_K: dequant_q2_k, T.Q3_K: dequant_q3_k, T.Q4_K: dequant_q4_k,
-    T.Q5_K: dequant_q5_k, T.Q6_K: dequant_q6_k,
-}
+KERNELS = kernels(globals(), "dequant")  # dequant_<type> of every row of the type table
 
 
 def as_ggml_type(ggml_type) -> GGMLQuantizationType:
@@ -316,7 +316,7 @@ def _check_bytes(raw, t: GGMLQuantizationType, what: str) -> tuple[int, int]:
         raise QuantFormatError(f"{what} must be a uint8 numpy array, got {getattr(raw, 'dtype', type(raw))}")
     if raw.ndim == 0 or not raw.flags.c_contiguous:
         raise QuantFormatError(f"{what} must be a C-contiguous array with at least one dimension")
-    block_size, type_size = GGML_QUANT_SIZES[t]
+    block_size, type_size = TYPES[t].block_size, TYPES[t].type_size
     if raw.shape[-1] % type_size:
         raise QuantFormatError(
             f"{what}: last dimension of {raw.shape[-1]} bytes is not a whole number of "

@@ -15,19 +15,22 @@ both acc = fma(I, d_w * d_x, acc), accm = fma(M, dmin * d_x, accm), out = acc - 
 offset applied through the activations' bsums (exact integers either way). Q6_K's "vec_dot"
 path is in kernels_cpu.matmul_vnni.
 
-numba's on-disk cache keys matmul's kernels on matmul.py only: after editing this module, clear
-kernels_cpu/__pycache__/matmul.*.nbi / .nbc.
+numba's on-disk cache keys matmul's kernels on matmul_kernels.py only: after editing this module,
+clear kernels_cpu/__pycache__/matmul_kernels.*.nbi / .nbc.
 """
 from __future__ import annotations
 
 from llvmlite import ir
 
+from gguf import GGMLQuantizationType as T
+
+from kernels_cpu.ggml_types import TYPES
 from kernels_cpu.simd import (F32, I8, I16, I32, I64, concat, dot_i16, dot_u8_s8, fmuladd, load, shuffle, splat,
                               tile_function, vec)
 
 ROWS = 8  # weight rows per tile: one per lane of a 256-bit vector
 V8I32, V8F32, V32I8 = vec(I32, ROWS), vec(F32, ROWS), vec(I8, 32)
-Q4_K_BYTES, Q6_K_BYTES = 144, 210
+Q4_K_BYTES, Q6_K_BYTES = TYPES[T.Q4_K].type_size, TYPES[T.Q6_K].type_size
 
 
 def _c(value: int):
@@ -194,7 +197,8 @@ def _q6_k_block(b, w_rows, acts, kind, accs):
     return {"acc": acc}
 
 
-Q0_ROWS = {"Q8_0": (34, 128), "Q5_0": (22, 16)}  # block bytes, offset that makes the codes unsigned
+Q0_ROWS = {"Q8_0": (TYPES[T.Q8_0].type_size, 128), "Q5_0": (TYPES[T.Q5_0].type_size, 16)}  # block bytes, offset that
+# makes the codes unsigned
 _SPREAD = 0x02040810  # t * _SPREAD puts bit i of a 4-bit t at bit 8 * i + 4 (no carries)
 
 

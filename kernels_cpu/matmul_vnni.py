@@ -18,22 +18,26 @@ llama.cpp's, so the results are bit-identical to the generic tiles (and llama.cp
   vector's two 32-value segments; the two 256-bit halves are added at the end of the block),
   minus 32 * (scale * bsums) per 32-value segment as in ggml.
 
-numba's on-disk cache keys matmul's kernels on matmul.py only: after editing this module, clear
-kernels_cpu/__pycache__/matmul.*.nbi / .nbc.
+numba's on-disk cache keys matmul's kernels on matmul_kernels.py only: after editing this module,
+clear kernels_cpu/__pycache__/matmul_kernels.*.nbi / .nbc.
 """
 from __future__ import annotations
 
 from llvmlite import ir
 
+from gguf import GGMLQuantizationType as T
+
+from kernels_cpu.ggml_types import TYPES
 from kernels_cpu.simd import (F32, I8, I16, I32, I64, bit_lanes, concat, dot_i16, dot_u8_s8, fmuladd, load,
                               load_half, madd_pairs, madd_u8_s8, shuffle, splat, tile_function, vec)
 
 V8I32, V16I32, V8F32, V16F32 = vec(I32, 8), vec(I32, 16), vec(F32, 8), vec(F32, 16)
 V32I8, V64I8, V32I16 = vec(I8, 32), vec(I8, 64), vec(I16, 32)
+Q5_0, Q8_0, Q6_K = TYPES[T.Q5_0], TYPES[T.Q8_0], TYPES[T.Q6_K]
 Q0_FORMATS = {  # type -> (block bytes, offset added to the codes)
-    "Q5_0": (22, 16), "Q8_0": (34, 128),
+    "Q5_0": (Q5_0.type_size, 16), "Q8_0": (Q8_0.type_size, 128),
 }
-Q6_K_BYTES = 210
+Q6_K_BYTES = Q6_K.type_size
 
 
 def _bytes(value: int, n: int):
@@ -50,10 +54,10 @@ def _quants(b, xq, offset, n: int, x16: bool):
 def _q0_codes(b, name: str, p):
     """<32 x i8> unsigned codes q + offset of the block at i8* p."""
     if name == "Q8_0":
-        return b.xor(load(b, p, 2, V32I8), _bytes(0x80, 32))
-    qs = load(b, p, 6, vec(I8, 16))  # Q5_0: low 4 bits, then bit 4 of value j = bit j of qh
+        return b.xor(load(b, p, Q8_0.offset("qs"), V32I8), _bytes(0x80, 32))
+    qs = load(b, p, Q5_0.offset("qs"), vec(I8, 16))  # Q5_0: low 4 bits, then bit 4 of value j = bit j of qh
     low = concat(b, b.and_(qs, _bytes(0x0F, 16)), b.lshr(qs, _bytes(4, 16)))
-    return b.or_(low, b.select(bit_lanes(b, load(b, p, 2, I32)), _bytes(16, 32), _bytes(0, 32)))
+    return b.or_(low, b.select(bit_lanes(b, load(b, p, Q5_0.offset("qh"), I32)), _bytes(16, 32), _bytes(0, 32)))
 
 
 def _gather(b, values: list, lanes: list):
@@ -96,8 +100,8 @@ _SHIFT_B = ir.Constant(V32I16, [0] * 16 + [2] * 16)  # bits 4-5 / 6-7 of qh to b
 def _q6_k_codes(b, p):
     """(value offset, <64 x i8> codes 0..63) of the Q6_K block at i8* p, 64 values at a time."""
     for half in range(2):
-        ql = load(b, p, 64 * half, V64I8)
-        qh = load(b, p, 128 + 32 * half, V32I8)
+        ql = load(b, p, Q6_K.offset("ql") + 64 * half, V64I8)
+        qh = load(b, p, Q6_K.offset("qh") + 32 * half, V32I8)
         qh = b.bitcast(concat(b, qh, qh), V32I16)  # segments g = 0, 1 (then 2, 3) of this half
         for k, (low, high) in enumerate(((b.and_(ql, _bytes(0x0F, 64)), b.shl(qh, _SHIFT_A)),
                                          (b.and_(b.lshr(ql, _bytes(4, 64)), _bytes(0x0F, 64)), b.lshr(qh, _SHIFT_B)))):
@@ -114,7 +118,7 @@ def _q6_k_row(b, p, acts, at_x, x16):
     """Integer lanes <8 x i32> of one Q6_K block at i8* p with each activation row of ``acts``."""
     if len(acts) > 1:  # the activations are memory operands again (not 4 * nt vectors kept, spilled)
         _reload(b)
-    scales = b.sext(load(b, p, 192, vec(I8, 16)), vec(I16, 16))
+    scales = b.sext(load(b, p, Q6_K.offset("scales"), vec(I8, 16)), vec(I16, 16))
     sums = [ir.Constant(V16I32, [0] * 16)] * len(acts)
     for offset, codes in _q6_k_codes(b, p):
         group_scales = shuffle(b, scales, [offset // 16 + i // 8 for i in range(32)])
@@ -138,7 +142,7 @@ def _q6_k_block(b, name, rows, blk, accs, x16):
     nt = len(acts)
     for k in range(len(rows["w"]) // 2):
         p, q = (b.gep(w, [b.mul(blk, ir.Constant(I64, Q6_K_BYTES))]) for w in rows["w"][2 * k:2 * k + 2])
-        dw = _gather(b, [load_half(b, p, 208), load_half(b, q, 208)], [0] * 8 + [1] * 8)
+        dw = _gather(b, [load_half(b, p, Q6_K.offset("d")), load_half(b, q, Q6_K.offset("d"))], [0] * 8 + [1] * 8)
         first, second = _q6_k_row(b, p, acts, at_x, x16), _q6_k_row(b, q, acts, at_x, x16)
         for t, (_, dx, _) in enumerate(acts):
             v = b.sitofp(concat(b, first[t], second[t]), V16F32)

@@ -34,10 +34,9 @@ from numba import njit, prange
 
 from kernels_cpu.dequant import QuantFormatError
 from kernels_cpu.f16 import f16_to_f32, f32_to_f16
+from kernels_cpu.ggml_types import QK8_0, QK_K  # values per Q8_0 / Q8_1 block, per Q8_K super-block
 from kernels_cpu.simd import bits_from_f32, f32_from_bits
 
-QK8_0 = 32  # values per Q8_0 / Q8_1 block
-QK_K = 256  # values per Q8_K super-block
 _F32, _I16 = (np.dtype(np.float32),), (np.dtype(np.int16),)
 QS_DTYPES = (np.dtype(np.int8), np.dtype(np.int16))  # qs buffers: int8 (ggml's layout) or int16 (widened for matmul)
 _F127 = np.float32(127.0)

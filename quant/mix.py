@@ -19,15 +19,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, Keys, LlamaFileType
+from gguf import GGMLQuantizationType, GGUFValueType, Keys, LlamaFileType
 
-from quant.blocks import QuantizeError
+from kernels_cpu.ggml_types import TYPES, sizes
+from quant.errors import QuantizeError
 
 T = GGMLQuantizationType
 
-# GGML types edge can write (quant.blocks.quantize_rows) and so accepts as a tensor type option
-TENSOR_TYPES = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
-                T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
 # ggml_is_quantized is false for these
 _FLOAT_TYPES = frozenset((T.F32, T.F16, T.BF16, T.F64, T.I8, T.I16, T.I32, T.I64))
 _INT_VALUE_TYPES = (GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
@@ -82,10 +80,13 @@ def parse_file_type(text: str) -> FileType:
 def parse_tensor_type(text: str, flag: str) -> GGMLQuantizationType:
     """A GGML type name given to ``flag`` (any case, as llama-quantize's ``parse_ggml_type``).
     Raises QuantizeError naming the flag and the types edge can write."""
-    t = next((t for t in TENSOR_TYPES if t.name == text.strip().upper()), None)
+    from quant.quantize import SUPPORTED_TYPES  # the quantizers (numba), loaded only when a type is named
+
+    tensor_types = [t for t in TYPES if t in SUPPORTED_TYPES]  # the types edge writes, in the table's order
+    t = next((t for t in tensor_types if t.name == text.strip().upper()), None)
     if t is None:
         raise QuantizeError(f"{flag}: unknown or unsupported GGML type {text!r}; choose one of: "
-                            f"{', '.join(t.name for t in TENSOR_TYPES)}")
+                            f"{', '.join(t.name for t in tensor_types)}")
     return t
 
 
@@ -242,12 +243,12 @@ def llama_order(names: Sequence[str]) -> list[str]:
 
 def block_size(t: GGMLQuantizationType) -> int:
     """Values per block of a GGML type (ggml_blck_size)."""
-    return GGML_QUANT_SIZES[t][0]
+    return sizes(t)[0]
 
 
 def row_bytes(t: GGMLQuantizationType, row_length: int) -> int:
     """Bytes of one row of ``row_length`` values (ggml_row_size); row_length a multiple of the block."""
-    block, size = GGML_QUANT_SIZES[t]
+    block, size = sizes(t)
     return row_length // block * size
 
 

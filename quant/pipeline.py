@@ -17,7 +17,7 @@ optional importance matrix (llama-quantize --imatrix; edge.imatrix.load_imatrix)
   which makes a file whose data does not sit where its own header says.
 - Tensor data: copied when the type does not change, else converted to float32 (F16/BF16
   widened, quantized sources dequantized by kernels_cpu.dequant: ggml's to_float) and quantized
-  by quant.blocks.quantize_rows (ggml_quantize_chunk), a slab of rows at a time, with the
+  by quant.quantize.quantize_rows (ggml_quantize_chunk), a slab of rows at a time, with the
   tensor's imatrix weights (in_sum2 / counts) when the imatrix has an entry for it.
 
 The file is written to a temporary file beside the output, fsynced, then renamed over it
@@ -43,7 +43,8 @@ from edge.files import atomic_write, remove_dead_temps
 from edge.files import check_output_file, file_starts_with
 from kernels_cpu.dequant import KERNELS as DEQUANT_KERNELS
 from kernels_cpu.dequant import dequantize
-from quant.blocks import QuantizeError, quantize_rows
+from kernels_cpu.ggml_types import TYPES
+from quant.quantize import QuantizeError, quantize_rows
 from quant.mix import FileType, ModelParams, QuantizeOptions, TensorChoice, choose_types, n_dims
 
 V = GGUFValueType
@@ -53,11 +54,6 @@ _DROPPED_KEYS = (Keys.General.QUANTIZATION_VERSION, Keys.General.FILE_TYPE, Keys
                  Keys.Split.LLM_KV_SPLIT_NO, Keys.Split.LLM_KV_SPLIT_COUNT, Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
 _SCALAR_BYTES = {V.UINT8: 1, V.INT8: 1, V.BOOL: 1, V.UINT16: 2, V.INT16: 2, V.UINT32: 4, V.INT32: 4,
                  V.FLOAT32: 4, V.UINT64: 8, V.INT64: 8, V.FLOAT64: 8}
-# ggml_validate_row_data: byte size of a block and offsets of its fp16 scale fields (d, and the
-# min m / dmin where the block has one); a block whose scale overflowed fp16 is refused
-_BLOCK_SCALES = {"Q4_0": (18, (0,)), "Q4_1": (20, (0, 2)), "Q5_0": (22, (0,)), "Q5_1": (24, (0, 2)),
-                 "Q8_0": (34, (0,)), "Q2_K": (84, (80, 82)), "Q3_K": (110, (108,)), "Q4_K": (144, (0, 2)),
-                 "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
 
 ProgressCallback = Callable[[int, int, TensorChoice], None]
 
@@ -223,9 +219,10 @@ def _check_scales(t: TensorChoice, q: np.ndarray, row0: int) -> None:
     scales (block types). Finite inputs can still overflow: |x| > 65504 in F16, or a block
     whose scale exceeds the fp16 range."""
     name = t.new_type.name
-    if name in _BLOCK_SCALES:
-        size, offsets = _BLOCK_SCALES[name]
-        blocks = q.reshape(q.shape[0], -1, size)
+    row = TYPES.get(t.new_type)
+    if row is not None and row.quantized:  # the block's f16 scales (d, and m / dmin where it has one)
+        offsets = row.f16_scales
+        blocks = q.reshape(q.shape[0], -1, row.type_size)
         halves = np.stack([blocks[:, :, o] | (blocks[:, :, o + 1].astype(np.uint16) << 8) for o in offsets])
         bad = ((halves & 0x7C00) == 0x7C00).any(axis=(0, 2))
     elif name in ("F16", "BF16"):

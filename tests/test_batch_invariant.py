@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 from numba import njit
 
-from kernels_cpu.matmul import _Q5_0, _Q8_0, GEMV, NR, _tiled
+from kernels_cpu.matmul_kernels import _Q5_0, _Q8_0
+from kernels_cpu.matmul_tiles import GEMV
+from kernels_cpu.matmul_tiling import NR, _tiled
 
 from edge.gguf_file import GGUFFile
 from edge.kv.cache import PagedKVCache

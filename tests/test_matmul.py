@@ -11,7 +11,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from edge.gguf_file import GGUFFile
 from kernels_cpu.dequant import QuantFormatError, dequantize
-from kernels_cpu.matmul import NR, NT, TC, MatmulWorkspace, matmul, quant_kernel
+from kernels_cpu.matmul import MatmulWorkspace, matmul
+from kernels_cpu.matmul_kernels import quant_kernel
+from kernels_cpu.matmul_tiling import NR, NT, TC
 from kernels_cpu.quantize_act import quantize_q8_0, quantize_q8_1, quantize_q8_k
 from tests.matmul_reference import reference_matmul
 

@@ -1,4 +1,4 @@
-"""quant.blocks.quantize_rows: llama.cpp's bytes, and the accuracy each format guarantees.
+"""quant.quantize.quantize_rows: llama.cpp's bytes, and the accuracy each format guarantees.
 
 1. Golden: every non-F32 tensor of the five llama-quantize mixes of gemma-3-270m, quantized from
    the F16 source, has the sha256 recorded in quantize.json.
@@ -19,7 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from edge.gguf_file import GGUFFile
 from kernels_cpu.dequant import dequantize
-from quant.blocks import SUPPORTED_TYPES, QuantizeError, quantize_rows
+from quant.quantize import SUPPORTED_TYPES, QuantizeError, quantize_rows
 from tests.conftest import golden
 
 K = 512  # values per test row: 2 K-quant super-blocks, 16 blocks of 32

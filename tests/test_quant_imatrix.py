@@ -1,4 +1,4 @@
-"""quant.blocks.quantize_rows with quant_weights (the imatrix path, quant/blocks_imatrix.py):
+"""quant.quantize.quantize_rows with quant_weights (the imatrix path, quant/imatrix_quants.py):
 the same bytes as ggml's ggml_quantize_chunk(type, x, ..., imatrix) through ctypes, in a
 subprocess of the llama-cpp-python interpreter, on random and edge-case rows and weights; the
 weights change the bytes and the weighted error falls.
@@ -12,8 +12,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from kernels_cpu.dequant import dequantize
-from quant.blocks import QuantizeError, quantize_rows
-from quant.blocks_imatrix import WEIGHTED_KERNELS
+from quant.quantize import WEIGHTED_KERNELS, QuantizeError, quantize_rows
 from tests.test_quant_blocks import ORACLE_SCRIPT
 
 K = 512

@@ -31,7 +31,7 @@ from gguf import GGUFValueType, GGUFWriter
 from edge.cli import QUANTIZE_TYPES, main
 from edge.gguf_file import GGUFFile
 from edge.store import resolve_model
-from quant.blocks import QuantizeError
+from quant.errors import QuantizeError
 from quant.mix import (FILE_TYPES, ModelParams, QuantizeOptions, choose_types, layer_index, llama_order,
                        parse_file_type, parse_tensor_type)
 from quant.pipeline import plan_quantize, quantize_file

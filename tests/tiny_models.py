@@ -3,18 +3,13 @@ GGUFWriter. Used to test the model code against tests/reference_forward.py."""
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFWriter
+from gguf import GGMLQuantizationType as Q, GGUFWriter
 from gguf.quants import quantize
 
-# K-quant block layouts: byte offsets of the f16 super-block scales (d, and dmin where present)
-# inside one block, from ggml-common.h (block_q2_K ... block_q6_K).
-_K_SCALE_OFFSETS = {
-    Q.Q2_K: (16 + 64, 16 + 64 + 2),   # scales[16], qs[64], d, dmin
-    Q.Q3_K: (32 + 64 + 12,),          # hmask[32], qs[64], scales[12], d
-    Q.Q4_K: (0, 2),                   # d, dmin, scales[12], qs[128]
-    Q.Q5_K: (0, 2),                   # d, dmin, scales[12], qh[32], qs[128]
-    Q.Q6_K: (128 + 64 + 16,),         # ql[128], qh[64], scales[16], d
-}
+from kernels_cpu.ggml_types import TYPES
+
+# K-quant blocks: byte offsets of the f16 super-block scales (d, and dmin where present)
+_K_SCALE_OFFSETS = {t: TYPES[t].f16_scales for t in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)}
 # super-block scales that give weights of order 0.3, like real models (max |w| ~ d * 63 * 15 for Q4_K)
 _K_SCALE = {Q.Q2_K: 0.02, Q.Q3_K: 0.008, Q.Q4_K: 0.001, Q.Q5_K: 0.0005, Q.Q6_K: 0.0002}
 
@@ -22,7 +17,7 @@ _K_SCALE = {Q.Q2_K: 0.02, Q.Q3_K: 0.008, Q.Q4_K: 0.001, Q.Q5_K: 0.0005, Q.Q6_K: 
 def random_tensor(rng, shape, qtype, scale=0.3):
     """Random weights of numpy shape ``shape`` stored as ``qtype`` (array to hand GGUFWriter)."""
     if qtype in _K_SCALE_OFFSETS:
-        block, size = GGML_QUANT_SIZES[qtype]
+        block, size = TYPES[qtype].block_size, TYPES[qtype].type_size
         n_blocks = shape[-1] // block
         raw = rng.integers(0, 256, size=(*shape[:-1], n_blocks, size), dtype=np.uint8)
         for off in _K_SCALE_OFFSETS[qtype]:

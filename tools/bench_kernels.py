@@ -25,6 +25,8 @@ import time
 
 import numpy as np
 
+from kernels_cpu.ggml_types import TYPES
+
 SHAPES = {  # model -> (decode (R, K), prefill (R, K, T)): attn_q, ffn_up, ffn_down, output
     "0.5b": ([(896, 896), (4864, 896), (896, 4864), (151936, 896)],
              [(4864, 896, 8), (896, 4864, 8), (4864, 896, 64), (896, 4864, 64), (4864, 896, 512), (896, 4864, 512)]),
@@ -32,14 +34,12 @@ SHAPES = {  # model -> (decode (R, K), prefill (R, K, T)): attn_q, ffn_up, ffn_d
              [(8960, 1536, 8), (1536, 8960, 8), (8960, 1536, 64), (1536, 8960, 64), (8960, 1536, 512),
               (1536, 8960, 512)]),
 }
-ALL_TYPES = "F32,F16,BF16,Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K"
+ALL_TYPES = ",".join(t.name for t in TYPES)
 
 
 def random_rows(t, R: int, K: int, rng) -> np.ndarray:
     """uint8[R, row_bytes] of random blocks whose f16 scales are small finite numbers."""
-    from gguf import GGML_QUANT_SIZES
-
-    block, size = GGML_QUANT_SIZES[t]
+    block, size = TYPES[t].block_size, TYPES[t].type_size
     raw = rng.integers(0, 256, (R, K // block, size), dtype=np.uint8)
     if block == 1:  # float types: random small values
         return (rng.normal(0, 0.02, (R, K)).astype(np.float32).view(np.uint8) if size == 4 else
@@ -119,11 +119,12 @@ def bench_model(path: str, repeats: int, ws) -> list[str]:
 
 _COMPILE_SNIPPET = """
 import sys, time, numpy as np
-from gguf import GGMLQuantizationType as T, GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+from kernels_cpu.ggml_types import TYPES
 from kernels_cpu.matmul import matmul
 for name in sys.argv[1].split(","):
     t = T[name]
-    block, size = GGML_QUANT_SIZES[t]
+    block, size = TYPES[t].block_size, TYPES[t].type_size
     w = np.zeros((8, 256 // block * size), np.uint8)
     t0 = time.perf_counter()
     matmul(w, t, np.ones((1, 256), np.float32))
@@ -163,7 +164,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import numba
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf import GGMLQuantizationType
 
     from kernels_cpu.matmul import MatmulWorkspace
 
@@ -177,7 +178,7 @@ def main() -> None:
         print("\n".join(bench_model(path, repeats, ws)), flush=True)
     decode_shapes, prefill_shapes = SHAPES[args.shapes]
     for t in types:
-        block = GGML_QUANT_SIZES[t][0]
+        block = TYPES[t].block_size
         for R, K in decode_shapes:
             if K % block == 0:
                 print(bench_decode(t, R, K, working_set, repeats, ws), flush=True)

@@ -7,9 +7,9 @@ import time
 
 from edge.cli.options import set_threads
 
-# the TYPEs of `edge quantize` (quant.mix.FILE_TYPES, not imported here: it loads numba)
-QUANTIZE_TYPES = ("F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K_S, Q3_K_M, Q3_K_L, Q4_K_S, Q4_K_M, "
-                  "Q5_K_S, Q5_K_M, Q6_K")
+from quant.mix import FILE_TYPES  # loads no numba
+
+QUANTIZE_TYPES = ", ".join(FILE_TYPES)  # the TYPEs of `edge quantize`
 
 
 def add_parser(sub) -> None:

@@ -37,8 +37,10 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from edge.kv.blocks import HOLE, KVBlockManager, KVGroup
+from kernels_cpu.ggml_types import TYPES
 
 KV_TYPES = ("f16", "f32", "q8_0")
 _DTYPE = {"f16": np.uint16, "f32": np.float32, "q8_0": np.uint8}
@@ -68,10 +70,11 @@ def kv_row(kv_type: str, head_dim: int) -> int:
     head_dim q8_0 cannot hold)."""
     if kv_type not in KV_TYPES:
         raise ValueError(f"unknown KV cache type {kv_type!r} (supported: {', '.join(KV_TYPES)})")
-    if kv_type == "q8_0":
-        if head_dim % 32:
-            raise ValueError(f"KV cache type q8_0 needs head_dim divisible by 32, got {head_dim}")
-        return head_dim // 32 * 34
+    row = TYPES[GGMLQuantizationType[kv_type.upper()]]
+    if row.quantized:  # rows of blocks, in bytes
+        if head_dim % row.block_size:
+            raise ValueError(f"KV cache type {kv_type} needs head_dim divisible by {row.block_size}, got {head_dim}")
+        return row.row_bytes(head_dim)
     return head_dim
 
 

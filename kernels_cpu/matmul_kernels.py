@@ -1,0 +1,302 @@
+"""The per-type matmul kernels (numba entry points, compiled once and cached on disk) and the
+choice among them, as llama.cpp's CPU backend chooses (see kernels_cpu.matmul).
+
+Kernel names follow the type table (kernels_cpu.ggml_types): ``matmul_<type>_<vec_dot_type>``
+for llama.cpp's plain CPU buffer, ``..._repacked`` for the weights it repacks, ``..._bi`` /
+``..._repacked_bi`` for the batch-invariant variants where one exists.
+
+Shapes: w uint8[R, row_bytes], xqs int8[T, K] or int16[T, K] (the same quants widened, read
+with one load per segment), xd float32[T, K/block], xs float32[T, K/32], xbsums int16[T, K/16],
+out float32[T, R]; all C-contiguous.
+
+numba's on-disk cache keys these kernels on this file only: after editing the modules they
+build on (matmul_decoders, matmul_tiles, matmul_tiling, matmul_rows, matmul_vnni), clear
+kernels_cpu/__pycache__/matmul_kernels.*.nbi / .nbc.
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from numba import njit, prange
+
+from kernels_cpu.f16 import f16_to_f32, f32_to_f16
+from kernels_cpu.ggml_types import QUANTIZED_TYPES, TYPES, kernels
+from kernels_cpu.matmul_rows import Q0_ROWS
+from kernels_cpu.matmul_tiles import GEMM, GEMV, TILED, VEC_DOT
+from kernels_cpu.matmul_tiling import ND_Q6_K, NR, NR_Q0, NR_ROWS, NT_WIDE, _blocks, _rows, _tiled
+from kernels_cpu.simd import HAS_VNNI, f32_from_bits
+
+T_ = GGMLQuantizationType
+
+_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0 = int(T_.Q4_0), int(T_.Q4_1), int(T_.Q5_0), int(T_.Q5_1), int(T_.Q8_0)
+_Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K = int(T_.Q2_K), int(T_.Q3_K), int(T_.Q4_K), int(T_.Q5_K), int(T_.Q6_K)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_q4_0_q8_0(w, xqs, xd, out):
+    """Q4_0 weights x Q8_0 activations (ggml_vec_dot_q4_0_q8_0, tinyBLAS_Q0_AVX)."""
+    _tiled(_Q4_0, VEC_DOT, NR, w, xqs, xd, xd, out)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_q4_0_q8_0_repacked(w, xqs, xd, out):
+    """Q4_0 weights with R % 8 == 0, repacked by llama.cpp to q4_0_8x8: ggml_gemv and
+    ggml_gemm_q4_0_8x8_q8_0 share the GEMV structure (one fma of the block's integer total
+    per 32 values)."""
+    _tiled(_Q4_0, GEMV, NR, w, xqs, xd, xd, out)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_q5_0_q8_0(w, xqs, xd, out):
+    """Q5_0 weights x Q8_0 activations (ggml_vec_dot_q5_0_q8_0, tinyBLAS_Q0_AVX)."""
+    _tiled(_Q5_0, VEC_DOT, NR_Q0, w, xqs, xd, xd, out)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_q8_0_q8_0(w, xqs, xd, out):
+    """Q8_0 weights x Q8_0 activations (ggml_vec_dot_q8_0_q8_0, tinyBLAS_Q0_AVX)."""
+    _tiled(_Q8_0, VEC_DOT, NR_Q0, w, xqs, xd, xd, out)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_q4_1_q8_1(w, xqs, xd, xs, out):
+    """Q4_1 weights x Q8_1 activations (ggml_vec_dot_q4_1_q8_1)."""
+    _tiled(_Q4_1, VEC_DOT, NR, w, xqs, xd, xs, out)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_q5_1_q8_1(w, xqs, xd, xs, out):
+    """Q5_1 weights x Q8_1 activations (ggml_vec_dot_q5_1_q8_1)."""
+    _tiled(_Q5_1, VEC_DOT, NR, w, xqs, xd, xs, out)
+
+
+@njit(cache=True, inline="always")
+def _plain_k(fmt, nr, nd, w, xqs, xd, xbsums, out):
+    """K-quant weights in llama.cpp's plain CPU buffer: the tiled kernel for batches of >= 8
+    rows (ggml_tiled_min_batch) in tiles of ``nr`` weight rows, else ggml_vec_dot_<type>_q8_K
+    in tiles of ``nd`` rows."""
+    if xqs.shape[0] >= 8:
+        _blocks(fmt, TILED, nr, True, w, xqs, xd, xbsums, out)
+    else:
+        _tiled(fmt, VEC_DOT, nd, w, xqs, xd, xbsums, out)
+
+
+@njit(cache=True, inline="always")
+def _repacked_k(fmt, nr, w, xqs, xd, xbsums, out):
+    """Q4_K / Q2_K weights with a multiple of 8 rows, which llama.cpp repacks (CPU_REPACK,
+    ggml_repack_get_optimal_repack_type): the first T - T % 4 activation rows (when T > 3) by
+    ggml_gemm_<type>_8x8_q8_K, the others by ggml_gemv_<type>_8x8_q8_K
+    (tensor_traits::forward_mul_mat_one_chunk)."""
+    T = xqs.shape[0]
+    n4 = T - T % 4 if T > 3 else 0
+    if n4 > 0:  # R % 8 == 0 and n4 % NT == 0: whole NR x NT tiles
+        _blocks(fmt, GEMM, nr, False, w, xqs[:n4], xd[:n4], xbsums[:n4], out[:n4])
+    if n4 < T:
+        _rows(fmt, GEMV, nr, w, xqs[n4:], xd[n4:], xbsums[n4:], out[n4:])
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_q2_k_q8_k(w, xqs, xd, xbsums, out):
+    """Q2_K weights x Q8_K activations (see _plain_k)."""
+    _plain_k(_Q2_K, NR, NR, w, xqs, xd, xbsums, out)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_q2_k_q8_k_repacked(w, xqs, xd, xbsums, out):
+    """Q2_K weights with R % 8 == 0 (see _repacked_k)."""
+    _repacked_k(_Q2_K, NR, w, xqs, xd, xbsums, out)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_q3_k_q8_k(w, xqs, xd, xbsums, out):
+    """Q3_K weights x Q8_K activations (see _plain_k)."""
+    _plain_k(_Q3_K, NR, NR, w, xqs, xd, xbsums, out)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_q4_k_q8_k(w, xqs, xd, xbsums, out):
+    """Q4_K weights x Q8_K activations (see _plain_k)."""
+    _plain_k(_Q4_K, NR, NR, w, xqs, xd, xbsums, out)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_q4_k_q8_k_repacked(w, xqs, xd, xbsums, out):
+    """Q4_K weights with R % 8 == 0 (see _repacked_k)."""
+    _repacked_k(_Q4_K, NR_ROWS, w, xqs, xd, xbsums, out)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_q5_k_q8_k(w, xqs, xd, xbsums, out):
+    """Q5_K weights x Q8_K activations (see _plain_k)."""
+    _plain_k(_Q5_K, NR, NR, w, xqs, xd, xbsums, out)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_q6_k_q8_k(w, xqs, xd, xbsums, out):
+    """Q6_K weights x Q8_K activations (see _plain_k)."""
+    _plain_k(_Q6_K, NR_ROWS, ND_Q6_K, w, xqs, xd, xbsums, out)
+
+
+# float weights: ggml_vec_dot_f32 / _f16 / _bf16 (float32 accumulation, any summation order)
+
+
+@njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc", "contract"})
+def matmul_f32_f32(w, x, out):
+    """F32 weights w float32[R, K] x float32 x[T, K] -> out[T, R]."""
+    for r in prange(w.shape[0]):
+        for t in range(x.shape[0]):
+            acc = np.float32(0.0)
+            for k in range(x.shape[1]):
+                acc += w[r, k] * x[t, k]
+            out[t, r] = acc
+
+
+@njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc", "contract"})
+def matmul_f16_f16(w, x, out):
+    """F16 weights w uint16[R, K] (binary16 bits) x x[T, K] already rounded to f16 (as float32)."""
+    for r in prange(w.shape[0]):
+        for t in range(x.shape[0]):
+            acc = np.float32(0.0)
+            for k in range(x.shape[1]):
+                acc += f16_to_f32(w[r, k]) * x[t, k]
+            out[t, r] = acc
+
+
+@njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc", "contract"})
+def matmul_bf16_bf16(w, x, out):
+    """BF16 weights w uint16[R, K] (bf16 bits) x x[T, K] already rounded to bf16 (as float32)."""
+    for r in prange(w.shape[0]):
+        for t in range(x.shape[0]):
+            acc = np.float32(0.0)
+            for k in range(x.shape[1]):
+                acc += f32_from_bits(np.uint32(w[r, k]) << np.uint32(16)) * x[t, k]
+            out[t, r] = acc
+
+
+@njit(cache=True, nogil=True)
+def round_to_f16(x, out):
+    """out = float32(f16(x)), round to nearest even (ggml_cpu_fp32_to_fp16). Shapes: f32[T, K]."""
+    for t in range(x.shape[0]):
+        for k in range(x.shape[1]):
+            out[t, k] = f16_to_f32(f32_to_f16(x[t, k]))
+
+
+@njit(cache=True, nogil=True)
+def round_to_bf16(x, out):
+    """out = float32(bf16(x)) as ggml_compute_fp32_to_bf16: nearest even, NaN made quiet. f32[T, K]."""
+    bits_in = x.view(np.uint32)
+    bits_out = out.view(np.uint32)
+    for t in range(x.shape[0]):
+        for k in range(x.shape[1]):
+            u = bits_in[t, k]
+            if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+                h = (u >> np.uint32(16)) | np.uint32(64)
+            else:
+                h = (u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
+            bits_out[t, k] = (h & np.uint32(0xFFFF)) << np.uint32(16)
+
+
+# Batch-invariant kernels: every activation row gets the arithmetic llama.cpp gives a batch of
+# one row (GEMV for repacked weights, VEC_DOT for the others), whatever T is, in multi-row
+# tiles. A row's result then depends on that row alone, not on the batch it is computed in
+# (the server's requirement: a request's text must not depend on what else is being served).
+# Q5_0 / Q8_0 instead take the GEMV structure at every T and Q6_K llama.cpp's tiled kernel
+# (faster in batches than their VEC_DOT, last bits not llama.cpp's for one row). Other types'
+# llama.cpp paths are already one arithmetic for every T.
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_q2_k_q8_k_bi(w, xqs, xd, xbsums, out):
+    """Q2_K, batch-invariant (VEC_DOT for every T)."""
+    _tiled(_Q2_K, VEC_DOT, NR, w, xqs, xd, xbsums, out)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_q2_k_q8_k_repacked_bi(w, xqs, xd, xbsums, out):
+    """Q2_K repacked, batch-invariant (GEMV for every T)."""
+    _tiled(_Q2_K, GEMV, NR, w, xqs, xd, xbsums, out)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_q3_k_q8_k_bi(w, xqs, xd, xbsums, out):
+    """Q3_K, batch-invariant (VEC_DOT for every T)."""
+    _tiled(_Q3_K, VEC_DOT, NR, w, xqs, xd, xbsums, out)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_q4_k_q8_k_bi(w, xqs, xd, xbsums, out):
+    """Q4_K, batch-invariant (VEC_DOT for every T)."""
+    _tiled(_Q4_K, VEC_DOT, NR, w, xqs, xd, xbsums, out)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_q4_k_q8_k_repacked_bi(w, xqs, xd, xbsums, out):
+    """Q4_K repacked, batch-invariant (GEMV for every T)."""
+    _tiled(_Q4_K, GEMV, NR_ROWS, w, xqs, xd, xbsums, out, NT_WIDE)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_q5_k_q8_k_bi(w, xqs, xd, xbsums, out):
+    """Q5_K, batch-invariant (VEC_DOT for every T)."""
+    _tiled(_Q5_K, VEC_DOT, NR, w, xqs, xd, xbsums, out)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_q6_k_q8_k_bi(w, xqs, xd, xbsums, out):
+    """Q6_K, batch-invariant: the tiled kernel's arithmetic (llama.cpp's for T >= 8) for every T."""
+    _tiled(_Q6_K, TILED, NR_ROWS, w, xqs, xd, xbsums, out, NT_WIDE)
+
+
+_Q5_0_NEG_OFFSET, _Q8_0_NEG_OFFSET = -Q0_ROWS["Q5_0"][1], -Q0_ROWS["Q8_0"][1]  # matmul_rows' unsigned codes
+
+
+@njit(cache=True, inline="always")
+def _block_sums_32(xqs, factor):
+    """int32[T, K/32]: ``factor`` times the sum of each 32-value block of the activation quants
+    (int8 or int16); exact (|factor * sum| <= 128 * 32 * 128)."""
+    out = np.empty((xqs.shape[0], xqs.shape[1] // 32), np.int32)
+    for t in prange(xqs.shape[0]):
+        for blk in range(out.shape[1]):
+            total = 0
+            for j in range(32 * blk, 32 * blk + 32):
+                total += np.int32(xqs[t, j])
+            out[t, blk] = total * factor
+    return out
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_q5_0_q8_0_bi(w, xqs, xd, out):
+    """Q5_0, batch-invariant and faster than llama.cpp's VEC_DOT: GEMV structure (one float
+    update of the exact block total per 32 values), VNNI tiles with one weight row per lane
+    (kernels_cpu.matmul_rows, which take the activation quant sums of each block)."""
+    _tiled(_Q5_0, GEMV, NR_ROWS, w, xqs, xd, _block_sums_32(xqs, _Q5_0_NEG_OFFSET), out, NT_WIDE)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_q8_0_q8_0_bi(w, xqs, xd, out):
+    """Q8_0, batch-invariant (see matmul_q5_0_q8_0_bi)."""
+    _tiled(_Q8_0, GEMV, NR_ROWS, w, xqs, xd, _block_sums_32(xqs, _Q8_0_NEG_OFFSET), out, NT_WIDE)
+
+
+ROWS_TYPES = (T_.Q5_0, T_.Q8_0, T_.Q4_K, T_.Q6_K) if HAS_VNNI else ()  # VNNI kernels: int8 quants
+
+_REPACKED_TYPES = tuple(t for t in QUANTIZED_TYPES if TYPES[t].repacked)
+QUANT_KERNELS = kernels(globals(), "matmul", types=QUANTIZED_TYPES)  # llama.cpp's plain CPU buffer
+# weights llama.cpp repacks on x86 (ggml_repack_get_optimal_repack_type), R % 8 == 0
+REPACKED_KERNELS = kernels(globals(), "matmul", "_repacked", types=_REPACKED_TYPES)
+BATCH_INVARIANT_KERNELS = kernels(globals(), "matmul", "_bi", types=QUANTIZED_TYPES, optional=True)
+BATCH_INVARIANT_REPACKED = kernels(globals(), "matmul", "_repacked_bi", types=_REPACKED_TYPES, optional=True)
+
+
+def quant_kernel(t: GGMLQuantizationType, n_rows: int, batch_invariant: bool = False):
+    """The per-type kernel llama.cpp's choice calls for: REPACKED_KERNELS[t] when t is repacked
+    and n_rows % 8 == 0, else QUANT_KERNELS[t] (separate functions, so that a process compiles
+    only the paths its matrices take). ``batch_invariant``: the kernel whose arithmetic does not
+    depend on the number of rows (BATCH_INVARIANT_*; see matmul), where llama.cpp's does or
+    where a faster one exists (Q5_0 / Q8_0)."""
+    repacked = n_rows % 8 == 0 and t in REPACKED_KERNELS
+    if batch_invariant:
+        kernel = (BATCH_INVARIANT_REPACKED if repacked else BATCH_INVARIANT_KERNELS).get(t)
+        if kernel is not None:
+            return kernel
+    return REPACKED_KERNELS[t] if repacked else QUANT_KERNELS[t]

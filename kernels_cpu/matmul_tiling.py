@@ -1,0 +1,149 @@
+"""qdot_tile, the numba intrinsic that calls one generated matmul tile, and the loops that tile
+a whole matmul with it.
+
+Only two tile shapes exist: NR x NT for T >= NT, over chunks of TC activation rows (so the chunk
+stays in cache), and ND x 1 for fewer rows (decode), with the ND rows R // ND apart (adjacent
+rows in one tile stream from DRAM at half the speed of one row). Results do not depend on the
+tiling, so edge tiles overlap their neighbours instead of being smaller. The tile's IR comes
+from kernels_cpu.matmul_tiles, or on CPUs with AVX-512 VNNI for some types and paths from
+kernels_cpu.matmul_rows / kernels_cpu.matmul_vnni (same float operations).
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from kernels_cpu.matmul_decoders import FORMATS
+from kernels_cpu.matmul_rows import ROWS, build_rows_tile
+from kernels_cpu.matmul_tiles import GEMV, PATH_NAMES, VEC_DOT, build_tile
+from kernels_cpu.matmul_vnni import build_vnni_tile
+from kernels_cpu.simd import BYTE_PTR, HAS_VNNI, I64
+
+T_ = GGMLQuantizationType
+NR, NT = 4, 4  # prefill tile: weight rows x activation rows
+TC = 64  # activation rows per prefill chunk
+ND = 4  # decode tile rows, R // ND apart (adjacent rows in one tile stream from DRAM at half speed)
+# Q4_K (repacked) and Q6_K with AVX-512 VNNI: tiles of 8 rows, one per lane (kernels_cpu.matmul_rows)
+NR_ROWS = ROWS if HAS_VNNI else NR
+NT_WIDE = 8 if HAS_VNNI else 0  # Q5_0 / Q8_0 GEMV rows tiles: 8 activation rows per weight decoding
+NR_Q0 = 8 if HAS_VNNI else NR  # Q5_0 / Q8_0 with AVX-512 VNNI: 8 rows in pairs (kernels_cpu.matmul_vnni)
+ND_Q6_K = 2 if HAS_VNNI else NR  # Q6_K vec_dot (T < 8) with VNNI: one row pair per tile (kernels_cpu.matmul_vnni)
+
+
+@intrinsic
+def qdot_tile(typingctx, fmt, path, nr, nt, w, r0, r_step, xq, xd, xa, t0, out):
+    """out[t0 + t, r0 + r * r_step] = llama.cpp's dot(w[r0 + r * r_step], x[t0 + t]) for r < nr, t < nt.
+
+    ``fmt`` (GGML type id of w), ``path`` (VEC_DOT, TILED, GEMV, GEMM), nr, nt are literals;
+    r_step >= 0 (0: one row nr times); xq int8[T, K] or int16[T, K] quants, xd float32[T, K/block]
+    scales, xa the Q8_1 sums float32[T, K/32] or the Q8_K bsums int16[T, K/16] (ignored for
+    Q8_0), out float32[T, R] C-contiguous.
+    """
+    if not all(isinstance(a, types.IntegerLiteral) for a in (fmt, path, nr, nt)):
+        return None
+    if not isinstance(xq, types.Array) or xq.dtype not in (types.int8, types.int16):
+        return None
+    f = FORMATS[GGMLQuantizationType(fmt.literal_value)]
+    p, n_r, n_t = path.literal_value, nr.literal_value, nt.literal_value
+    sig = types.void(fmt, path, nr, nt, w, r0, r_step, xq, xd, xa, t0, out)
+
+    def codegen(context, builder, signature, args):
+        x16 = signature.args[7].dtype == types.int16
+        name = f"edge_qdot_{f.ggml_type.name.lower()}_{PATH_NAMES[p]}_{n_r}x{n_t}{'_x16' if x16 else ''}"
+        if builder.module.globals.get(name):
+            fn = builder.module.globals.get(name)
+        elif HAS_VNNI and p == VEC_DOT and f.ggml_type in (T_.Q5_0, T_.Q8_0, T_.Q6_K):
+            fn = build_vnni_tile(builder.module, f.ggml_type.name, n_r, n_t, name, x16)
+        elif n_r == ROWS and HAS_VNNI and (f.ggml_type in (T_.Q4_K, T_.Q6_K)
+                                           or (p == GEMV and f.ggml_type in (T_.Q8_0, T_.Q5_0))):
+            fn = build_rows_tile(builder.module, f.ggml_type.name, PATH_NAMES[p], n_t, name, x16)
+        else:
+            fn = build_tile(builder.module, f, p, n_r, n_t, name, x16)
+        arrays = [context.make_array(ty)(context, builder, v) for ty, v in
+                  zip(signature.args[4:], args[4:]) if isinstance(ty, types.Array)]
+        aw, axq, axd, axa, aout = arrays
+        r0v, r_stepv, t0v = (builder.sext(v, I64) if v.type != I64 else v for v in (args[5], args[6], args[10]))
+        stride = lambda a: cgutils.unpack_tuple(builder, a.strides)[0]  # noqa: E731
+
+        def base(a, i):
+            ptr = builder.bitcast(a.data, BYTE_PTR)
+            return builder.gep(ptr, [builder.mul(i, stride(a))])
+
+        out_stride = builder.sdiv(stride(aout), ir.Constant(I64, 4))
+        out_at = builder.gep(aout.data, [builder.add(builder.mul(t0v, out_stride), r0v)])
+        nb = builder.sdiv(cgutils.unpack_tuple(builder, aw.shape)[1], ir.Constant(I64, f.block_bytes))
+        builder.call(fn, [base(aw, r0v), builder.mul(stride(aw), r_stepv), base(axq, t0v), stride(axq),
+                          base(axd, t0v), stride(axd), base(axa, t0v), stride(axa), out_at, out_stride, r_stepv, nb])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True, inline="always")
+def _rows(fmt, path, nd, w, xq, xd, xa, out):
+    """qdot_tile in ND x 1 tiles only, for few activation rows (decode): a tile takes rows j,
+    j + R // ND, ... (each thread streams ND far-apart row ranges; ND adjacent rows per tile
+    stream from DRAM at half the speed) for every t. The R % ND last rows: one tile over the
+    last ND rows (recomputing some: results do not depend on tiling), or, when R < ND, a tile
+    repeating each row."""
+    R, T = w.shape[0], xq.shape[0]
+    part = R // nd
+    for j in prange(part):
+        for t in range(T):
+            qdot_tile(fmt, path, nd, 1, w, j, part, xq, xd, xa, t, out)
+    for t in range(T):
+        if part == 0:
+            for r in range(R):
+                qdot_tile(fmt, path, nd, 1, w, r, 0, xq, xd, xa, t, out)
+        elif R % nd:
+            qdot_tile(fmt, path, nd, 1, w, R - nd, 1, xq, xd, xa, t, out)
+
+
+@njit(cache=True, inline="always")
+def _blocks(fmt, path, nr, tails, w, xq, xd, xa, out, wide=0):
+    """qdot_tile in NR x NT tiles (T >= NT) over chunks of at most TC activation rows (equal
+    chunks, a multiple of NT, so threads share evenly and a chunk stays in cache); the last
+    NT-tile of a chunk overlaps its neighbour, or with ``tails`` (a literal) the rows left are
+    done in ND x 1 tiles. The last row tile overlaps its neighbour (recomputed values are
+    identical: results do not depend on tiling); with R < NR a tile repeats one row.
+    ``wide`` (a literal, 0 or a multiple of NT): tiles of that many activation rows first, for
+    tiles whose cost is mostly preparing the weights (kernels_cpu.matmul_rows GEMV tiles)."""
+    R, T = w.shape[0], xq.shape[0]
+    n_rt = (R + nr - 1) // nr
+    n_tc = (T + TC - 1) // TC
+    chunk = ((T + n_tc - 1) // n_tc + NT - 1) // NT * NT
+    for job_ in prange(n_rt * n_tc):
+        job = np.int64(job_)
+        t_lo = (job // n_rt) * chunk
+        t_hi = min(T, t_lo + chunk)
+        for k in range(1 if R >= nr else R):
+            r0 = min((job % n_rt) * nr, R - nr) if R >= nr else k
+            step = 1 if R >= nr else 0
+            t = t_lo
+            if wide:
+                while t + wide <= t_hi:
+                    qdot_tile(fmt, path, nr, wide, w, r0, step, xq, xd, xa, t, out)
+                    t += wide
+            while t + NT <= t_hi:
+                qdot_tile(fmt, path, nr, NT, w, r0, step, xq, xd, xa, t, out)
+                t += NT
+            if tails:
+                while t < t_hi:
+                    qdot_tile(fmt, path, nr, 1, w, r0, step, xq, xd, xa, t, out)
+                    t += 1
+            elif t < t_hi:
+                qdot_tile(fmt, path, nr, NT, w, r0, step, xq, xd, xa, t_hi - NT, out)
+
+
+@njit(cache=True, inline="always")
+def _tiled(fmt, path, nr, w, xq, xd, xa, out, wide=0):
+    """Run qdot_tile of ``path`` over all outputs: ND x 1 tiles (_rows) for T < NT, else
+    NR x NT tiles (_blocks; ``wide``: see there)."""
+    if xq.shape[0] < NT:
+        _rows(fmt, path, nr, w, xq, xd, xa, out)
+    else:
+        _blocks(fmt, path, nr, True, w, xq, xd, xa, out, wide)
