@@ -17,7 +17,7 @@ class UnsupportedArchitecture(GGUFError):
 
 
 def load_model(gf: GGUFFile):
-    """Build the model of a GGUF file. Returns an edge.models.common.Transformer.
+    """Build the model of a GGUF file. Returns an edge.models.transformer.Transformer.
 
     Raises UnsupportedArchitecture naming the architecture, or GGUFError for missing or
     malformed metadata and tensors.
