@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+DEFAULT_TYPE = "f16"
+
 
 class KVCache:
     """A contiguous KV cache with ``n_seq`` sequence slots.
@@ -19,7 +21,7 @@ class KVCache:
     Raises ValueError for sizes below 1 or another type.
     """
 
-    def __init__(self, args, n_ctx: int, n_seq: int = 1, kv_type: str = "f16"):
+    def __init__(self, args, n_ctx: int, n_seq: int = 1, kv_type: str = DEFAULT_TYPE):
         if n_ctx < 1 or n_seq < 1:
             raise ValueError(f"a KV cache needs n_ctx >= 1 and n_seq >= 1, got {n_ctx}, {n_seq}")
         if kv_type not in ("f16", "f32"):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from edge.gguf_file import GGUFFile
-from edge.kv.contiguous import KVCache
+from edge.kv.contiguous import DEFAULT_TYPE, KVCache
 from edge.models.hparams import ModelArgs
 from edge.models.layers import Batch, Block, Scratch, rms_norm
 from edge.models.weights import Tensor, Weight, load_tensors, optional, tensor
@@ -89,8 +89,9 @@ class Transformer:
         for w in self.weights():
             w.observer = observer
 
-    def new_cache(self, n_ctx: int, n_seq: int = 1, kv_type: str = "f16") -> KVCache:
-        """An empty contiguous KV cache of n_ctx positions for each of n_seq sequences."""
+    def new_cache(self, n_ctx: int, n_seq: int = 1, kv_type: str = DEFAULT_TYPE) -> KVCache:
+        """An empty contiguous KV cache of n_ctx positions for each of n_seq sequences
+        (edge.kv.contiguous.KVCache; kv_type for K and V)."""
         return KVCache(self.args, n_ctx, n_seq, kv_type)
 
     def forward(self, tokens, cache, logits_rows=None, seq_ids=None, prune_last_layer: bool = True,

@@ -88,8 +88,9 @@ def load_tensors(gf: GGUFFile, args: ModelArgs, model: list[Tensor], layer: list
     ({attribute: value} of the model, one such dict per layer): a :class:`Weight` per matrix,
     float32[n] per 1-D tensor, None for an absent optional one.
 
-    Raises GGUFError naming a missing required tensor, one whose shape is not the declared one
-    (with the metadata keys that give it), or the tensors no declaration reads.
+    Matrices are checked before 1-D tensors, each kind in declaration order, the model's before
+    the layers'. Raises GGUFError naming a missing required tensor, one whose shape is not the
+    declared one (with the metadata keys that give it), or the tensors no declaration reads.
     """
     used: set[str] = set()
     dims = {t: [args.dim(d) for d in t.shape] for t in [*model, *layer]}
@@ -112,8 +113,13 @@ def load_tensors(gf: GGUFFile, args: ModelArgs, model: list[Tensor], layer: list
             return gf.tensor_f32(name).reshape(want)
         return dequantize(gf.tensor_bytes(name), info.ggml_type).reshape(want)
 
-    top = {t.attr: take(t, t.name) for t in model}
-    layers = [{t.attr: take(t, f"blk.{il}.{t.name}") for t in layer} for il in range(args.n_layer)]
+    # matrices first: their shapes name most keys, so a wrong key is named where it shows most
+    entries = [(t, t.name, None) for t in model] + \
+        [(t, f"blk.{il}.{t.name}", il) for il in range(args.n_layer) for t in layer]
+    top: dict = {}
+    layers: list[dict] = [{} for _ in range(args.n_layer)]
+    for t, name, il in sorted(entries, key=lambda e: len(e[0].shape) == 1):
+        (top if il is None else layers[il])[t.attr] = take(t, name)
     extra = [n for n in gf.tensors if n not in used]
     if extra:
         shown = ", ".join(extra[:8]) + (" ..." if len(extra) > 8 else "")
