@@ -5,7 +5,7 @@ File format (edge's own; all integers little-endian)::
 
     b"EDGESESS"  magic (8 bytes)
     u32          format version (2; version 1 stored a quantized K cache without the shift of
-                 edge.models.common.static_k_bias, so its K rows do not fit this edge)
+                 edge.models.rope.static_k_bias, so its K rows do not fit this edge)
     u32          header length H
     H bytes      header, UTF-8 JSON: model (name, architecture, file size, fingerprint),
                  KV types, n_tokens, n_vocab, and per layer the first stored position and the

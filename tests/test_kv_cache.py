@@ -186,7 +186,7 @@ def test_static_k_bias_pairs():
     does not rotate always are; a non-NeoX model pairs dims (2i, 2i+1)."""
     from dataclasses import replace
 
-    from edge.models.common import static_k_bias
+    from edge.models.rope import static_k_bias
     _, model = _tiny_qwen2()
     a = replace(model.args, head_dim=64, n_head_kv=2, n_rot=64, rope_freq_base=1e6, rope_freq_scale=1.0,
                 n_ctx_train=32768, rope_neox=True)
@@ -217,7 +217,7 @@ def test_q8_0_k_shift_exact_and_effective():
     """A quantized K cache stores K minus the static part of the K bias: attention is unchanged
     in exact arithmetic (the logits stay close to an f32 cache's), while without the shift a
     large constant bias (as Qwen2.5's, up to 210) costs the rest of K its 8 bits."""
-    from edge.models.common import static_k_bias
+    from edge.models.rope import static_k_bias
     _, model = _tiny_qwen2()
     a = model.args
     saved = [(b.attn_k_bias, b.k_shift) for b in model.blocks]

@@ -6,7 +6,7 @@ import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from kernels_cpu.attention import attention_f16, store_kv
+from kernels_cpu.attention import paged_attention, store_kv
 
 H, H_KV, HD = 4, 2, 64
 ROW = {"f16": HD, "f32": HD, "q8_0": HD // 32 * 34}
@@ -61,7 +61,7 @@ def test_paged_attention_kv_types(kind, window):
     q = rng.standard_normal((len(positions), H, HD)).astype(np.float32)
     out = np.empty((len(positions), H, HD), np.float32)
     scale = np.float32(1 / 8)
-    attention_f16(q, pools[0], pools[1], tables, seq_ids, positions, window, scale, out)
+    paged_attention(q, pools[0], pools[1], tables, seq_ids, positions, window, scale, out)
     ref = _reference(q, kv_k, kv_v, tables, seq_ids, positions, window, float(scale), bs)
     # f16 rounds the query and the probabilities to f16, q8_0 quantizes the query to 8 bits
     tol = {"f16": 2e-3, "f32": 1e-5, "q8_0": 2e-2}[kind]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kernels_cpu import ops
-from kernels_cpu.attention import attention_f16, attention_scores, store_kv
+from kernels_cpu.attention import paged_attention, attention_scores, store_kv
 
 DATA = Path(__file__).parent / "data"
 MODELS = ["gemma-3-270m", "qwen2.5-coder-0.5b-instruct"]
@@ -78,7 +78,7 @@ def test_attention_output(fx, path):
     q, pos = fx[f"{path}_q"], fx[f"{path}_pos"]
     k, v = fx[f"{path}_k_cache"].view(np.uint16), fx[f"{path}_v_cache"].view(np.uint16)
     out = np.empty((len(pos), q.shape[1], v.shape[2]), np.float32)
-    attention_f16(q, k[None], v[None], np.zeros((1, 1), np.int32), np.zeros_like(pos), pos, 0,
+    paged_attention(q, k[None], v[None], np.zeros((1, 1), np.int32), np.zeros_like(pos), pos, 0,
                   np.float32(fx["kq_scale"]), out)
     _bits_equal(out, fx[f"{path}_kqv"])
 
@@ -154,6 +154,6 @@ def test_attention_through_block_table(fx, path, block_size):
             pool[order[b], : len(part)] = part
         pools.append(pool)
     out = np.empty((len(pos), q.shape[1], v.shape[2]), np.float32)
-    attention_f16(q, pools[0], pools[1], order[None, :], np.zeros_like(pos), pos, 0,
+    paged_attention(q, pools[0], pools[1], order[None, :], np.zeros_like(pos), pos, 0,
                   np.float32(fx["kq_scale"]), out)
     _bits_equal(out, fx[f"{path}_kqv"])

@@ -15,7 +15,7 @@ from gguf import GGUFValueType as VT
 from edge.gguf_file import GGUFError, GGUFFile
 from edge.models import load_model
 from kernels_cpu import ops
-from kernels_cpu.attention import attention_f16
+from kernels_cpu.attention import paged_attention
 from kernels_cpu.quantize_act import quantize_q8_k
 from tests.fuzz_worker import MEMORY_BUDGET, Worker
 from tests.gguf_mutate import Header, mutate
@@ -210,8 +210,8 @@ def test_kernels_refuse_shapes_that_do_not_fit():
         ops.rms_norm(np.zeros((2, 8), np.float32), np.ones(4, np.float32), 1e-6, np.zeros((2, 8), np.float32))
     q, out = np.zeros((1, 3, 8), np.float32), np.zeros((1, 3, 8), np.float32)
     pool = np.zeros((1, 16, 2, 8), np.uint16)   # 3 query heads over 2 KV heads
-    with pytest.raises(ValueError, match="attention_f16"):
-        attention_f16(q, pool, pool, np.zeros((1, 1), np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32),
+    with pytest.raises(ValueError, match="paged_attention"):
+        paged_attention(q, pool, pool, np.zeros((1, 1), np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32),
                       0, np.float32(1), out)
 
 

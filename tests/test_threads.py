@@ -148,22 +148,26 @@ def test_forward_applies_the_limit_on_the_calling_thread(gemma_path):
     m = FakeMachine()
     asked = numba.get_num_threads()
     seen = []
-    model.threads = AdaptiveThreads(cpus=(0, 1), interval=0.1, clock=lambda: m.t,
-                                    read_busy=lambda c: m.busy, read_self=lambda: m.mine)
+    policy = AdaptiveThreads(cpus=(0, 1), interval=0.1, clock=lambda: m.t,
+                             read_busy=lambda c: m.busy, read_self=lambda: m.mine)
+
+    def forward(*args, **kw):            # as the generation loop calls it: the caller owns threads
+        policy.apply()
+        return model.forward(*args, **kw, layer_callback=lambda il: policy.check())
     try:
         tokens = np.array([2, 818, 5279, 529, 7001, 563, 236743, 1, 17, 400])
         cache = model.new_cache(64)
-        full = model.forward(tokens, cache, logits_rows=slice(None))
-        step = model.forward([int(np.argmax(full[-1]))], cache)
+        full = forward(tokens, cache, logits_rows=slice(None))
+        step = forward([int(np.argmax(full[-1]))], cache)
         seen.append(numba.get_num_threads())
         m.run(0.1, mine=1.0, others=1.0)                 # a busy process: one thread
         cache = model.new_cache(64)
-        limited = model.forward(tokens, cache, logits_rows=slice(None))
+        limited = forward(tokens, cache, logits_rows=slice(None))
         seen.append(numba.get_num_threads())
         np.testing.assert_array_equal(full, limited)
-        np.testing.assert_array_equal(step, model.forward([int(np.argmax(full[-1]))], cache))
+        np.testing.assert_array_equal(step, forward([int(np.argmax(full[-1]))], cache))
         m.run(0.1, mine=1.0, others=0.0)                 # gone: the count asked for again
-        model.forward(tokens[:1], model.new_cache(64))
+        forward(tokens[:1], model.new_cache(64))
         seen.append(numba.get_num_threads())
         assert seen == [asked, 1, asked]
     finally:

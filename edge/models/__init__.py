@@ -3,6 +3,13 @@
 ``load_model(gf)`` looks the architecture up in :data:`ARCHITECTURES` (through
 :data:`ALIASES` for other names of the same thing) and builds the model; an architecture
 edge does not implement is an :class:`UnsupportedArchitecture` error that names it.
+
+An architecture's module holds its hyperparameters (read with gguf's ``Keys`` through the
+checked readers of :mod:`edge.models.hparams`), the tensors it reads (a table of
+:class:`edge.models.weights.Tensor`) and its block's forward pass, written with the shared
+layers of :mod:`edge.models.layers` and :mod:`edge.models.rope` in the order of the llama.cpp
+``llm_build_*`` graph it mirrors; :class:`edge.models.transformer.Transformer` runs the
+blocks over a KV cache. Adding one is that module plus its entry below.
 """
 from importlib import import_module
 
@@ -17,7 +24,7 @@ class UnsupportedArchitecture(GGUFError):
 
 
 def load_model(gf: GGUFFile):
-    """Build the model of a GGUF file. Returns an edge.models.common.Transformer.
+    """Build the model of a GGUF file. Returns an edge.models.transformer.Transformer.
 
     Raises UnsupportedArchitecture naming the architecture, or GGUFError for missing or
     malformed metadata and tensors.

@@ -12,24 +12,42 @@
 - optional final logit soft-capping; output tied to token_embd.
 Norm weights in Gemma GGUFs already include the +1 of Gemma's RMSNorm (added at conversion).
 """
+from __future__ import annotations
+
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 from gguf import Keys
 
 from edge.gguf_file import GGUFError, GGUFFile
-from edge.models.common import Transformer
 from edge.models.hparams import ModelArgs, UINT32_MAX, read_float, read_int, read_swa_layers
+from edge.models.layers import (ATTENTION_TENSORS, GATED_FFN_TENSORS, Batch, Block, ffn_geglu, heads, project_qkv,
+                                rms_norm, rms_norm_heads)
+from edge.models.rope import Rope
+from edge.models.transformer import EMBEDDING_AND_OUTPUT, Transformer
+from edge.models.weights import optional, tensor
+from kernels_cpu import ops
 
 ARCH = "gemma3"
 SWA_PATTERN = 6  # llama.cpp: hparams.set_swa_pattern(6) for gemma3
 N_LAYER_27B = 62
 
 
-def load(gf: GGUFFile) -> Transformer:
-    args = ModelArgs.common_from_gguf(gf, ARCH, rope_neox=True, partial_rope=True, qk_norm=True,
-                                      post_norms=True, activation="gelu", attention_scale=1.0)
+@dataclass
+class Gemma3Args(ModelArgs):
+    """ModelArgs plus Gemma's scales: embeddings times ``embed_scale``, q times ``query_scale``
+    after RoPE (llama.cpp's f_attention_scale), logits soft-capped at ``final_logit_softcap``
+    (0: not)."""
+
+    embed_scale: float = 1.0
+    query_scale: float = 1.0
+    final_logit_softcap: float = 0.0
+
+
+def read_args(gf: GGUFFile) -> Gemma3Args:
+    """The hyperparameters (edge.models.hparams: every key checked). Raises GGUFError."""
+    args = Gemma3Args.common_from_gguf(gf, ARCH, rope_neox=True, partial_rope=True)
     window = read_int(gf, Keys.Attention.SLIDING_WINDOW.format(arch=ARCH), default=0, lo=0, hi=UINT32_MAX)
     n_embd, n_head = args.n_embd, args.n_head
     # float32 as llama.cpp: 1.0f / std::sqrt(float(n)), n an integer quotient for the 27B model
@@ -38,11 +56,74 @@ def load(gf: GGUFFile) -> Transformer:
         raise GGUFError(f"{gf.path}: {args.key(Keys.Attention.HEAD_COUNT)} = {n_head} is more than "
                         f"{args.key(Keys.LLM.EMBEDDING_LENGTH)} = {n_embd}")
     scale = float(np.float32(1) / np.sqrt(np.float32(n)))
-    args = replace(
+    return replace(
         args, embed_scale=math.sqrt(n_embd), query_scale=scale, sliding_window=window,
         swa_layers=read_swa_layers(gf, ARCH, args.n_layer, window, SWA_PATTERN),
         rope_freq_base_swa=read_float(gf, Keys.Rope.FREQ_BASE_SWA.format(arch=ARCH), default=10000.0,
                                       lo=0.0, strict=True),
         final_logit_softcap=read_float(gf, Keys.LLM.FINAL_LOGIT_SOFTCAPPING.format(arch=ARCH), default=0.0),
     )
-    return Transformer(gf, args)
+
+
+class Gemma3Block(Block):
+    """One layer of llm_build_gemma3_iswa (module docstring); local (sliding-window) layers
+    have their own RoPE."""
+
+    def __init__(self, w: dict, a: Gemma3Args, il: int, rope: Rope):
+        super().__init__(w, a, il)
+        self.rope = rope
+        self.kq_scale = np.float32(1.0)                                    # q is scaled instead
+
+    def __call__(self, x: np.ndarray, b: Batch) -> np.ndarray | None:
+        a = self.args
+        h = rms_norm(x, self.attn_norm, a.rms_eps, b.buf("h", x.shape))
+        q, k, v = project_qkv(h, self.attn_q, self.attn_k, self.attn_v, b)
+        q, k, v = heads(q, a.n_head), heads(k, a.n_head_kv), heads(v, a.n_head_kv)
+        rms_norm_heads(q, self.attn_q_norm, a.rms_eps)
+        rms_norm_heads(k, self.attn_k_norm, a.rms_eps)
+        self.rope(q, b)
+        self.rope(k, b)
+        q *= np.float32(a.query_scale)
+        o = self.attend(q, k, v, b)                                        # [rows, n_embd]
+        if o is None:
+            return None                                                    # only K/V were wanted
+        x = b.keep(x)
+        x += rms_norm(o, self.post_attention_norm, a.rms_eps, o)
+        h = rms_norm(x, self.ffn_norm, a.rms_eps, b.buf("h", x.shape))
+        d = ffn_geglu(h, self.ffn_gate, self.ffn_up, self.ffn_down, b)
+        x += rms_norm(d, self.post_ffw_norm, a.rms_eps, d)
+        return x
+
+
+class Gemma3(Transformer):
+    TENSORS = [*EMBEDDING_AND_OUTPUT, optional("rope_freqs.weight", "n_rot / 2")]
+    LAYER_TENSORS = [
+        *ATTENTION_TENSORS,
+        tensor("attn_q_norm.weight", "head_dim"),
+        tensor("attn_k_norm.weight", "head_dim"),
+        tensor("post_attention_norm.weight", "n_embd"),
+        *GATED_FFN_TENSORS,
+        tensor("post_ffw_norm.weight", "n_embd"),
+    ]
+
+    def build_blocks(self, layers):
+        a = self.args
+        glob = Rope(a.n_rot, a.rope_freq_base, a.rope_freq_scale, neox=True, freq_factors=self.rope_freqs)
+        local = Rope(a.n_rot, a.rope_freq_base_swa, a.rope_freq_scale_swa, neox=True)
+        return [Gemma3Block(w, a, il, local if a.swa_layers[il] else glob) for il, w in enumerate(layers)]
+
+    def embed(self, tokens):
+        x = super().embed(tokens)
+        x *= np.float32(self.args.embed_scale)
+        return x
+
+    def logits(self, x):
+        out = super().logits(x)
+        if self.args.final_logit_softcap:
+            ops.softcap(out, self.args.final_logit_softcap)
+        return out
+
+
+def load(gf: GGUFFile) -> Gemma3:
+    """The model of a gemma3 file. Raises GGUFError naming a bad key or tensor."""
+    return Gemma3(gf, read_args(gf))

@@ -12,10 +12,10 @@ its values through this module, and they are checked in two steps:
    block_count is at most 512 (llama.cpp's LLAMA_MAX_LAYERS) and must match the blk.N
    tensors present; floats are finite.
 2. before a Transformer is built (:meth:`ModelArgs.check`): the values against each other
-   (head_count_kv divides head_count; rope.dimension_count even and within the head) and
-   against the tensors: token_embd, output, rope_freqs and block 0's attention and FFN
-   matrices must have the shapes the metadata gives. The tensor loader then holds every other
-   block to the same shapes, so no kernel sees a size the file's tensors do not back.
+   (head_count_kv divides head_count; rope.dimension_count even and within the head); then
+   the tensor loader (edge.models.weights) holds every tensor the architecture declares to
+   the shape the metadata gives (:meth:`ModelArgs.dim`), so no kernel sees a size the file's
+   tensors do not back.
 
 A fault is one GGUFError naming the key, its value and what it must agree with. Where llama.cpp
 refuses a value edge refuses it too (block_count above 512; for llama and qwen2 a
@@ -28,9 +28,11 @@ per-layer array for head counts or feed_forward_length is refused as a type erro
 """
 from __future__ import annotations
 
+import ast
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import ClassVar
 
 from gguf import GGUFValueType, Keys
 
@@ -140,13 +142,15 @@ def read_swa_layers(gf: GGUFFile, arch: str, n_layer: int, window: int, default_
 
 @dataclass
 class ModelArgs:
-    """Hyperparameters read from ``{arch}.*`` metadata (llama.cpp's llama_hparams).
+    """Hyperparameters read from ``{arch}.*`` metadata that every architecture has (llama.cpp's
+    llama_hparams); an architecture with more subclasses it (edge.models.gemma3.Gemma3Args).
 
     head_dim is ``attention.key_length`` (n_embd / n_head when absent); ``rope_neox`` selects
     GPT-NeoX RoPE pairing; ``partial_rope`` allows ``rope.dimension_count`` below head_dim
     (otherwise it must equal head_dim, as llama.cpp requires for llama and qwen2);
     ``swa_layers[i]`` is True for sliding-window layers, which use ``sliding_window`` and their
-    own RoPE base ``rope_freq_base_swa``. Call :meth:`check` before sizing anything from them.
+    own RoPE base ``rope_freq_base_swa``. Call :meth:`check` before sizing anything from them;
+    :meth:`dim` evaluates the tensor shapes an architecture declares in these fields.
     """
 
     arch: str
@@ -165,18 +169,20 @@ class ModelArgs:
     n_rot: int
     rope_neox: bool
     partial_rope: bool = False
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    post_norms: bool = False
-    activation: str = "silu"
-    embed_scale: float = 1.0
-    attention_scale: float = 0.0  # softmax scale of the scores; 0 = 1/sqrtf(head_dim)
-    query_scale: float = 0.0  # q multiplied by this after RoPE (Gemma's f_attention_scale); 0 = none
     sliding_window: int = 0
     swa_layers: tuple[bool, ...] = ()
     rope_freq_base_swa: float = 10000.0
     rope_freq_scale_swa: float = 1.0
-    final_logit_softcap: float = 0.0
+
+    # the metadata key (gguf.Keys template) of each field a tensor shape may name (n_vocab: the
+    # token list); a subclass adds its own fields' keys
+    KEYS: ClassVar[dict[str, str]] = {
+        "n_embd": Keys.LLM.EMBEDDING_LENGTH, "n_ff": Keys.LLM.FEED_FORWARD_LENGTH,
+        "n_layer": Keys.LLM.BLOCK_COUNT, "n_ctx_train": Keys.LLM.CONTEXT_LENGTH,
+        "n_head": Keys.Attention.HEAD_COUNT, "n_head_kv": Keys.Attention.HEAD_COUNT_KV,
+        "head_dim": Keys.Attention.KEY_LENGTH, "head_dim_v": Keys.Attention.VALUE_LENGTH,
+        "n_rot": Keys.Rope.DIMENSION_COUNT,
+    }
 
     @classmethod
     def common_from_gguf(cls, gf: GGUFFile, arch: str, **overrides) -> "ModelArgs":
@@ -219,8 +225,8 @@ class ModelArgs:
         return template.format(arch=self.arch)
 
     def check(self, gf: GGUFFile) -> None:
-        """Hold the hyperparameters to each other and to the tensors of ``gf`` (module
-        docstring, step 2). Tensors that are absent are left to the tensor loader.
+        """Hold the hyperparameters to each other (module docstring, step 2; the tensor loader,
+        edge.models.weights, then holds every declared tensor to the shape :meth:`dim` gives).
 
         Raises GGUFError naming the key, its value and what it must agree with.
         """
@@ -237,40 +243,51 @@ class ModelArgs:
             raise GGUFError(f"{gf.path}: {rot} must equal the head size {kl} for {self.arch}")
         if not (0 < self.n_rot <= self.head_dim and self.n_rot % 2 == 0):
             raise GGUFError(f"{gf.path}: {rot} must be even and at most the head size {kl}")
-        self._check_shapes(gf)
 
-    def _check_shapes(self, gf: GGUFFile) -> None:
-        k = self.key
-        e = (f"{k(Keys.LLM.EMBEDDING_LENGTH)} = {self.n_embd}", self.n_embd)
-        vocab = (f"the {self.n_vocab} tokens of {TOKENS_KEY}", self.n_vocab)
-        ff = (f"{k(Keys.LLM.FEED_FORWARD_LENGTH)} = {self.n_ff}", self.n_ff)
-        kl = (k(Keys.Attention.KEY_LENGTH), self.head_dim)
-        vl = (k(Keys.Attention.VALUE_LENGTH), self.head_dim_v)
-        h, h_kv = (k(Keys.Attention.HEAD_COUNT), self.n_head), (k(Keys.Attention.HEAD_COUNT_KV), self.n_head_kv)
-        shapes = {
-            "token_embd.weight": (e, vocab),
-            "output.weight": (e, vocab),
-            "blk.0.attn_q.weight": (e, _product(h, kl)),
-            "blk.0.attn_k.weight": (e, _product(h_kv, kl)),
-            "blk.0.attn_v.weight": (e, _product(h_kv, vl)),
-            "blk.0.attn_output.weight": (_product(h, vl), e),
-            "blk.0.ffn_gate.weight": (e, ff),
-            "blk.0.ffn_up.weight": (e, ff),
-            "blk.0.ffn_down.weight": (ff, e),
-            "rope_freqs.weight": ((f"{k(Keys.Rope.DIMENSION_COUNT)} / 2 = {self.n_rot // 2}", self.n_rot // 2),),
-        }
-        if self.qk_norm:
-            shapes["blk.0.attn_q_norm.weight"] = shapes["blk.0.attn_k_norm.weight"] = (
-                (f"{kl[0]} = {self.head_dim}", self.head_dim),)
-        for name, dims in shapes.items():
-            t = gf.tensors.get(name)
-            if t is None or t.shape == tuple(n for _, n in dims):
-                continue
-            want = ", ".join(text for text, _ in dims)
-            raise GGUFError(f"{gf.path}: tensor {name!r} has shape {list(t.shape)}, but the metadata "
-                            f"gives [{want}]")
+    def dim(self, expr: str) -> tuple[str, int]:
+        """A tensor dimension written in these fields, e.g. ``"n_embd"``, ``"n_head * head_dim"``,
+        ``"n_rot / 2"`` (+, -, * and exact /): (its text for a message, naming the metadata
+        keys, as ``attention.head_count * attention.key_length = 4 * 64 = 256``; its value).
+
+        Raises ValueError for an expression of anything else (a fault of the declaring code).
+        """
+        tree = _parse_dim(expr)
+        value = _eval_dim(tree, self)
+        names = [n.id for n in ast.walk(tree) if isinstance(n, ast.Name)]
+        if names == ["n_vocab"]:
+            return f"the {value} tokens of {TOKENS_KEY}", value
+        keys = ast.unparse(_NameTo(lambda n: ast.Name(self.key(self.KEYS[n]))).visit(_parse_dim(expr)))
+        if len(names) == 1:
+            return f"{keys} = {value}", value
+        values = ast.unparse(_NameTo(lambda n: ast.Constant(getattr(self, n))).visit(_parse_dim(expr)))
+        return f"{keys} = {values} = {value}", value
 
 
-def _product(a: tuple[str, int], b: tuple[str, int]) -> tuple[str, int]:
-    """(text, value) of a tensor dimension that is the product of two keys' values."""
-    return f"{a[0]} * {b[0]} = {a[1]} * {b[1]} = {a[1] * b[1]}", a[1] * b[1]
+_DIM_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+            ast.Div: lambda a, b: a // b}
+
+
+def _parse_dim(expr: str) -> ast.expr:
+    """The syntax tree of a dimension expression (ModelArgs.dim)."""
+    return ast.parse(expr, mode="eval").body
+
+
+def _eval_dim(node: ast.expr, args: ModelArgs) -> int:
+    if isinstance(node, ast.Name) and node.id in {f.name for f in fields(args)}:
+        return int(getattr(args, node.id))
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _DIM_OPS:
+        return _DIM_OPS[type(node.op)](_eval_dim(node.left, args), _eval_dim(node.right, args))
+    raise ValueError(f"a tensor dimension is made of ModelArgs fields, integers and + - * /, "
+                     f"not {ast.unparse(node)!r}")
+
+
+class _NameTo(ast.NodeTransformer):
+    """Replaces every name of a dimension expression by what ``make(name)`` gives."""
+
+    def __init__(self, make):
+        self.make = make
+
+    def visit_Name(self, node: ast.Name) -> ast.expr:
+        return self.make(node.id)
