@@ -420,13 +420,13 @@ def _positive_int_list(text: str) -> tuple[int, ...]:
 
 
 def _set_threads(n: int | None) -> None:
-    import numba
+    from edge.threads import use_threads
 
     if n is None:
         n = physical_cores()
     if n < 1:
         raise ValueError(f"-t/--threads must be at least 1, got {n}")
-    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    use_threads(n)
 
 
 def _kernels_compiled() -> bool:
@@ -547,8 +547,9 @@ def cmd_run(args) -> int:
     stats = GenerationStats()
     decoder = StreamDecoder()
     out = sys.stdout
+    max_tokens = None if args.max_tokens < 0 else args.max_tokens     # -n -1: no limit
     try:
-        for tok in engine.generate(ids, params, args.max_tokens, stats, session=args.session):
+        for tok in engine.generate(ids, params, max_tokens, stats, session=args.session):
             text = decoder.feed(engine.tokenizer.token_to_piece(tok, special=False))
             if text:
                 out.write(text)

@@ -17,7 +17,6 @@ from gguf import GGMLQuantizationType
 
 from edge.gguf_file import GGUFError, GGUFFile
 from edge.models.hparams import ModelArgs
-from edge.threads import AdaptiveThreads
 from kernels_cpu import ops
 from kernels_cpu.attention import attention_f16, store_kv
 from kernels_cpu.dequant import dequantize, dequantize_rows
@@ -306,9 +305,9 @@ class Transformer:
     """A decoder-only transformer over GGUF weights.
 
     Tensors: token_embd [n_vocab, n_embd], blk.N.*, output_norm [n_embd], output
-    [n_vocab, n_embd] (tied to token_embd when absent). ``threads`` (edge.threads.AdaptiveThreads)
-    sets the calling thread's numba thread count before and during each forward pass: fewer
-    while other processes keep cores busy, never more than the caller set.
+    [n_vocab, n_embd] (tied to token_embd when absent). The caller owns the thread count
+    (edge.generate.forward: edge.threads.AdaptiveThreads, checked between layers through
+    ``layer_callback``).
     """
 
     def __init__(self, gf: GGUFFile, args: ModelArgs):
@@ -329,7 +328,6 @@ class Transformer:
                 blk.k_shift = static_k_bias(args, blk.attn_k_bias, blk.is_swa, self.rope_freqs)
         self.scratch = Scratch(max(args.n_embd, args.n_ff, args.n_head * args.head_dim_v))
         self.batch_invariant = False
-        self.threads = AdaptiveThreads.from_env()   # fewer threads while other processes keep cores busy
         ld.check_all_used(args.arch)
 
     def set_batch_invariant(self, on: bool = True) -> None:
@@ -375,7 +373,7 @@ class Transformer:
         return glob, local
 
     def forward(self, tokens, cache: KVCache, logits_rows=None, seq_ids=None,
-                prune_last_layer: bool = True) -> np.ndarray:
+                prune_last_layer: bool = True, layer_callback=None) -> np.ndarray:
         """Process ``tokens`` (int[T]) and append them to their sequences in ``cache``.
 
         ``seq_ids`` (int[T], default all 0) gives each row's sequence slot; the rows of one
@@ -388,7 +386,8 @@ class Transformer:
         all; no rows: only the K/V are computed, f32[0, n_vocab]). The last layer computes only
         those rows (as llama.cpp's inp_out_ids); ``prune_last_layer=False`` makes it compute
         every row (an importance matrix sees all of them) and still returns only those logits.
-        Raises ValueError for an empty batch, a token id outside the vocabulary, a bad or
+        ``layer_callback(il)``, when given, is called before each layer il (the caller's thread
+        policy). Raises ValueError for an empty batch, a token id outside the vocabulary, a bad or
         interleaved sequence id, or rows that do not fit in n_ctx.
         """
         tokens = np.asarray(tokens, dtype=np.int64)
@@ -406,12 +405,12 @@ class Transformer:
             logits_rows = last_rows
         elif not isinstance(logits_rows, slice):
             logits_rows = np.asarray(logits_rows, np.int64)
-        self.threads.apply()
         glob, local = self._rope_tables(positions)
         cache.prepare(runs, lengths)
         last = len(self.blocks) - 1
         for il, blk in enumerate(self.blocks):
-            self.threads.check()
+            if layer_callback is not None:
+                layer_callback(il)
             x = blk(x, seq_ids, positions, local if blk.is_swa else glob, cache.k[il], cache.v[il],
                     cache.layer_tables(il), self.scratch,
                     logits_rows if il == last and prune_last_layer else None)
