@@ -40,7 +40,7 @@ Threads
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 

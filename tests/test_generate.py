@@ -138,3 +138,29 @@ def test_the_model_calls_the_layer_callback_before_each_layer(engine):
     cache = engine.model.new_cache(8)
     engine.model.forward([5, 6], cache, layer_callback=seen.append)
     assert seen == list(range(engine.model.args.n_layer)) and engine.model.args.n_layer == 2
+
+
+def test_the_scheduler_serves_through_the_loop_and_a_bad_limit_fails_alone(engine):
+    import queue
+
+    from edge.server.scheduler import Delta, Failed, Finished, Request, Scheduler
+
+    events: queue.Queue = queue.Queue()
+    sched = Scheduler(engine, n_batch=4)
+    try:
+        reqs = [Request(PROMPT, GREEDY, lambda ev, i=i: events.put((i, ev)), max_tokens=m, stop=["<t6>"],
+                        processors=[_script(*script)])
+                for i, (m, script) in enumerate([(3, (5,)), (-1, (5,)), (9, (7, 5, 6, 5))])]
+        for r in reqs:
+            sched.submit(r)
+        seen: dict[int, list] = {0: [], 1: [], 2: []}
+        while sum(isinstance(e[-1], (Finished, Failed)) for e in seen.values() if e) < 3:
+            i, ev = events.get(timeout=60)
+            seen[i].append(ev)
+    finally:
+        sched.stop(timeout=60)
+        engine.model.set_batch_invariant(False)
+    text = {i: "".join(e.text for e in evs if isinstance(e, Delta)) for i, evs in seen.items()}
+    assert (text[0], seen[0][-1]) == ("<t5><t5><t5>", Finished("length", 5, 3, seen[0][-1].cached_tokens))
+    assert seen[1] == [Failed("ValueError: max_tokens must be None (no limit) or an integer >= 0, got -1")]
+    assert (text[2], seen[2][-1].finish_reason, seen[2][-1].completion_tokens) == ("<t7><t5>", "stop", 3)

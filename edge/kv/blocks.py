@@ -58,9 +58,10 @@ Prefix hits
     The hit length ``L`` is the largest multiple of ``block_size`` with ``L <= len(prompt) - 1``
     (the last prompt token is always computed, to get its logits) that every group satisfies:
     a full-attention group needs blocks ``[0, L / block_size)`` cached; a group with window
-    ``W`` needs the blocks holding positions ``[max(0, L - W + 1), L)``, the ones a query at
-    position ``L`` sees (as llama.cpp's LLAMA_SWA_TYPE_STANDARD mask: key ``j`` is visible to
-    query ``p`` when ``p - j < W``). Cached means held by any sequence or in the free queue.
+    ``W`` needs the blocks holding positions ``[max(0, L - k - W + 1), L)``, the ones a query at
+    position ``L - k`` sees (``k``: the lookahead, below; as llama.cpp's LLAMA_SWA_TYPE_STANDARD
+    mask: key ``j`` is visible to query ``p`` when ``p - j < W``). Cached means held by any
+    sequence or in the free queue.
 
 Sliding windows
     In a group with window ``W``, once the next query position ``p`` (= ``num_computed_tokens``)
@@ -69,8 +70,8 @@ Sliding windows
     its table entry becomes a hole, :data:`HOLE` (-1). ``k`` is the sequence's *lookahead*,
     given at ``allocate`` (0 by default; vLLM's num_lookahead_tokens): the window blocks of a
     query ``k`` positions back stay, so that the last ``k`` positions can be truncated and
-    computed again. Holes are always a prefix of the table. Blocks a hit leaves out of the
-    window (of a query ``k`` positions before the hit length) are holes from the start.
+    computed again. Holes are always a prefix of the table. Blocks a hit leaves out of that
+    window are holes from the start.
 
 Truncation
     ``truncate(seq_id, n_keep)`` keeps positions ``[0, n_keep)``; it succeeds whenever

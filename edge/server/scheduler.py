@@ -4,9 +4,10 @@ Each step runs ONE forward pass (edge.generate.GenerationLoop.step) over a batch
 decode row for every running sequence that has sampled a token, plus prefill chunks of newly
 admitted prompts (up to ``n_batch`` rows in all), samples the next token of every sequence
 whose logits the step produced, and retires the finished ones (the loop's finish rules:
-end-of-generation token, stop string, max_tokens, or the context full). Waiting requests are admitted, oldest first, while a sequence slot is free
-and the KV pool can hold their prompt; the prefix cache is shared, so a prompt that starts
-like an earlier one (a system prompt, the previous turn) reuses its KV blocks.
+end-of-generation token, stop string, max_tokens, or the context full). Waiting requests are
+admitted, oldest first, while a sequence slot is free and the KV pool can hold their prompt;
+the prefix cache is shared, so a prompt that starts like an earlier one (a system prompt, the
+previous turn) reuses its KV blocks.
 
 The model runs in batch-invariant mode (Transformer.set_batch_invariant): a sequence's
 logits do not depend on which other sequences share its steps, so a request's text is the
@@ -225,8 +226,13 @@ class Scheduler:
                 if req.cancelled:
                     self._waiting.popleft()
                     continue
-                gen = self.loop.new(req.prompt_ids, req.params, Limits(req.max_tokens, tuple(req.stop)),
-                                    req.processors, req.logprobs, text=True)
+                try:
+                    gen = self.loop.new(req.prompt_ids, req.params, Limits(req.max_tokens, tuple(req.stop)),
+                                        req.processors, req.logprobs, text=True)
+                except ValueError as e:      # this request's fault (a bad limit): it alone fails
+                    self._waiting.popleft()
+                    self._safe_emit(req, Failed(f"{type(e).__name__}: {e}"))
+                    continue
                 try:
                     self.loop.admit(gen)
                 except (NoFreeSlot, NoFreeBlocks):
