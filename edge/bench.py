@@ -7,7 +7,9 @@ Tests (each the median of ``reps`` timed repetitions after one short untimed war
   (edge's own, as ``edge run`` uses; KV types -ctk/-ctv, f16 by default);
   tokens/s = N / seconds.
 - ``tgN``: N greedy tokens decoded one forward pass at a time after the short prompt
-  FIRST_PROMPT; tokens/s = N / seconds of those N passes (the prompt is not timed).
+  FIRST_PROMPT, through the generation loop (edge.generate, end-of-generation tokens decoded
+  on as llama-bench does); tokens/s = N / seconds of those N steps (the prompt and its first
+  token are not timed).
 - ``tgN xB``: B sequences (distinct random prompts of BATCH_PROMPT_LEN ids) decoding together,
   each step one forward pass of B rows (one token per sequence); tokens/s = B * N / seconds;
   ``vs_1_seq`` divides it by the B = 1 result (by tgN when 1 is not among the B values).
@@ -144,21 +146,23 @@ class EdgeRunner:
         return self._decode(prompts, n, n_ctx_seq, single=False)
 
     def _decode(self, prompts, n: int, n_ctx: int, single: bool) -> dict:
-        """Prefill each prompt into its own slot (untimed), then n timed steps, each one forward
-        pass of one token per sequence, greedy. ``single``: one sequence, tokens as a flat list."""
-        B = len(prompts)
-        kv = self._kv(n_ctx, B)
+        """Prefill each prompt into its own slot and sample its first token (untimed), then n
+        timed steps of the generation loop, each one forward pass of one token per sequence,
+        greedy. ``single``: one sequence, tokens as a flat list."""
+        from edge.generate import Limits
+        from edge.sampling import SamplingParams
+
+        kv = self._kv(n_ctx, len(prompts))
         try:
-            slots = [kv.new_sequence(p)[0] for p in prompts]
-            toks = np.array([np.argmax(self.engine.prefill(p, kv, seq=s)) for s, p in zip(slots, prompts)])
-            seq_ids = None if B == 1 else np.array(slots)
-            out = np.empty((n, B), dtype=np.int64)
+            loop = self.engine.loop(kv)
+            seqs = [loop.new(p, SamplingParams(temperature=0.0), Limits(n + 1, eog=False)) for p in prompts]
+            for seq in seqs:
+                loop.admit(seq)
+                loop.sample(seq, loop.compute(seq))
+            out = np.empty((n, len(seqs)), dtype=np.int64)
             t0 = time.perf_counter()
             for k in range(n):
-                for s, t in zip(slots, toks):
-                    kv.append(s, [int(t)])
-                toks = np.argmax(self.model.forward(toks, kv, seq_ids=seq_ids), axis=1)
-                out[k] = toks
+                out[k] = [sampled.token for sampled in loop.advance(seqs)]
             s = time.perf_counter() - t0
         finally:
             kv.close()

@@ -35,6 +35,7 @@ from edge.engine import ContextLengthExceeded, Engine, GenerationStats, Generati
 from edge.files import atomic_write, remove_dead_temps
 from edge.sampling import SamplingParams
 from edge.session import SessionError
+from edge.threads import use_threads
 from edge.files import edge_home
 from edge.tokenizer import StreamDecoder
 
@@ -281,10 +282,7 @@ class ChatRunner:
         for bad settings (the user's message is then taken back), OSError when the chat folder
         cannot be written.
         """
-        if self.threads is not None:
-            import numba
-
-            numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
+        use_threads(self.threads)
         conv = self.conversation
         params = conv.settings.sampling
         conv.messages.append({"role": "user", "content": user_text})
@@ -348,5 +346,6 @@ class ChatRunner:
         return TurnResult("".join(pieces), stopped, stats, stats.n_prompt + stats.n_generated)
 
     def _generate(self, ids, params, stats, session):
-        return self.engine.generate(ids, params, self.conversation.settings.max_tokens, stats, session=session,
+        max_tokens = self.conversation.settings.max_tokens      # the file's -1 is no limit
+        return self.engine.generate(ids, params, None if max_tokens < 0 else max_tokens, stats, session=session,
                                     session_save="end", stop=self._stop)

@@ -1,8 +1,9 @@
 """The engine: one loaded model with its tokenizer and chat template, and generation.
 
-The CLI (and later the server and TUI) go through :class:`Engine`; none of them touches the
-kernels. Generation is a generator of token ids; :class:`GenerationStats` records what
-``edge run`` reports (prompt tokens, TTFT, prompt and generated tokens per second).
+The CLI, the server and the TUI go through :class:`Engine`; none of them touches the
+kernels. Generation is a generator of token ids, the generation loop (edge.generate) with one
+sequence; :class:`GenerationStats` records what ``edge run`` reports (prompt tokens, TTFT,
+prompt and generated tokens per second).
 """
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ from pathlib import Path
 import numpy as np
 
 from edge.chat_template import ChatTemplate, ChatTemplateError, require_template
+from edge.generate import ContextLengthExceeded, GenerationLoop, GenerationStopped, Limits
 from edge.gguf_file import GGUFFile
 from edge.kv.cache import PagedKVCache, kv_row
 from edge.session import load_session, model_fingerprint, save_session
 from edge.models import load_model
-from edge.sampling import Sampler, SamplingParams
+from edge.sampling import LogitsProcessor, SamplingParams
+from edge.threads import AdaptiveThreads
 from edge.tokenizer import Tokenizer
 
 DEFAULT_N_CTX = 4096
@@ -28,18 +31,7 @@ _SENTINEL = "\ue000edge-content-{}\ue001"  # private-use code points never produ
 _SENTINEL_RE = re.compile("\ue000edge-content-(\\d+)\ue001")
 
 
-class GenerationStopped(Exception):
-    """The caller's stop event was set while the prompt was being computed (no token yet)."""
-
-
-class ContextLengthExceeded(ValueError):
-    """A prompt does not fit the context window. Carries both numbers."""
-
-    def __init__(self, n_prompt: int, n_ctx: int):
-        super().__init__(f"the prompt has {n_prompt} tokens but the context size (n_ctx) is {n_ctx}; "
-                         "shorten the prompt or raise -c/--ctx-size")
-        self.n_prompt = n_prompt
-        self.n_ctx = n_ctx
+__all__ = ["ContextLengthExceeded", "Engine", "GenerationStats", "GenerationStopped"]
 
 
 @dataclass
@@ -84,8 +76,10 @@ class Engine:
 
     Generation goes through one paged KV cache (edge.kv.cache), kept for the engine's life:
     a prompt that starts like an earlier one (the next turn of a chat) reuses its cached
-    blocks. Raises GGUFError / UnsupportedArchitecture for a bad or unsupported file,
-    ValueError for bad sizes or KV types.
+    blocks. ``threads`` (edge.threads.AdaptiveThreads.from_env()) is the thread policy of every
+    forward pass on the model (fewer threads while other processes keep cores busy). Raises
+    GGUFError / UnsupportedArchitecture for a bad or unsupported file, ValueError for bad sizes
+    or KV types.
     """
 
     path: Path
@@ -110,6 +104,7 @@ class Engine:
         kv_row(self.cache_type_v, self.model.args.head_dim_v)
         self._kv: PagedKVCache | None = None
         self._fingerprint: str | None = None
+        self.threads = AdaptiveThreads.from_env()
 
     @property
     def kv(self) -> PagedKVCache:
@@ -127,6 +122,12 @@ class Engine:
         if self._fingerprint is None:
             self._fingerprint = model_fingerprint(self.gguf)
         return self._fingerprint
+
+    def loop(self, cache=None) -> GenerationLoop:
+        """The generation loop (edge.generate) over the model and ``cache`` (default: the
+        engine's KV cache), with the engine's n_batch and thread policy."""
+        return GenerationLoop(self.model, self.kv if cache is None else cache, self.tokenizer,
+                              self.n_batch, self.threads)
 
     def clear_kv_cache(self) -> None:
         """Forget every cached prefix (the next generation computes its whole prompt, as a cold
@@ -170,27 +171,20 @@ class Engine:
         return self.model.new_cache(self.n_ctx)
 
     def prefill(self, ids: Sequence[int], cache, seq: int = 0, stop=None) -> np.ndarray:
-        """Append ``ids`` to sequence slot ``seq`` of ``cache`` in chunks of n_batch; returns the
-        last logits f32[n_vocab]. Raises ContextLengthExceeded when they do not fit in n_ctx,
-        GenerationStopped when ``stop`` (a threading.Event) is set before a chunk."""
-        n_past = int(cache.pos[seq])
-        if n_past + len(ids) > cache.n_ctx:
-            raise ContextLengthExceeded(n_past + len(ids), cache.n_ctx)
-        logits = None
-        seq_ids = None if cache.n_seq == 1 else np.full(min(len(ids), self.n_batch), seq, np.int32)
-        for i in range(0, len(ids), self.n_batch):
-            if stop is not None and stop.is_set():
-                raise GenerationStopped()
-            chunk = ids[i : i + self.n_batch]
-            logits = self.model.forward(chunk, cache, seq_ids=None if seq_ids is None else seq_ids[: len(chunk)])
-        return logits[-1]
+        """Append ``ids`` to sequence slot ``seq`` of ``cache`` in chunks of n_batch
+        (GenerationLoop.prefill); returns the last logits f32[n_vocab]. Raises
+        ContextLengthExceeded when they do not fit in n_ctx, GenerationStopped when ``stop`` (a
+        threading.Event) is set before a chunk."""
+        return self.loop(cache).prefill(seq, ids, stop)
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
-                 max_tokens: int = -1, stats: GenerationStats | None = None,
+                 max_tokens: int | None = None, stats: GenerationStats | None = None,
                  session: str | Path | None = None, session_save: str = "prompt",
-                 stop=None) -> Iterator[int]:
+                 stop=None, processors: Sequence[LogitsProcessor] = ()) -> Iterator[int]:
         """Yield generated token ids until an end-of-generation token (not yielded), max_tokens
-        (-1 = no limit) or the end of the context. ``stats`` (optional) is filled in as it goes.
+        (None = no limit) or the end of the context (edge.generate's finish rules). ``stats``
+        (optional) is filled in as it goes. ``processors``: the sampler's mask stage
+        (edge.sampling.LogitsProcessor).
 
         ``session``: a session file (llama.cpp's --prompt-cache). When it exists, the KV cache
         of the tokens it shares with the start of the prompt is restored instead of computed
@@ -205,7 +199,8 @@ class Engine:
         GenerationStopped between two chunks of n_batch tokens (once tokens flow, the caller
         stops by closing the generator).
 
-        Raises ContextLengthExceeded if the prompt is longer than n_ctx,
+        Raises ContextLengthExceeded if the prompt is longer than n_ctx, ValueError for a
+        max_tokens that is neither None nor >= 0,
         SessionError for a session file made with another model or KV type, or damaged,
         edge.kv.cache.KVNoSpace when the file system of the KV pool file is full (the
         sequence is freed; tokens already yielded stand).
@@ -218,21 +213,35 @@ class Engine:
             raise ContextLengthExceeded(len(prompt_ids), self.n_ctx)
         if session_save not in ("prompt", "end"):
             raise ValueError(f"session_save must be 'prompt' or 'end', got {session_save!r}")
-        sampler = Sampler(params or SamplingParams())
+        loop = self.loop()
+        seq = loop.new(prompt_ids, params, Limits(max_tokens), processors)
         stats.n_prompt = len(prompt_ids)
         t0 = time.perf_counter()
-        kv = self.kv
-        slot, logits = self._start(prompt_ids, stats, session, save=session_save == "prompt", stop=stop)
-        last = [logits]   # the logits after the sequence's last computed token, as decoding goes
+        seq.slot, seq.logits = self._start(prompt_ids, stats, session, save=session_save == "prompt", stop=stop)
         try:
             stats.prompt_seconds = time.perf_counter() - t0
-            yield from self._decode(kv, slot, last, sampler, prompt_ids, max_tokens, stats, t0)
+            t_first = None
+            for out in loop.run(seq):
+                now = time.perf_counter()
+                if out.token is not None:        # sampled (an end-of-generation token too)
+                    if t_first is None:
+                        t_first = now
+                        stats.ttft = now - t0
+                    stats.decode_seconds = now - t_first
+                elif t_first is None:            # -n 0: the time to the first token's logits
+                    stats.ttft = now - t0
+                if out.generated:
+                    stats.n_generated += 1
+                    yield out.token
+                if out.finish_reason is not None:
+                    stats.finish_reason = out.finish_reason
+                    stats.context_full = seq.context_full
         finally:
             try:
                 if session is not None and session_save == "end":
-                    save_session(session, self, slot, last[0])
+                    save_session(session, self, seq.slot, seq.logits)
             finally:
-                kv.free(slot)
+                loop.free(seq)
 
     def _start(self, prompt_ids: list[int], stats: GenerationStats, session, save: bool = True,
                stop=None) -> tuple[int, np.ndarray]:
@@ -273,37 +282,6 @@ class Engine:
             kv.free(slot)
             raise
         return slot, logits
-
-    def _decode(self, kv, slot, last, sampler, prompt_ids, max_tokens, stats, t0):
-        logits = last[0]
-        history = list(prompt_ids)
-        t_first = None
-        seq_ids = None if kv.n_seq == 1 else np.array([slot])
-        while True:
-            if max_tokens >= 0 and stats.n_generated >= max_tokens:
-                stats.finish_reason = "length"
-                if t_first is None:            # -n 0: the time to the first token's logits
-                    stats.ttft = time.perf_counter() - t0
-                return
-            tok = sampler.sample(logits, history)
-            now = time.perf_counter()
-            if t_first is None:
-                t_first = now
-                stats.ttft = now - t0
-            stats.decode_seconds = now - t_first
-            if self.tokenizer.is_eog(tok):
-                stats.finish_reason = "stop"
-                return
-            stats.n_generated += 1
-            history.append(tok)
-            yield tok
-            if kv.pos[slot] >= kv.n_ctx or (max_tokens >= 0 and stats.n_generated >= max_tokens):
-                stats.finish_reason = "length"
-                stats.context_full = bool(kv.pos[slot] >= kv.n_ctx)
-                return
-            kv.append(slot, [tok])
-            logits = self.model.forward([tok], kv, seq_ids=seq_ids)[-1]
-            last[0] = logits
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

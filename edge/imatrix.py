@@ -29,6 +29,7 @@ import numpy as np
 from numba import njit, prange
 
 from edge.files import atomic_write
+from edge.generate import forward
 
 MIN_ROWS = 16  # llama-imatrix ignores products of fewer activation rows
 
@@ -116,8 +117,8 @@ def compute_imatrix(engine, text: str, n_ctx: int, n_batch: int | None = None, m
                 chunk[0] = tok.bos_id
             cache = model.new_cache(n_ctx)
             for b in range(0, n_ctx, n_batch):
-                model.forward(chunk[b:b + n_batch], cache, slice(None) if process_output else slice(0, 0),
-                              prune_last_layer=False)
+                forward(model, chunk[b:b + n_batch], cache, engine.threads,
+                        logits_rows=slice(None) if process_output else slice(0, 0), prune_last_layer=False)
             if on_chunk is not None:
                 on_chunk(c + 1, n_chunks)
     finally:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edge.generate import forward
 from edge.kv.cache import PagedKVCache
 from edge.logits_file import BaseLogitsWriter
 
@@ -81,10 +82,10 @@ def chunk_logits(engine, chunk: list[int]) -> np.ndarray:
     for b in range(0, n_ctx, engine.n_batch):
         end = min(b + engine.n_batch, n_ctx)
         lo, hi = max(first, b), min(n_ctx - 1, end)  # chunk positions whose logits we need
+        rows = slice(lo - b, hi - b) if lo < hi else None      # the chunk's last row: unused logits
+        logits = forward(engine.model, chunk[b:end], cache, engine.threads, logits_rows=rows)
         if lo < hi:
-            out[lo - first : hi - first] = engine.model.forward(chunk[b:end], cache, slice(lo - b, hi - b))
-        else:
-            engine.model.forward(chunk[b:end], cache)
+            out[lo - first : hi - first] = logits
     return out
 
 

@@ -7,16 +7,19 @@ sampler order, each step mirroring its ``llama_sampler_*_apply`` in src/llama-sa
 2. penalties           over the distinct tokens of the last ``repeat_last_n`` history tokens:
                        ``logit /= repeat_penalty`` if ``logit > 0`` else ``logit *= repeat_penalty``,
                        then ``logit -= count * frequency_penalty + presence_penalty``
-3. top_k               keep the k largest logits (0 = off)
-4. top_p               softmax over what is left; keep the smallest prefix, largest first, whose
+3. mask stage          the request's logits processors, in order: ``logits = p(history, logits)``
+                       (edge's, not llama.cpp's: where mlx-lm's logits_processors act; a
+                       grammar or a :class:`TokenMask` bans tokens by setting them to -inf)
+4. top_k               keep the k largest logits (0 = off)
+5. top_p               softmax over what is left; keep the smallest prefix, largest first, whose
                        cumulative probability is >= top_p (1 = off; 0 keeps the best token)
-5. min_p               keep logits >= max_logit + log(min_p) (0 = off)
-6. temperature         ``logit /= temperature``
-7. dist                draw from the softmax of what is left
+6. min_p               keep logits >= max_logit + log(min_p) (0 = off)
+7. temperature         ``logit /= temperature``
+8. dist                draw from the softmax of what is left
 
-``temperature <= 0`` is greedy: the exact argmax after steps 1-2 (ties go to the lowest id).
+``temperature <= 0`` is greedy: the exact argmax after steps 1-3 (ties go to the lowest id).
 Ties elsewhere are broken towards the lowest token id, so results do not depend on sort
-stability. Steps 1-2 run in the logits' dtype (float32, as llama.cpp); probabilities are
+stability. Steps 1-3 run in the logits' dtype (float32, as llama.cpp); probabilities are
 float64. The random stream is a numpy ``Generator`` (PCG64) seeded from ``seed``, so draws are
 reproducible per seed but differ from llama.cpp's mt19937 stream.
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping, Sequence
@@ -34,6 +38,10 @@ from typing import Mapping, Sequence
 import numpy as np
 
 TOP_P_FIRST_PREFIX = 256  # tokens sorted first by top_p when top_k is off; grows x16
+
+LogitsProcessor = Callable[[Sequence[int], np.ndarray], np.ndarray]
+"""The mask stage's processors: ``(history, logits float[V]) -> logits float[V]``; ``logits``
+is the sampler's own copy (a processor may change it in place and return it)."""
 
 
 class SamplingError(ValueError):
@@ -158,19 +166,63 @@ def _top_p_prefix(probs: np.ndarray, p: float, is_sorted: bool) -> np.ndarray:
         m = min(n, m * 16)
 
 
+class TokenMask:
+    """A logits processor that keeps only the allowed tokens (the others get -inf).
+
+    Args:
+        allowed: the allowed token ids (ints >= 0), or a bool[V] mask.
+    Raises:
+        ValueError: ids that are not integers >= 0, or a mask that is not 1-D bool.
+        SamplingError (when called): an id outside the vocabulary, or a mask of another size.
+    """
+
+    def __init__(self, allowed):
+        arr = np.asarray(allowed)
+        if arr.dtype == bool:
+            if arr.ndim != 1:
+                raise ValueError(f"TokenMask: a mask must be 1-D, got shape {arr.shape}")
+            self._mask: np.ndarray | None = arr
+            self._ids = np.flatnonzero(arr)
+        else:
+            if arr.ndim != 1 or (arr.size and (arr.dtype.kind not in "iu" or int(arr.min()) < 0)):
+                raise ValueError("TokenMask: allowed must be token ids (integers >= 0) or a bool mask")
+            self._mask, self._ids = None, arr.astype(np.int64)
+
+    def __call__(self, history: Sequence[int], logits: np.ndarray) -> np.ndarray:
+        n_vocab = logits.shape[0]
+        if self._mask is not None and self._mask.shape[0] != n_vocab:
+            raise SamplingError(f"TokenMask: a mask of {self._mask.shape[0]} tokens for a vocabulary of {n_vocab}")
+        if self._mask is None:
+            if self._ids.size and int(self._ids.max()) >= n_vocab:
+                raise SamplingError(f"TokenMask: token {int(self._ids.max())} is not in the vocabulary "
+                                    f"of {n_vocab} tokens")
+            self._mask = np.zeros(n_vocab, bool)
+            self._mask[self._ids] = True
+        logits[~self._mask] = -np.inf
+        return logits
+
+
 class Sampler:
     """Picks the next token from a model's logits with llama.cpp's default chain (module docstring).
 
-    One Sampler holds one random stream: create one per generation (request) and call
-    :meth:`sample` once per generated token.
+    One Sampler holds one request's sampling state: its random stream and its mask stage
+    (``processors``). Create one per generation (edge.generate builds it beside the sequence)
+    and call :meth:`sample` once per generated token.
+
+    Args:
+        params: the :class:`SamplingParams`.
+        processors: the mask stage's :data:`LogitsProcessor` callables, applied in order after
+            logit_bias and penalties, before top_k (greedy included).
 
     Attributes:
         params: the :class:`SamplingParams`.
+        processors: the mask stage (a tuple).
         seed: the seed of the random stream (``params.seed``, or a random 32-bit one).
     """
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, processors: Sequence[LogitsProcessor] = ()):
         self.params = params
+        self.processors = tuple(processors)
         self.seed = params.seed if params.seed is not None else secrets.randbits(32)
         self._rng = np.random.default_rng(self.seed)
         self._bias_ids = np.fromiter(params.logit_bias.keys(), np.int64, len(params.logit_bias))
@@ -184,8 +236,9 @@ class Sampler:
             history: the prompt and generated token ids so far, oldest first (for the penalties).
 
         Raises:
-            SamplingError: logits not a non-empty 1-D float array, NaN or +inf after bias and
-                penalties, every logit -inf, or a token id of history/logit_bias not in [0, V).
+            SamplingError: logits not a non-empty 1-D float array, NaN or +inf after bias,
+                penalties and the mask stage, every logit -inf, or a token id of
+                history/logit_bias not in [0, V).
         """
         token_ids, probs = self.distribution(logits, history)
         if token_ids.shape[0] == 1:
@@ -232,7 +285,7 @@ class Sampler:
             SamplingError: as :meth:`sample`.
         """
         params = self.params
-        x = self._biased_and_penalized(logits, history)
+        x = self._processed(logits, history)
         if params.temperature <= 0:
             return np.array([np.argmax(x)], np.int64), np.ones(1)
         if 0 < params.top_k < x.shape[0]:
@@ -251,15 +304,15 @@ class Sampler:
         weights = np.exp(scaled)
         return token_ids, weights / weights.sum()
 
-    def _biased_and_penalized(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
-        """Steps 1-2 on a copy (the input itself when neither applies); validates everything."""
+    def _processed(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        """Steps 1-3 on a copy (the input itself when none applies); validates everything."""
         x = np.asarray(logits)
         if x.ndim != 1 or x.shape[0] == 0 or x.dtype.kind != "f":
             raise SamplingError(f"logits must be a non-empty 1-D float array, got shape "
                                 f"{x.shape} dtype {x.dtype}")
         n_vocab = x.shape[0]
         window = self._penalty_window(history)
-        if self._bias_ids.shape[0] or window is not None:
+        if self._bias_ids.shape[0] or window is not None or self.processors:
             x = x.copy()
         if self._bias_ids.shape[0]:
             if self._bias_ids.max() >= n_vocab:
@@ -268,6 +321,11 @@ class Sampler:
             x[self._bias_ids] += self._bias_values.astype(x.dtype)
         if window is not None:
             self._apply_penalties(x, window)
+        for processor in self.processors:
+            x = np.asarray(processor(history, x))
+            if x.shape != (n_vocab,) or x.dtype.kind != "f":
+                raise SamplingError(f"logits processor {processor!r} returned shape {x.shape} dtype "
+                                    f"{x.dtype}, not {n_vocab} floats")
         peak = x.max()
         if np.isnan(peak) or peak == np.inf:
             raise SamplingError("logits contain NaN or +inf")

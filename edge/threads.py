@@ -21,7 +21,7 @@ thread count comes back in the first interval after the other load stops. On an 
 the only cost is a clock read per layer and a /proc/stat read (about 20 us) per interval.
 
 Never more threads than the caller asked for: the count numba had on the calling thread when
-the caller last set it (``numba.set_num_threads``, e.g. ``-t``) is the ceiling, per thread, as
+the caller last set it (:func:`use_threads`, e.g. ``-t``) is the ceiling, per thread, as
 numba's own setting is. Off with EDGE_ADAPTIVE_THREADS=0 (the thread count then stays as set),
 and off where /proc/stat cannot be read (not Linux).
 """
@@ -80,9 +80,22 @@ def _numba_get() -> int:
     return numba.get_num_threads()
 
 
-def _numba_set(n: int) -> None:
+def use_threads(n: int | None) -> None:
+    """Set numba's thread count for the calling thread: the one place edge sets it.
+
+    Args:
+        n: threads for the kernels the calling thread runs, clamped to
+            numba.config.NUMBA_NUM_THREADS (the size of numba's pool); None leaves numba's
+            setting as it is.
+    Raises:
+        ValueError: n < 1.
+    """
+    if n is None:
+        return
+    if n < 1:
+        raise ValueError(f"the thread count must be at least 1, got {n}")
     import numba
-    numba.set_num_threads(n)
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
 
 
 class AdaptiveThreads:
@@ -97,7 +110,8 @@ class AdaptiveThreads:
             busy CPU seconds of ``cpus`` (None: unknown), this process's CPU seconds, and
             numba's per-thread get/set; replaced by fakes in tests.
 
-    :meth:`apply` is what the forward pass calls; :attr:`limit` is the current ceiling from
+    The caller of a forward pass (edge.generate.forward) calls :meth:`apply` before it and passes
+    :meth:`check` as the model's per-layer callback; :attr:`limit` is the current ceiling from
     other processes' load (None: no limit), :attr:`others` the cores they used in the last
     interval. Not thread-safe across concurrent forwards of one model (a forward is not
     reentrant anyway); different threads calling in turn each keep their own ceiling.
@@ -109,7 +123,7 @@ class AdaptiveThreads:
                  read_busy: Callable[[tuple[int, ...]], float | None] = read_busy_seconds,
                  read_self: Callable[[], float] = read_self_seconds,
                  get_threads: Callable[[], int] = _numba_get,
-                 set_threads: Callable[[int], None] = _numba_set):
+                 set_threads: Callable[[int], None] = use_threads):
         self.cpus = tuple(cpus) if cpus is not None else _allowed_cpus()
         self.interval = interval
         self.threshold = threshold
@@ -151,15 +165,16 @@ class AdaptiveThreads:
         self.limit = max(1, len(self.cpus) - taken) if taken > 0 else None
         return self.limit
 
-    def check(self) -> None:
-        """apply() if a decision is due (cheap otherwise: one clock read). Between layers."""
+    def check(self, layer: int = -1) -> None:
+        """apply() if a decision is due (cheap otherwise: one clock read). Between layers: the
+        model calls it as ``layer_callback(layer)`` before each layer (``layer`` is unused)."""
         if self.enabled and self._clock() >= self._due:
             self.apply()
 
     def apply(self) -> None:
         """Set the calling thread's numba thread count to min(what its caller asked, limit).
 
-        Call before running kernels (the forward pass does, and between layers). What the
+        Call before running kernels (before each forward pass; :meth:`check` between layers). What the
         caller asked is numba's count on this thread whenever it differs from what apply()
         last set there (the caller changed it, or the thread is new)."""
         if not self.enabled:

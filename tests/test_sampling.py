@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from edge.sampling import Sampler, SamplingError, SamplingParams
+from edge.sampling import Sampler, SamplingError, SamplingParams, TokenMask
 
 P4 = np.array([0.4, 0.3, 0.2, 0.1])
 LOGITS4 = np.log(P4).astype(np.float32)  # softmax(LOGITS4) == P4
@@ -391,3 +391,65 @@ def test_negative_top_k_is_off():
     draws = {k: [Sampler(SamplingParams(top_k=k, top_p=1.0, min_p=0.0, seed=s)).sample(logits, [])
                  for s in range(40)] for k in (0, -1)}
     assert draws[0] == draws[-1]
+
+
+# --- the mask stage (logits processors after bias and penalties, before top_k) --------------
+
+def test_mask_stage_bans_and_forces_tokens():
+    allowed = Sampler(params(), [TokenMask([1, 3])])
+    np.testing.assert_allclose(dense(allowed, LOGITS4), [0.0, 0.75, 0.0, 0.25], rtol=1e-6)
+    assert set(frequencies(allowed, LOGITS4, n=500).nonzero()[0]) == {1, 3}
+    mask = np.array([False, False, True, False])
+    forced = Sampler(params(), [TokenMask(mask)])
+    assert [forced.sample(LOGITS4) for _ in range(50)] == [2] * 50
+    assert Sampler(params(temperature=0.0), [TokenMask([1, 3])]).sample(LOGITS4) == 1   # greedy too
+    assert Sampler(params(temperature=0.0), [TokenMask([3])]).sample(LOGITS4) == 3
+
+
+def test_mask_stage_sits_after_bias_and_penalties_and_before_top_k():
+    seen = []
+
+    def record(history, logits):
+        seen.append((list(history), logits.copy()))
+        logits[0] = -np.inf                              # ban the best token
+        return logits
+
+    s = Sampler(params(top_k=1, logit_bias={3: 10.0}, repeat_penalty=2.0), [record, TokenMask([0, 1, 2])])
+    assert s.sample(LOGITS4, [1]) == 2    # 3 was biased to the top, then masked; top_k picks 2 of 1, 2
+    history, x = seen[0]
+    assert history == [1]
+    expected = LOGITS4.copy()
+    expected[3] += np.float32(10.0)
+    expected[1] *= np.float32(2.0)                      # log(0.3) < 0: multiplied
+    np.testing.assert_array_equal(x, expected)
+    logits = LOGITS4.copy()
+    logits.setflags(write=False)                         # the processors get the sampler's copy
+    Sampler(params(), [record]).sample(logits)
+    np.testing.assert_array_equal(logits, LOGITS4)
+
+
+def test_mask_stage_follows_the_history():
+    script = [3, 0, 2]
+
+    def next_in_script(history, logits):
+        logits[np.arange(len(logits)) != script[len(history) % 3]] = -np.inf
+        return logits
+
+    s = Sampler(params(seed=7), [next_in_script])
+    history = []
+    for _ in range(6):
+        history.append(s.sample(LOGITS4, history))
+    assert history == [3, 0, 2, 3, 0, 2]
+
+
+def test_mask_stage_errors_are_clear():
+    with pytest.raises(SamplingError, match="every token has logit -inf"):
+        Sampler(params(), [TokenMask([])]).sample(LOGITS4)
+    with pytest.raises(SamplingError, match="TokenMask: token 7 is not in the vocabulary of 4 tokens"):
+        Sampler(params(), [TokenMask([1, 7])]).sample(LOGITS4)
+    with pytest.raises(SamplingError, match="a mask of 3 tokens for a vocabulary of 4"):
+        Sampler(params(), [TokenMask(np.ones(3, bool))]).sample(LOGITS4)
+    with pytest.raises(SamplingError, match=r"returned shape \(2,\)"):
+        Sampler(params(), [lambda h, x: x[:2]]).sample(LOGITS4)
+    with pytest.raises(ValueError, match="token ids \\(integers >= 0\\) or a bool mask"):
+        TokenMask([-1, 2])

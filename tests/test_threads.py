@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from edge.gguf_file import GGUFFile
+from edge.generate import forward
 from edge.models import load_model
-from edge.threads import AdaptiveThreads, read_busy_seconds, read_self_seconds
+from edge.threads import AdaptiveThreads, read_busy_seconds, read_self_seconds, use_threads
 
 
 class FakeMachine:
@@ -142,33 +143,45 @@ def test_each_thread_keeps_its_own_ceiling():
 
 
 def test_forward_applies_the_limit_on_the_calling_thread(gemma_path):
-    """Transformer.forward runs its kernels on the policy's thread count, re-deciding between
-    layers, and the logits do not depend on it (greedy text is the same whatever the load)."""
+    """A forward pass (edge.generate.forward: the policy applied before, checked between layers)
+    runs its kernels on the policy's thread count, and the logits do not depend on it (greedy
+    text is the same whatever the load)."""
     model = load_model(GGUFFile(gemma_path))
     m = FakeMachine()
     asked = numba.get_num_threads()
     seen = []
     policy = AdaptiveThreads(cpus=(0, 1), interval=0.1, clock=lambda: m.t,
                              read_busy=lambda c: m.busy, read_self=lambda: m.mine)
-
-    def forward(*args, **kw):            # as the generation loop calls it: the caller owns threads
-        policy.apply()
-        return model.forward(*args, **kw, layer_callback=lambda il: policy.check())
     try:
         tokens = np.array([2, 818, 5279, 529, 7001, 563, 236743, 1, 17, 400])
         cache = model.new_cache(64)
-        full = forward(tokens, cache, logits_rows=slice(None))
-        step = forward([int(np.argmax(full[-1]))], cache)
+        full = forward(model, tokens, cache, logits_rows=slice(None), threads=policy)
+        step = forward(model, [int(np.argmax(full[-1]))], cache, threads=policy)
         seen.append(numba.get_num_threads())
         m.run(0.1, mine=1.0, others=1.0)                 # a busy process: one thread
         cache = model.new_cache(64)
-        limited = forward(tokens, cache, logits_rows=slice(None))
+        limited = forward(model, tokens, cache, logits_rows=slice(None), threads=policy)
         seen.append(numba.get_num_threads())
         np.testing.assert_array_equal(full, limited)
-        np.testing.assert_array_equal(step, forward([int(np.argmax(full[-1]))], cache))
+        np.testing.assert_array_equal(step, forward(model, [int(np.argmax(full[-1]))], cache, threads=policy))
         m.run(0.1, mine=1.0, others=0.0)                 # gone: the count asked for again
-        forward(tokens[:1], model.new_cache(64))
+        forward(model, tokens[:1], model.new_cache(64), threads=policy)
         seen.append(numba.get_num_threads())
         assert seen == [asked, 1, asked]
+    finally:
+        numba.set_num_threads(asked)
+
+
+def test_use_threads_sets_the_calling_threads_count_clamped_to_numbas_pool():
+    asked = numba.get_num_threads()
+    try:
+        use_threads(1)
+        assert numba.get_num_threads() == 1
+        use_threads(None)                                # None: as it is
+        assert numba.get_num_threads() == 1
+        use_threads(10**6)
+        assert numba.get_num_threads() == numba.config.NUMBA_NUM_THREADS
+        with pytest.raises(ValueError, match="the thread count must be at least 1, got 0"):
+            use_threads(0)
     finally:
         numba.set_num_threads(asked)

@@ -73,7 +73,8 @@ def cmd_run(args) -> int:
     decoder = StreamDecoder()
     out = sys.stdout
     try:
-        for tok in engine.generate(ids, params, args.max_tokens, stats, session=args.session):
+        max_tokens = None if args.max_tokens < 0 else args.max_tokens     # -n -1: no limit
+        for tok in engine.generate(ids, params, max_tokens, stats, session=args.session):
             text = decoder.feed(engine.tokenizer.token_to_piece(tok, special=False))
             if text:
                 out.write(text)

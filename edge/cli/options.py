@@ -71,13 +71,13 @@ def positive_int_list(text: str) -> tuple[int, ...]:
 
 
 def set_threads(n: int | None) -> None:
-    import numba
+    from edge.threads import use_threads
 
     if n is None:
         n = physical_cores()
     if n < 1:
         raise ValueError(f"-t/--threads must be at least 1, got {n}")
-    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    use_threads(n)
 
 
 def kernels_compiled() -> bool:

@@ -1,7 +1,8 @@
 """KV block allocator with prefix caching: the pure-Python bookkeeping of the paged KV cache.
 
-The design follows vLLM v1's block manager (kv_cache_manager.py, block_pool.py); the storage
-(block pools of K/V) and the attention kernels that read it through block tables live elsewhere.
+The design follows vLLM v1's block manager (kv_cache_manager.py, block_pool.py: here
+edge.kv.block_pool holds a group's blocks, free queue and hash map); the storage (block pools of
+K/V) and the attention kernels that read it through block tables live elsewhere.
 
 Blocks and tables
     A manager holds one or more layer groups (:class:`KVGroup`); each group has its own pool of
@@ -24,7 +25,10 @@ Token states of a sequence
        wrote the next ``n`` positions.
     3. Decoding: ``append_tokens(seq_id, [token])`` reserves the sampled token's slot before the
        forward that writes its K/V, then ``mark_computed(seq_id, 1)``.
-    4. ``free(seq_id)`` when the sequence ends (or is preempted).
+    4. ``truncate(seq_id, n_keep)`` to take back positions (rejected draft tokens): the
+       tokens from ``n_keep`` on are dropped, computed or not, and the caller computes others
+       there (see Truncation).
+    5. ``free(seq_id)`` when the sequence ends (or is preempted).
 
     A scheduler admits a waiting prompt when ``can_allocate(prompt_ids, reserve_tokens)``;
     ``append_tokens`` raising :class:`NoFreeBlocks` (nothing changed) is its cue to preempt.
@@ -54,16 +58,35 @@ Prefix hits
     The hit length ``L`` is the largest multiple of ``block_size`` with ``L <= len(prompt) - 1``
     (the last prompt token is always computed, to get its logits) that every group satisfies:
     a full-attention group needs blocks ``[0, L / block_size)`` cached; a group with window
-    ``W`` needs the blocks holding positions ``[max(0, L - W + 1), L)``, the ones a query at
-    position ``L`` sees (as llama.cpp's LLAMA_SWA_TYPE_STANDARD mask: key ``j`` is visible to
-    query ``p`` when ``p - j < W``). Cached means held by any sequence or in the free queue.
+    ``W`` needs the blocks holding positions ``[max(0, L - k - W + 1), L)``, the ones a query at
+    position ``L - k`` sees (``k``: the lookahead, below; as llama.cpp's LLAMA_SWA_TYPE_STANDARD
+    mask: key ``j`` is visible to query ``p`` when ``p - j < W``). Cached means held by any
+    sequence or in the free queue.
 
 Sliding windows
     In a group with window ``W``, once the next query position ``p`` (= ``num_computed_tokens``)
-    satisfies ``j <= p - W`` for every position ``j`` of a block, the block is released (count
-    - 1, to the free queue tail when 0, still cached; several blocks in table order) and its
-    table entry becomes a hole, :data:`HOLE` (-1). Holes are always a prefix of the table.
-    Blocks a hit leaves out of the window are holes from the start.
+    satisfies ``j <= p - k - W`` for every position ``j`` of a block, the block is released
+    (count - 1, to the free queue tail when 0, still cached; several blocks in table order) and
+    its table entry becomes a hole, :data:`HOLE` (-1). ``k`` is the sequence's *lookahead*,
+    given at ``allocate`` (0 by default; vLLM's num_lookahead_tokens): the window blocks of a
+    query ``k`` positions back stay, so that the last ``k`` positions can be truncated and
+    computed again. Holes are always a prefix of the table. Blocks a hit leaves out of that
+    window are holes from the start.
+
+Truncation
+    ``truncate(seq_id, n_keep)`` keeps positions ``[0, n_keep)``; it succeeds whenever
+    ``n_keep >= num_computed_tokens - k`` (a window group whose blocks position ``n_keep``
+    still sees were released raises ValueError). ``num_computed_tokens`` becomes
+    ``min(num_computed_tokens, n_keep)``. Blocks wholly past ``n_keep`` leave the table, last
+    block first; one that no other sequence holds loses its hash and goes to the head of the
+    free queue (it is taken first, and no prefix hit ever reaches it). The block holding
+    position ``n_keep`` when ``n_keep`` is inside a block (the *partial* block), whose slots
+    from ``n_keep % block_size`` on will be written again, is unregistered when the sequence
+    alone holds it; when others hold it too (a prefix hit), it stays theirs, intact and
+    registered, and the sequence gets a fresh block instead, into which the storage copies the
+    kept slots (the ``copy_block`` callback). A block another sequence still holds keeps its
+    hash: its K/V are intact. So the prefix cache never serves a block whose contents a
+    truncation dropped or that will be rewritten.
 
 Sessions
     Save: :meth:`~KVBlockManager.token_ids` and the block tables. Restore:
@@ -75,11 +98,12 @@ Sessions
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import numpy as np
+
+from edge.kv.block_pool import BlockPool
 
 HOLE = -1  # block table entry of a block released out of the sliding window
 _HASH_BYTES = 32
@@ -130,69 +154,12 @@ class KVStats:
     prefix_hit_tokens: int
 
 
-class _Block:
-    __slots__ = ("ref_count", "block_hash")
-
-    def __init__(self):
-        self.ref_count = 0
-        self.block_hash: bytes | None = None
-
-
-class _BlockPool:
-    """One group's blocks, LRU free queue (block id -> None, head first) and hash map."""
-
-    def __init__(self, group: KVGroup):
-        self.window = group.window
-        self.blocks = [_Block() for _ in range(group.n_blocks)]
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(group.n_blocks))
-        self.cached: dict[bytes, int] = {}
-
-    def first_visible_block(self, p: int, block_size: int) -> int:
-        """Index of the first block a query at position ``p`` (or later) can see."""
-        if self.window == 0:
-            return 0
-        return max(0, p - self.window + 1) // block_size
-
-    def take_cached(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            del self.free_queue[block_id]
-        block.ref_count += 1
-
-    def take_fresh(self) -> int:
-        block_id, _ = self.free_queue.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.block_hash is not None:
-            del self.cached[block.block_hash]
-            block.block_hash = None
-        block.ref_count = 1
-        return block_id
-
-    def release(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            self.free_queue[block_id] = None
-
-    def forget(self, block_id: int) -> None:
-        """A free block whose contents are dropped: no hash, first in the free queue."""
-        block = self.blocks[block_id]
-        if block.block_hash is not None:
-            del self.cached[block.block_hash]
-            block.block_hash = None
-        self.free_queue.move_to_end(block_id, last=False)
-
-    def register(self, block_id: int, block_hash: bytes) -> None:
-        if block_hash not in self.cached:
-            self.cached[block_hash] = block_id
-            self.blocks[block_id].block_hash = block_hash
-
-
 class _Sequence:
-    __slots__ = ("token_ids", "num_computed", "tables", "holes", "block_hashes", "arrays")
+    __slots__ = ("token_ids", "num_computed", "tables", "holes", "block_hashes", "arrays", "lookahead")
 
-    def __init__(self, token_ids: list[int], n_groups: int):
+    def __init__(self, token_ids: list[int], n_groups: int, lookahead: int = 0):
         self.token_ids = token_ids
+        self.lookahead = lookahead           # positions a window group keeps blocks back for
         self.num_computed = 0
         self.tables: list[list[int]] = [[] for _ in range(n_groups)]
         self.holes = [0] * n_groups        # leading HOLE entries of each table
@@ -210,6 +177,12 @@ class _Plan:
     hits: list[list[int]]
     n_fresh: list[int]
     needed: list[int]
+
+
+def _check_lookahead(lookahead, what: str) -> int:
+    if not (isinstance(lookahead, (int, np.integer)) and not isinstance(lookahead, bool) and lookahead >= 0):
+        raise ValueError(f"{what}: lookahead must be an integer >= 0, got {lookahead!r}")
+    return int(lookahead)
 
 
 def _as_token_ids(token_ids: Sequence[int] | np.ndarray, what: str) -> list[int]:
@@ -251,7 +224,7 @@ class KVBlockManager:
                             f"{type(extra_key).__name__}")
         self.block_size = block_size
         self.groups = tuple(groups)
-        self._pools = [_BlockPool(g) for g in self.groups]
+        self._pools = [BlockPool(g.n_blocks, g.window) for g in self.groups]
         self._seqs: dict[Hashable, _Sequence] = {}
         self._root = hashlib.blake2b(
             b"edge.kv.root" + len(extra_key).to_bytes(8, "little") + bytes(extra_key)
@@ -262,21 +235,25 @@ class KVBlockManager:
 
     # ---- sequences -------------------------------------------------------------------------
 
-    def allocate(self, seq_id: Hashable, prompt_ids: Sequence[int] | np.ndarray) -> int:
+    def allocate(self, seq_id: Hashable, prompt_ids: Sequence[int] | np.ndarray, lookahead: int = 0) -> int:
         """Start sequence ``seq_id`` with its prompt: take the longest cached prefix and reserve
         fresh blocks for every other prompt position.
 
+        Args:
+            lookahead: positions the sequence may take back with :meth:`truncate` (window groups
+                keep the blocks for them; module docstring).
         Returns:
             n_cached: prompt tokens whose K/V is already cached (a multiple of block_size,
             < len(prompt_ids)); the caller computes ``prompt_ids[n_cached:]``.
         Raises:
             NoFreeBlocks: a group's free queue is too short (nothing changed).
-            ValueError: ``seq_id`` already exists, empty prompt, or ids not int32 token ids.
+            ValueError: ``seq_id`` already exists, empty prompt, ids not int32 token ids, or
+            lookahead not an integer >= 0.
         """
         tokens = self._new_tokens(seq_id, prompt_ids, "allocate")
         if not tokens:
             raise ValueError("allocate: empty prompt")
-        seq = _Sequence(tokens, len(self._pools))
+        seq = _Sequence(tokens, len(self._pools), _check_lookahead(lookahead, "allocate"))
         plan = self._plan(seq, (len(tokens) - 1) // self.block_size, None, len(tokens))
         self._apply(seq_id, seq, plan)
         self._queries += 1
@@ -304,14 +281,15 @@ class KVBlockManager:
         self._apply(seq_id, seq, plan)
         return plan.n_cached
 
-    def can_allocate(self, prompt_ids: Sequence[int] | np.ndarray, reserve_tokens: int = 0) -> bool:
-        """Whether :meth:`allocate` of ``prompt_ids`` would succeed now with blocks to spare for
-        ``reserve_tokens`` more positions (in window groups an upper bound: releases during
-        generation are not counted). Changes nothing."""
+    def can_allocate(self, prompt_ids: Sequence[int] | np.ndarray, reserve_tokens: int = 0,
+                     lookahead: int = 0) -> bool:
+        """Whether :meth:`allocate` of ``prompt_ids`` (with ``lookahead``) would succeed now with
+        blocks to spare for ``reserve_tokens`` more positions (in window groups an upper bound:
+        releases during generation are not counted). Changes nothing."""
         tokens = _as_token_ids(prompt_ids, "can_allocate")
         if not tokens or reserve_tokens < 0:
             raise ValueError("can_allocate: empty prompt or negative reserve_tokens")
-        seq = _Sequence(tokens, len(self._pools))
+        seq = _Sequence(tokens, len(self._pools), _check_lookahead(lookahead, "can_allocate"))
         plan = self._plan(seq, (len(tokens) - 1) // self.block_size, None,
                           len(tokens) + reserve_tokens)
         return all(n <= len(p.free_queue) for n, p in zip(plan.needed, self._pools))
@@ -338,7 +316,7 @@ class KVBlockManager:
     def mark_computed(self, seq_id: Hashable, n_tokens: int) -> None:
         """Record that the K/V of the next ``n_tokens`` known positions has been written:
         register the hashes of blocks that became full, then release the blocks that fell out
-        of a window group's reach of the next query position.
+        of a window group's reach of the next query position (minus the lookahead).
 
         Raises:
             KeyError: unknown ``seq_id``.
@@ -357,7 +335,7 @@ class KVBlockManager:
             for k in range(first_full, end_full):
                 if table[k] != HOLE:
                     pool.register(table[k], hashes[k])
-            for k in range(seq.holes[g], pool.first_visible_block(end, bs)):
+            for k in range(seq.holes[g], pool.first_visible_block(end, bs, seq.lookahead)):
                 pool.release(table[k])
                 if self.forget_out_of_window and pool.blocks[table[k]].ref_count == 0:
                     pool.forget(table[k])
@@ -379,6 +357,73 @@ class KVBlockManager:
                 if block_id != HOLE:
                     pool.release(block_id)
         del self._seqs[seq_id]
+
+    def truncate(self, seq_id: Hashable, n_keep: int,
+                 copy_block: Callable[[int, int, int, int], None] | None = None) -> None:
+        """Drop the tokens of a sequence from position ``n_keep`` on, computed or not (module
+        docstring, Truncation): the caller then appends and computes other tokens there.
+
+        Args:
+            n_keep: positions kept, ``0 <= n_keep <= num_tokens``.
+            copy_block: ``copy_block(group, src, dst, n_slots)`` copies the K/V of the first
+                ``n_slots`` slots of block ``src`` to block ``dst`` of ``group``, for a partial
+                block other sequences hold too (required then).
+        Raises:
+            KeyError: unknown ``seq_id``.
+            ValueError: ``n_keep`` out of range, or a window group has released blocks that a
+                query at ``min(n_keep, num_computed_tokens)`` sees (more than the lookahead
+                back); no copy_block for a shared partial block.
+            NoFreeBlocks: no fresh block for a copy.
+            Whatever copy_block raises. In every case the sequence is unchanged (a cached free
+            block taken for a copy stays evicted).
+        """
+        seq = self._seq(seq_id)
+        n = len(seq.token_ids)
+        if not (isinstance(n_keep, (int, np.integer)) and 0 <= n_keep <= n):
+            raise ValueError(f"truncate: n_keep must be an integer in [0, {n}] (the tokens of sequence "
+                             f"{seq_id!r}), got {n_keep!r}")
+        n_keep = int(n_keep)
+        if n_keep == n:
+            return
+        bs = self.block_size
+        query = min(n_keep, seq.num_computed)
+        partial = n_keep // bs if n_keep % bs else None     # the block kept in part
+        shared = []                                          # groups whose partial block others hold
+        for g, pool in enumerate(self._pools):
+            if seq.holes[g] > pool.first_visible_block(query, bs):
+                raise ValueError(f"truncate: sequence {seq_id!r} cannot go back to {n_keep} tokens: group {g}'s "
+                                 f"window blocks for that position were released (lookahead {seq.lookahead})")
+            if partial is not None and pool.blocks[seq.tables[g][partial]].ref_count > 1:
+                shared.append(g)
+        if shared and copy_block is None:
+            raise ValueError("truncate: the partial block is shared; a copy_block callback is needed")
+        self._check_free([int(g in shared) for g in range(len(self._pools))])
+        fresh = {g: self._pools[g].take_fresh() for g in shared}
+        try:
+            for g, dst in fresh.items():
+                copy_block(g, seq.tables[g][partial], dst, n_keep % bs)
+        except BaseException:
+            for g, dst in fresh.items():
+                self._pools[g].release(dst)
+                self._pools[g].forget(dst)
+            raise
+        n_blocks = -(-n_keep // bs)
+        for g, pool in enumerate(self._pools):
+            table = seq.tables[g]
+            if g in fresh:
+                pool.release(table[partial])
+                table[partial] = fresh[g]
+            elif partial is not None:
+                pool.unregister(table[partial])
+            for block_id in reversed(table[n_blocks:]):    # the first dropped ends at the head
+                pool.release(block_id)
+                if pool.blocks[block_id].ref_count == 0:
+                    pool.forget(block_id)
+            del table[n_blocks:]
+            seq.arrays[g] = None
+        del seq.token_ids[n_keep:]
+        del seq.block_hashes[n_keep // bs:]
+        seq.num_computed = min(seq.num_computed, n_keep)
 
     def forget_free_blocks(self, group: int, block_ids: Sequence[int]) -> None:
         """Drop what free blocks of ``group`` hold (their storage was given back): their hashes
@@ -515,13 +560,13 @@ class KVBlockManager:
                 run.append(r)
             runs.append(run)
         n_hit = max_hit_blocks
-        while n_hit > 0 and not self._hits_cover(runs, n_hit, query):
+        while n_hit > 0 and not self._hits_cover(runs, n_hit, query, seq.lookahead):
             n_hit -= 1
         q = n_hit * bs if query is None else query
         n_blocks = -(-end // bs)
         plan = _Plan(n_hit * bs, [], [], [], [])
         for pool in self._pools:
-            first = pool.first_visible_block(q, bs)
+            first = pool.first_visible_block(q, bs, seq.lookahead)
             hits = [pool.cached[hashes[k]] for k in range(first, n_hit)]
             n_fresh = n_blocks - max(first, n_hit)
             plan.holes.append(first)
@@ -530,11 +575,11 @@ class KVBlockManager:
             plan.needed.append(n_fresh + sum(pool.blocks[b].ref_count == 0 for b in hits))
         return plan
 
-    def _hits_cover(self, runs: list[list[int]], n_hit: int, query: int | None) -> bool:
+    def _hits_cover(self, runs: list[list[int]], n_hit: int, query: int | None, lookahead: int) -> bool:
         """Whether every group has the cached blocks a hit of ``n_hit`` blocks needs."""
         q = n_hit * self.block_size if query is None else query
         for run, pool in zip(runs, self._pools):
-            first = pool.first_visible_block(q, self.block_size)
+            first = pool.first_visible_block(q, self.block_size, lookahead)
             if first < n_hit and run[n_hit - 1] < n_hit - first:
                 return False
         return True

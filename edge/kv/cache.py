@@ -24,8 +24,10 @@ anonymous memory.
 A sequence is a slot ``0 .. n_seq-1``. :meth:`PagedKVCache.new_sequence` reuses the longest
 cached prefix (prefix caching, see edge.kv.blocks) and reserves blocks for the prompt;
 :meth:`append` reserves the next sampled token's slot; the model's forward pass writes K/V
-through the block tables (:meth:`prepare` / :meth:`commit`); :meth:`free` ends a sequence
-(its full blocks stay cached until evicted in LRU order).
+through the block tables (:meth:`prepare` / :meth:`commit`); :meth:`truncate` takes positions
+back (rejected draft tokens; a sequence made with a lookahead of k keeps the window blocks to
+take back its last k positions); :meth:`free` ends a sequence (its full blocks stay cached
+until evicted in LRU order).
 """
 from __future__ import annotations
 
@@ -148,16 +150,18 @@ class PagedKVCache:
     def bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.args, self.type_k, self.type_v)
 
-    def new_sequence(self, prompt_ids) -> tuple[int, int]:
+    def new_sequence(self, prompt_ids, lookahead: int = 0) -> tuple[int, int]:
         """Start a sequence with its prompt: returns (slot, n_cached), the prompt tokens whose
         K/V the prefix cache already holds (the caller computes prompt_ids[n_cached:]).
+        ``lookahead``: how many of its last computed positions :meth:`truncate` may take back
+        (edge.kv.blocks: sliding-window layers keep their blocks that long).
 
-        Raises ValueError (empty prompt or longer than n_ctx), NoFreeSlot or NoFreeBlocks
-        (nothing changed)."""
+        Raises ValueError (empty prompt or longer than n_ctx, bad lookahead), NoFreeSlot or
+        NoFreeBlocks (nothing changed)."""
         if len(prompt_ids) > self.n_ctx:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens but n_ctx is {self.n_ctx}")
         slot = self._next_slot()
-        n_cached = self.manager.allocate(slot, prompt_ids)
+        n_cached = self.manager.allocate(slot, prompt_ids, lookahead)
         self._free_slots.pop()
         self.pos[slot] = n_cached
         return slot, n_cached
@@ -169,6 +173,28 @@ class PagedKVCache:
         if n > self.n_ctx:
             raise ValueError(f"context full: sequence {slot} would hold {n} tokens, n_ctx is {self.n_ctx}")
         self.manager.append_tokens(slot, token_ids)
+
+    def truncate(self, slot: int, n_keep: int) -> None:
+        """Keep the first ``n_keep`` positions of the sequence in ``slot`` and drop the rest,
+        computed or reserved (edge.kv.blocks.KVBlockManager.truncate: dropped blocks lose their
+        prefix hashes; a partial block other sequences share is copied first). The caller then
+        appends and computes other tokens from ``n_keep`` on.
+
+        Raises ValueError (n_keep outside [0, known tokens], or further back than the
+        sequence's lookahead allows in a sliding-window layer), KVNoSpace (no disk space for
+        the copy); the sequence is then unchanged."""
+        self.manager.truncate(slot, n_keep, self._copy_block)
+        self.pos[slot] = min(int(self.pos[slot]), n_keep)
+
+    def _copy_block(self, g: int, src: int, dst: int, n_slots: int) -> None:
+        """Copy the K/V of the first n_slots slots of block src to block dst in every layer of
+        group g (dst gets its disk space first)."""
+        if self._backed is not None and not self._backed[g][dst]:
+            self._back_blocks(g, np.array([dst]))
+        for il, group in enumerate(self.layer_group):
+            if group == g:
+                self.k[il][dst, :n_slots] = self.k[il][src, :n_slots]
+                self.v[il][dst, :n_slots] = self.v[il][src, :n_slots]
 
     def _next_slot(self) -> int:
         """The slot the next sequence takes (taken once the manager accepts it)."""
@@ -275,6 +301,13 @@ class PagedKVCache:
             new = np.sort(blocks[~backed[blocks]])
             if not new.size:
                 return
+        self._back_blocks(g, new)
+
+    def _back_blocks(self, g: int, new: np.ndarray) -> None:
+        """Give disk space to blocks ``new`` (sorted, not yet backed) of group g's pools, taking
+        the space of free blocks when the file system is full. Raises KVNoSpace."""
+        if self._backed is None:
+            return
         runs = _runs(new)
         page, size = mmap.PAGESIZE, len(self._map)
         ranges = []

@@ -1,12 +1,13 @@
 """Continuous batching: one thread owns the model and serves every request at once.
 
-Each step runs ONE forward pass over a batch made of one decode row for every running
-sequence that has sampled a token, plus prefill chunks of newly admitted prompts (up to
-``n_batch`` rows in all), samples the next token of every sequence whose logits the step
-produced, and retires the finished ones (end-of-generation token, stop string, max_tokens, or
-the context full). Waiting requests are admitted, oldest first, while a sequence slot is free
-and the KV pool can hold their prompt; the prefix cache is shared, so a prompt that starts
-like an earlier one (a system prompt, the previous turn) reuses its KV blocks.
+Each step runs ONE forward pass (edge.generate.GenerationLoop.step) over a batch made of one
+decode row for every running sequence that has sampled a token, plus prefill chunks of newly
+admitted prompts (up to ``n_batch`` rows in all), samples the next token of every sequence
+whose logits the step produced, and retires the finished ones (the loop's finish rules:
+end-of-generation token, stop string, max_tokens, or the context full). Waiting requests are
+admitted, oldest first, while a sequence slot is free and the KV pool can hold their prompt;
+the prefix cache is shared, so a prompt that starts like an earlier one (a system prompt, the
+previous turn) reuses its KV blocks.
 
 The model runs in batch-invariant mode (Transformer.set_batch_invariant): a sequence's
 logits do not depend on which other sequences share its steps, so a request's text is the
@@ -27,11 +28,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edge.engine import ContextLengthExceeded
+from edge.generate import ContextLengthExceeded, Limits, Rows, Sampled, Sequence
 from edge.kv.blocks import NoFreeBlocks
 from edge.kv.cache import KVNoSpace, NoFreeSlot
-from edge.sampling import Sampler, SamplingParams
-from edge.textstream import TextStream
+from edge.sampling import LogitsProcessor, SamplingParams
+from edge.threads import use_threads
 
 
 class QueueFull(RuntimeError):
@@ -85,7 +86,8 @@ class Request:
 
     prompt_ids: the prompt's token ids (1 <= len < n_ctx). max_tokens: >= 1, or None (until
     the context is full). stop: stop strings. logprobs: None (off) or the number of top
-    alternatives (0..20). emit: called with each event, on the scheduler thread.
+    alternatives (0..20). processors: the sampler's mask stage (edge.sampling.LogitsProcessor).
+    emit: called with each event, on the scheduler thread.
     """
 
     prompt_ids: list[int]
@@ -94,6 +96,7 @@ class Request:
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None
+    processors: list[LogitsProcessor] = field(default_factory=list)
     cancelled: bool = False
     t_submit: float = 0.0
 
@@ -101,21 +104,10 @@ class Request:
 @dataclass(eq=False)
 class _Seq:
     req: Request
-    slot: int
-    n_cached: int
-    sampler: Sampler
-    text: TextStream
-    history: list[int]
-    n_prompt_done: int          # prompt tokens whose K/V are computed
-    next_token: int | None = None
+    gen: Sequence               # the loop's sequence: slot, tokens, sampler, text, limits
     t_last: float = 0.0
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     done: bool = False
-
-    @property
-    def n_generated(self) -> int:
-        """Tokens generated so far (history holds the prompt, then them)."""
-        return len(self.history) - len(self.req.prompt_ids)
 
 
 @dataclass
@@ -148,6 +140,7 @@ class Scheduler:
         self.model = engine.model
         self.model.set_batch_invariant(True)
         self.kv = engine.kv
+        self.loop = engine.loop()
         self.n_ctx = engine.n_ctx
         self.max_queue = max_queue
         self.n_batch = n_batch
@@ -207,9 +200,7 @@ class Scheduler:
     # ---- scheduler thread ----------------------------------------------------------------------
 
     def _loop(self) -> None:
-        if self.threads:                   # numba's thread count is per calling thread
-            import numba
-            numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
+        use_threads(self.threads or None)  # numba's thread count is per calling thread
         while True:
             with self._cv:
                 while not (self._waiting or self._running or self._stopping):
@@ -223,7 +214,7 @@ class Scheduler:
                 traceback.print_exc()
                 for seq in self._running:
                     self._safe_emit(seq.req, Failed(message))
-                    self.kv.free(seq.slot)
+                    self.loop.free(seq.gen)
                 self._running = []
 
     def _admit(self) -> None:
@@ -236,15 +227,20 @@ class Scheduler:
                     self._waiting.popleft()
                     continue
                 try:
-                    slot, n_cached = self.kv.new_sequence(req.prompt_ids)
+                    gen = self.loop.new(req.prompt_ids, req.params, Limits(req.max_tokens, tuple(req.stop)),
+                                        req.processors, req.logprobs, text=True)
+                except ValueError as e:      # this request's fault (a bad limit): it alone fails
+                    self._waiting.popleft()
+                    self._safe_emit(req, Failed(f"{type(e).__name__}: {e}"))
+                    continue
+                try:
+                    self.loop.admit(gen)
                 except (NoFreeSlot, NoFreeBlocks):
                     return
                 self._waiting.popleft()
-            seq = _Seq(req, slot, n_cached, Sampler(req.params), TextStream(self.engine.tokenizer, req.stop),
-                       list(req.prompt_ids), n_cached)
-            self._running.append(seq)
+            self._running.append(_Seq(req, gen))
             self.stats.prompt_tokens += len(req.prompt_ids)
-            self.stats.cached_tokens += n_cached
+            self.stats.cached_tokens += gen.n_cached
 
     def _step(self) -> None:
         for seq in [s for s in self._running if s.req.cancelled]:
@@ -252,54 +248,45 @@ class Scheduler:
         self._admit()
         if not self._running:
             return
-        tokens, seq_ids, logits_rows, owners = [], [], [], []
-        for seq in self._running:                       # decode rows
-            if seq.next_token is not None:
-                self.kv.append(seq.slot, [seq.next_token])
-                if not self._reserve(seq, 1):
-                    continue
-                tokens.append(seq.next_token)
-                seq_ids.append(seq.slot)
-                logits_rows.append(len(tokens) - 1)
-                owners.append(seq)
-                seq.next_token = None
-        budget = max(self.n_batch - len(tokens), 1)
+        rows, owners = [], []
+        for seq in self._running:                       # decode rows: one sampled token each
+            if seq.gen.n_generated and not seq.done:
+                r = self.loop.rows(seq.gen, 1)
+                if self._reserve(seq, r):
+                    rows.append(r)
+                    owners.append(seq)
+        budget = max(self.n_batch - len(rows), 1)
         for seq in self._running:                       # prefill chunks, oldest first
-            n_prompt = len(seq.req.prompt_ids)
-            if seq.n_prompt_done >= n_prompt or budget <= 0:
+            if seq.gen.n_generated or seq.done or budget <= 0:
                 continue
-            chunk = seq.req.prompt_ids[seq.n_prompt_done : seq.n_prompt_done + budget]
-            if not self._reserve(seq, len(chunk)):
+            r = self.loop.rows(seq.gen, budget)
+            if r is None or not self._reserve(seq, r):
                 continue
-            tokens.extend(chunk)
-            seq_ids.extend([seq.slot] * len(chunk))
-            seq.n_prompt_done += len(chunk)
-            budget -= len(chunk)
-            if seq.n_prompt_done == n_prompt:
-                logits_rows.append(len(tokens) - 1)
+            rows.append(r)
+            budget -= len(r.tokens)
+            if r.n_logits:
                 owners.append(seq)
-        if tokens:
-            self._forward(tokens, seq_ids, logits_rows, owners)
+        if rows:
+            self._forward(rows, owners)
         for seq in [s for s in self._running if s.req.cancelled or s.done]:
             self._retire(seq)
 
-    def _reserve(self, seq: _Seq, n: int) -> bool:
-        """Give disk space to the next n positions of seq's KV (PagedKVCache.reserve). When the
+    def _reserve(self, seq: _Seq, rows: Rows) -> bool:
+        """Give KV positions and disk space to seq's rows (GenerationLoop.reserve). When the
         file system is full, the request fails with a 503 (its blocks are freed when it is
         retired; the others go on) and False is returned: it takes no part in the step."""
         try:
-            self.kv.reserve(seq.slot, n)
+            self.loop.reserve(rows)
         except KVNoSpace as e:
             self._safe_emit(seq.req, Failed(str(e), status=503, code="insufficient_storage"))
             seq.done = True
             return False
         return True
 
-    def _forward(self, tokens: list[int], seq_ids: list[int], logits_rows: list[int], owners: list[_Seq]) -> None:
-        """One forward pass over the step's rows, then sampling of each owner's next token."""
-        logits = self.model.forward(np.asarray(tokens, np.int64), self.kv,
-                                    logits_rows=np.asarray(logits_rows, np.int64),
-                                    seq_ids=np.asarray(seq_ids, np.int64))
+    def _forward(self, rows: list[Rows], owners: list[_Seq]) -> None:
+        """One step over the rows (owners: the sequences that get logits, in row order), then
+        sampling of each owner's next token."""
+        logits = self.loop.step(rows)
         now = time.perf_counter()
         for row, seq in enumerate(owners):
             if seq.req.cancelled:
@@ -311,34 +298,20 @@ class Scheduler:
                 seq.done = True
 
     def _sample(self, seq: _Seq, logits: np.ndarray, now: float) -> None:
-        req = seq.req
-        if req.logprobs is not None:
-            tok, lp, top = seq.sampler.sample_with_logprobs(logits, seq.history, req.logprobs)
-        else:
-            tok, lp, top = seq.sampler.sample(logits, seq.history), None, None
-        if seq.n_generated == 0:
-            self._observe(ttft=now - req.t_submit)
+        first = seq.gen.n_generated == 0
+        out: Sampled = self.loop.sample(seq.gen, logits)
+        if first:
+            self._observe(ttft=now - seq.req.t_submit)
         else:
             self._observe(tpot=now - seq.t_last)
         seq.t_last = now
-        tokenizer = self.engine.tokenizer
-        if tokenizer.is_eog(tok):
-            self._finish(seq, "stop")
-            return
-        self.stats.generated_tokens += 1
-        seq.history.append(tok)
-        if lp is not None:
-            seq.pending_logprobs.append(TokenLogprob(tok, lp, top))
-        released = seq.text.push(tok)
-        self._emit_delta(seq, released)
-        if released.stopped:
-            self._finish(seq, "stop", flush=False)
-        elif req.max_tokens is not None and seq.n_generated >= req.max_tokens:
-            self._finish(seq, "length")
-        elif self.kv.num_tokens(seq.slot) + 1 > self.n_ctx:
-            self._finish(seq, "length")
-        else:
-            seq.next_token = tok
+        if out.generated:
+            self.stats.generated_tokens += 1
+            if out.logprob is not None:
+                seq.pending_logprobs.append(TokenLogprob(out.token, out.logprob, out.top))
+            self._emit_delta(seq, out.released)
+        if out.finish_reason is not None:
+            self._finish(seq, out)
 
     def _emit_delta(self, seq: _Seq, released) -> None:
         lps = []
@@ -348,15 +321,16 @@ class Scheduler:
         if released.text or lps:
             self._safe_emit(seq.req, Delta(released.text, lps))
 
-    def _finish(self, seq: _Seq, reason: str, flush: bool = True) -> None:
-        if flush:
-            self._emit_delta(seq, seq.text.finish())
-        self._safe_emit(seq.req, Finished(reason, len(seq.req.prompt_ids), seq.n_generated, seq.n_cached))
+    def _finish(self, seq: _Seq, out: Sampled) -> None:
+        if out.tail is not None:
+            self._emit_delta(seq, out.tail)
+        gen = seq.gen
+        self._safe_emit(seq.req, Finished(out.finish_reason, len(gen.prompt_ids), gen.n_generated, gen.n_cached))
         self.stats.requests_finished += 1
         seq.done = True
 
     def _retire(self, seq: _Seq) -> None:
-        self.kv.free(seq.slot)
+        self.loop.free(seq.gen)
         self._running.remove(seq)
 
 
