@@ -161,6 +161,7 @@ def bench_reserve(path, reps: int = 5) -> list[str]:
     import numpy as np
 
     from edge.engine import Engine
+    from edge.generate import forward
     from edge.kv.cache import PagedKVCache
 
     eng = Engine(path)
@@ -190,7 +191,7 @@ def bench_reserve(path, reps: int = 5) -> list[str]:
                 t = time.perf_counter()
                 for _ in range(128):
                     kv.append(slot, [tok])
-                    tok = int(np.argmax(eng.model.forward([tok], kv)[-1]))
+                    tok = int(np.argmax(forward(eng.model, [tok], kv)[-1]))
                 runs[on]["tg"].append(128 / (time.perf_counter() - t))
                 runs[on]["tg_in"].append(spent[0] / 128)
             finally:
