@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from tests.test_server import ERROR_KEYS, Server
+from tests.server_process import ERROR_KEYS, Server
 from tests.tiny_chat import write_tiny_chat_model
 
 LONG = os.environ.get("EDGE_FUZZ_LONG") == "1"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_server import Server, _sse_events, _start
+from tests.server_process import Server, sse_events, start_post
 from tests.tiny_models import write_tiny_model
 
 BLOCK = 64 * 1024                     # bytes of one 16-token block over all pools of the tiny model
@@ -199,13 +199,13 @@ def test_serve_a_request_without_room_leaves_a_running_one_alone(tiny, tmp_path)
         (_room(srv, home) / "filler").write_bytes(b"x" * (704 * 1024))
         stream = {"prompt": [1, 2, 3, 4], "max_tokens": 60, "temperature": 0, "stream": True,
                   "logit_bias": {"2": -100}}                          # no end-of-generation token: 60 tokens
-        conn = _start(srv, "/v1/completions", stream)
+        conn = start_post(srv, "/v1/completions", stream)
         response = conn.getresponse()
         first = response.readline()
         assert response.status == 200 and first.startswith(b"data: {"), first
         status, body = _complete(srv, [50 + i % 40 for i in range(200)])
         assert status == 503 and body["error"]["code"] == "insufficient_storage", body
-        events = _sse_events(first + response.read())
+        events = sse_events(first + response.read())
         conn.close()
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e)["choices"][0] for e in events[:-1]]

@@ -2,11 +2,10 @@
 
 A real `edge serve` process on the default model (qwen2.5-coder-0.5b-instruct, -np 4, -c 2048)
 is driven with the official `openai` client and with raw HTTP (http.client) for the SSE framing
-and malformed requests. A second process serves a tiny random model whose chat template raises
-(C2) or tries a sandbox escape (C1), on a Unix socket behind --api-key, with a small -b and -c
-so prompts longer than n_batch and a prompt that fills the context are cheap. Two short-lived
-ones check --max-queue (0 on the tiny model; 1 with -np 1 on Qwen, where a third request gets
-503) and that SIGINT lets the running stream and the waiting request finish.
+and malformed requests (the process: tests/server_process.py; the tiny model's C1, C2, API key
+and Unix socket: tests/test_server_tiny.py). Short-lived ones check --max-queue 1 with -np 1 on
+Qwen, where a third request gets 503, and that SIGINT lets the running stream and the waiting
+request finish.
 
 Expected values come from llama.cpp's goldens (../shared/golden) or from the same server on
 another path (streamed vs not, concurrent vs alone); token counts are exact.
@@ -17,157 +16,27 @@ import base64
 import http.client
 import json
 import math
-import os
 import signal
 import socket
-import stat
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGUFWriter
 
 from edge.gguf_file import GGUFFile
-from tests import tiny_models
 from tests.conftest import golden
+from tests.server_process import Server, assert_error, sse_events, start_post
 
 openai = pytest.importorskip("openai", reason="the server tests talk through the official openai client "
                                                "(pip install -e .[test])")
-try:                                   # the openai client's HTTP library (httpx2 in newer releases)
-    import httpx2 as httpx
-except ImportError:
-    import httpx
 
 QWEN = "qwen2.5-coder-0.5b"
 N_CTX = 2048
 N_PARALLEL = 4
 FRANCE = "The capital of France is"
 NO_EOG = {"151643": -100, "151645": -100}       # <|endoftext|>, <|im_end|> banned: generation runs on
-ERROR_KEYS = {"message", "type", "param", "code"}
-
-
-# ---- a server process -------------------------------------------------------------------------
-
-class _UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float):
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
-
-    def connect(self):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self._path)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """An `edge serve` subprocess listening on a TCP port of 127.0.0.1 or a Unix socket."""
-
-    def __init__(self, args: list[str], log: Path, uds: str | None = None, api_key: str | None = None,
-                 prefix: list[str] = (), env: dict | None = None):
-        """``prefix``: argv the command runs under (e.g. unshare); ``env``: variables to set."""
-        self.uds, self.api_key, self.log = uds, api_key, log
-        self.port = None if uds else _free_port()
-        where = ["--unix-socket", uds] if uds else ["--host", "127.0.0.1", "--port", str(self.port)]
-        key = ["--api-key", api_key] if api_key else []
-        env = {**os.environ, "NUMBA_NUM_THREADS": os.environ.get("NUMBA_NUM_THREADS", "2"), **(env or {})}
-        env.pop("EDGE_API_KEY", None)
-        with open(log, "wb") as f:
-            self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "edge.cli", "serve", *args, *where, *key],
-                                         stdout=f, stderr=subprocess.STDOUT, env=env)
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:]
-
-    def wait_ready(self, timeout: float) -> None:
-        """Until GET /health is 200; fails with the server's output if it exits or times out."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"edge serve exited with {self.proc.returncode}:\n{self.log_text()}")
-            try:
-                if self.request("GET", "/health", timeout=5)[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        pytest.fail(f"edge serve not ready after {timeout} s:\n{self.log_text()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def connection(self, timeout: float = 120) -> http.client.HTTPConnection:
-        if self.uds:
-            return _UnixHTTPConnection(self.uds, timeout)
-        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-
-    def request(self, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None,
-                timeout: float = 120) -> tuple[int, str, bytes]:
-        """(status, content type, body bytes); a dict body is sent as JSON."""
-        if isinstance(body, dict):
-            body = json.dumps(body).encode()
-        hdrs = {"Content-Type": "application/json"}
-        if self.api_key:
-            hdrs["Authorization"] = f"Bearer {self.api_key}"
-        hdrs.update(headers or {})
-        conn = self.connection(timeout)
-        try:
-            conn.request(method, path, body=body, headers=hdrs)
-            r = conn.getresponse()
-            return r.status, r.getheader("content-type", ""), r.read()
-        finally:
-            conn.close()
-
-    def post(self, path: str, body: bytes | dict, **kw) -> tuple[int, dict]:
-        status, _, raw = self.request("POST", path, body, **kw)
-        return status, json.loads(raw)
-
-    def get(self, path: str, **kw) -> tuple[int, dict]:
-        status, _, raw = self.request("GET", path, **kw)
-        return status, json.loads(raw)
-
-    def metrics(self) -> dict[str, float]:
-        """Every sample of /metrics by name (with its labels), and '# TYPE' kinds as 'TYPE name'."""
-        status, _, raw = self.request("GET", "/metrics")
-        assert status == 200
-        out = {}
-        for line in raw.decode().splitlines():
-            if line.startswith("# TYPE "):
-                _, _, name, kind = line.split()
-                out[f"TYPE {name}"] = kind
-            elif line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
-
-    def wait_idle(self, timeout: float = 5) -> dict[str, float]:
-        """Metrics once no request runs or waits and no KV block is held; fails after timeout."""
-        deadline = time.monotonic() + timeout
-        while True:
-            m = self.metrics()
-            idle = (m["edge_requests_running"], m["edge_requests_waiting"], m["edge_kv_blocks_used"]) == (0, 0, 0)
-            if idle:
-                return m
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not idle after {timeout} s: running {m['edge_requests_running']}, waiting "
-                            f"{m['edge_requests_waiting']}, KV blocks used {m['edge_kv_blocks_used']}")
-            time.sleep(0.05)
 
 
 @pytest.fixture(scope="session")
@@ -193,13 +62,6 @@ def model_id(server):
     return body["data"][0]["id"]
 
 
-def _start(srv: Server, route: str, body: dict) -> http.client.HTTPConnection:
-    """Send a POST and return its connection without reading the response."""
-    conn = srv.connection()
-    conn.request("POST", route, body=json.dumps(body), headers={"Content-Type": "application/json"})
-    return conn
-
-
 def _chat(client, model_id, content: str, **kw):
     kw.setdefault("temperature", 0)
     return client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": content}], **kw)
@@ -218,29 +80,6 @@ def _streamed_chat(client, model_id, content: str, **kw) -> tuple[str, str]:
             text.append(chunk.choices[0].delta.content or "")
             finish = chunk.choices[0].finish_reason or finish
     return "".join(text), finish
-
-
-def _sse_events(raw: bytes) -> list[str]:
-    """The data of each server-sent event; asserts the `data: ...\\n\\n` framing."""
-    text = raw.decode()
-    assert text.endswith("\n\n"), text[-200:]
-    events = text[:-2].split("\n\n")
-    for e in events:
-        assert e.startswith("data: ") and "\n" not in e, e
-    return [e[len("data: "):] for e in events]
-
-
-def _assert_error(status: int, body: dict, want_status: int, param=..., code=...) -> dict:
-    assert status == want_status, body
-    assert set(body) == {"error"} and set(body["error"]) == ERROR_KEYS, body
-    err = body["error"]
-    assert isinstance(err["message"], str) and err["message"]
-    assert err["type"] == ("invalid_request_error" if want_status < 500 else "server_error")
-    if param is not ...:
-        assert err["param"] == param, err
-    if code is not ...:
-        assert err["code"] == code, err
-    return err
 
 
 def _golden_tokenize_cases() -> list[dict]:
@@ -522,7 +361,7 @@ def test_sse_framing(server, route):
     streamed = {**req, "stream": True, "stream_options": {"include_usage": True}}
     status, ctype, raw = server.request("POST", route, streamed)
     assert status == 200 and ctype.startswith("text/event-stream")
-    events = _sse_events(raw)
+    events = sse_events(raw)
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     *deltas, usage = chunks
@@ -540,7 +379,7 @@ def test_sse_framing(server, route):
         assert "".join(c["choices"][0]["text"] for c in deltas) == plain["choices"][0]["text"]
     # without include_usage: no usage anywhere, the finish chunk comes just before [DONE]
     status, _, raw = server.request("POST", route, {**req, "stream": True})
-    events = _sse_events(raw)
+    events = sse_events(raw)
     chunks = [json.loads(e) for e in events[:-1]]
     assert events[-1] == "[DONE]" and all("usage" not in c for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
@@ -612,7 +451,7 @@ def _bad_request_id(i: int, route: str, param) -> str:
                          ids=[_bad_request_id(i, r, p) for i, (r, _, p, _) in enumerate(BAD_REQUESTS)])
 def test_bad_request_then_good_one(server, route, body, param, code):
     status, _, raw = server.request("POST", route, body)
-    _assert_error(status, json.loads(raw), 400, param=param, code=code)
+    assert_error(status, json.loads(raw), 400, param=param, code=code)
     status, good = server.post("/v1/completions", {"prompt": [9707], "max_tokens": 1})
     assert status == 200 and good["usage"]["completion_tokens"] == 1
 
@@ -626,26 +465,26 @@ def test_unknown_fields_ignored(server):
 
 def test_404_and_405(server):
     status, _, raw = server.request("GET", "/v1/nothing")
-    assert _assert_error(status, json.loads(raw), 404, code="not_found")["message"] == "no route /v1/nothing"
+    assert assert_error(status, json.loads(raw), 404, code="not_found")["message"] == "no route /v1/nothing"
     for method, path in (("GET", "/v1/chat/completions"), ("POST", "/v1/models"), ("DELETE", "/health")):
         status, _, raw = server.request(method, path)
-        assert method in _assert_error(status, json.loads(raw), 405, code="method_not_allowed")["message"]
+        assert method in assert_error(status, json.loads(raw), 405, code="method_not_allowed")["message"]
 
 
 def test_context_length_exceeded(server, client, model_id):
     """S7: 400 naming the prompt's token count and n_ctx; nothing is truncated or generated."""
     status, body = server.post("/v1/completions", {"prompt": [9707] * 2100, "max_tokens": 1})
-    msg = _assert_error(status, body, 400, param="prompt", code="context_length_exceeded")["message"]
+    msg = assert_error(status, body, 400, param="prompt", code="context_length_exceeded")["message"]
     assert "2100" in msg and str(N_CTX) in msg
     status, body = server.post("/v1/completions", {"prompt": [9707] * (N_CTX + 1), "max_tokens": 1})
-    assert f"{N_CTX + 1} tokens" in _assert_error(status, body, 400, code="context_length_exceeded")["message"]
+    assert f"{N_CTX + 1} tokens" in assert_error(status, body, 400, code="context_length_exceeded")["message"]
 
     content = "hello " * 2100
     n_content = len(server.post("/tokenize", {"content": content, "parse_special": False})[1]["tokens"])
     n_empty = _chat(client, model_id, "", max_tokens=1).usage.prompt_tokens
     before = server.wait_idle()
     status, body = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": content}]})
-    msg = _assert_error(status, body, 400, param="messages", code="context_length_exceeded")["message"]
+    msg = assert_error(status, body, 400, param="messages", code="context_length_exceeded")["message"]
     assert str(n_empty + n_content) in msg and str(N_CTX) in msg
     after = server.wait_idle()
     assert after["edge_prompt_tokens_total"] == before["edge_prompt_tokens_total"]
@@ -659,7 +498,7 @@ def test_huge_prompt_refused_without_tokenizing(server):
                                ("/v1/chat/completions", {"messages": [{"role": "user", "content": big}]}, "messages")):
         t0 = time.monotonic()
         status, out = server.post(route, body)
-        msg = _assert_error(status, out, 400, param=param, code="context_length_exceeded")["message"]
+        msg = assert_error(status, out, 400, param=param, code="context_length_exceeded")["message"]
         assert time.monotonic() - t0 < 3 and "the prompt has at least" in msg and str(N_CTX) in msg
 
 
@@ -710,12 +549,12 @@ def test_client_gone_frees_its_sequence(server, stream):
 
 def _client_gone(server: Server, stream: bool) -> None:
     before = server.wait_idle()
-    conn = _start(server, "/v1/completions", {"prompt": FRANCE, "max_tokens": 400, "temperature": 0, "stream": stream,
+    conn = start_post(server, "/v1/completions", {"prompt": FRANCE, "max_tokens": 400, "temperature": 0, "stream": stream,
                                               "logit_bias": NO_EOG})
     if stream:
         r = conn.getresponse()
         assert r.status == 200
-        assert json.loads(_sse_events(r.readline() + r.readline())[0])["choices"][0]["text"]
+        assert json.loads(sse_events(r.readline() + r.readline())[0])["choices"][0]["text"]
     deadline = time.monotonic() + 30
     while server.metrics()["edge_generation_tokens_total"] - before["edge_generation_tokens_total"] < 3:
         assert time.monotonic() < deadline, "no tokens generated"
@@ -726,145 +565,6 @@ def _client_gone(server: Server, stream: bool) -> None:
     conn.close()
     after = server.wait_idle(5)
     assert after["edge_generation_tokens_total"] - before["edge_generation_tokens_total"] < 200
-
-
-# ---- tiny model on a Unix socket with an API key: C1, C2, auth, n_batch, n_ctx ------------------
-
-API_KEY = "sk-test-7d1e"
-ALTERNATE = "Conversation roles must alternate user/assistant/user/assistant/..."
-TINY_TEMPLATE = ("{% if messages[0].content == 'escape' %}{{ ''.__class__.__mro__[1].__subclasses__() }}{% endif %}"
-                 "{% if messages[0].content == 'spin' %}{% for a in range(100000) %}{% for b in range(100000) %}"
-                 "{% endfor %}{% endfor %}{% endif %}"
-                 "{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
-                 "{{ raise_exception('" + ALTERNATE + "') }}{% endif %}<t1>{{ m.content }}{% endfor %}")
-TINY_N_CTX, TINY_N_BATCH = 64, 16
-
-
-class _WithTemplate(GGUFWriter):
-    def write_header_to_file(self, *args, **kw):
-        self.add_chat_template(TINY_TEMPLATE)
-        return super().write_header_to_file(*args, **kw)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    """A tiny random qwen2 model whose chat template is TINY_TEMPLATE."""
-    path = tmp_path_factory.mktemp("tiny_model") / "tiny.gguf"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tiny_models, "GGUFWriter", _WithTemplate)
-        tiny_models.write_tiny_model(path, arch="qwen2")
-    return path
-
-
-@pytest.fixture(scope="module")
-def tiny_server(tiny_model, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    srv = Server(["-m", str(tiny_model), "-np", "2", "-c", str(TINY_N_CTX), "-b", str(TINY_N_BATCH)],
-                 folder / "serve.log", uds=str(folder / "edge.sock"), api_key=API_KEY)
-    try:
-        srv.wait_ready(60)
-        yield srv
-    finally:
-        srv.stop()
-
-
-def test_api_key(tiny_server):
-    assert tiny_server.get("/health", headers={"Authorization": ""}) == (200, {"status": "ok"})
-    for auth in ("", "Bearer wrong", f"Basic {API_KEY}", f"Bearer {API_KEY}x", API_KEY):
-        for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"),
-                             ("POST", "/tokenize")):
-            status, _, raw = tiny_server.request(method, path, {"prompt": [1], "content": "x"},
-                                                 headers={"Authorization": auth})
-            _assert_error(status, json.loads(raw), 401, param=None, code="invalid_api_key")
-    assert tiny_server.get("/v1/models")[0] == 200
-    for auth in (f"bearer {API_KEY}", f"BEARER  {API_KEY}"):      # the scheme is case-insensitive
-        assert tiny_server.get("/v1/models", headers={"Authorization": auth})[0] == 200
-
-
-def test_unix_socket_is_private_and_not_taken_over(tiny_server, tiny_model, tmp_path):
-    """The socket is the user's alone (0600); a second server on the same path is refused
-    with a clear error and the first keeps serving."""
-    assert stat.S_IMODE(os.stat(tiny_server.uds).st_mode) == 0o600
-    second = subprocess.run([sys.executable, "-m", "edge.cli", "serve", "-m", str(tiny_model), "--unix-socket",
-                             tiny_server.uds], capture_output=True, text=True, timeout=120)
-    assert second.returncode == 1
-    assert second.stderr.strip() == f"edge serve: error: --unix-socket {tiny_server.uds}: another server is listening there"
-    assert tiny_server.get("/v1/models")[0] == 200
-
-
-def _tiny_client(tiny_server, key: str):
-    http_client = openai.DefaultHttpxClient(transport=httpx.HTTPTransport(uds=tiny_server.uds))
-    return openai.OpenAI(base_url="http://localhost/v1", api_key=key, http_client=http_client, max_retries=0)
-
-
-def test_openai_client_over_unix_socket(tiny_server):
-    client = _tiny_client(tiny_server, API_KEY)
-    (model,) = client.models.list().data
-    r = client.completions.create(model=model.id, prompt=[1, 2, 3], max_tokens=4, temperature=0)
-    assert r.usage.prompt_tokens == 3 and r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "length"
-    with pytest.raises(openai.AuthenticationError) as exc:
-        _tiny_client(tiny_server, "wrong").models.list()
-    assert exc.value.status_code == 401
-
-
-@pytest.mark.parametrize("messages,message", [
-    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], ALTERNATE),
-    ([{"role": "assistant", "content": "a"}], ALTERNATE),
-    ([{"role": "user", "content": "escape"}], "unsafe"),
-    ([{"role": "user", "content": "spin"}], "chat template exceeded its step budget: more than 1,"),
-], ids=["raise_exception-user-user", "raise_exception-assistant-first", "sandbox-escape", "render-budget"])
-def test_template_errors_are_400(tiny_server, messages, message):
-    """C2: raise_exception in the template is the client's 400 with its message; C1: a template
-    reaching for __class__ fails to render; a template looping 10^10 times stops at its step
-    budget. Nothing is generated; the server goes on."""
-    before = tiny_server.wait_idle()
-    status, body = tiny_server.post("/v1/chat/completions", {"messages": messages, "max_tokens": 2})
-    err = _assert_error(status, body, 400, param="messages", code="chat_template_error")
-    assert message == err["message"] if message == ALTERNATE else message in err["message"]
-    after = tiny_server.wait_idle()
-    assert after["edge_prompt_tokens_total"] == before["edge_prompt_tokens_total"]
-    assert after["edge_requests_finished_total"] == before["edge_requests_finished_total"]
-    status, body = tiny_server.post("/v1/chat/completions", {"messages": HI, "max_tokens": 2, "temperature": 0})
-    assert status == 200 and body["usage"]["completion_tokens"] == 2
-
-
-def test_prompt_longer_than_n_batch(tiny_server):
-    """A prompt of several n_batch chunks is prefilled over several steps (the steps before its
-    last chunk produce no logits), with the same text as when its prefix is cached."""
-    prompt = list(range(3, 3 + 3 * TINY_N_BATCH + 1))
-    req = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
-    status, body = tiny_server.post("/v1/completions", req)
-    assert status == 200, body
-    assert body["usage"]["prompt_tokens"] == len(prompt) and body["usage"]["completion_tokens"] == 4
-    status, again = tiny_server.post("/v1/completions", req)
-    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    assert again["choices"][0]["text"] == body["choices"][0]["text"]
-
-
-def test_prompt_fills_the_context(tiny_server):
-    """A prompt of n_ctx - k tokens gets k + 1 tokens (the last one needs no KV cell), then
-    finish_reason "length"; n_ctx + 1 tokens are a 400."""
-    prompt = [5 + i % 50 for i in range(TINY_N_CTX + 1)]
-    for k in (1, 0):
-        status, body = tiny_server.post("/v1/completions", {"prompt": prompt[: TINY_N_CTX - k], "max_tokens": 5,
-                                                            "temperature": 0})
-        assert status == 200, body
-        assert body["usage"]["completion_tokens"] == k + 1 and body["choices"][0]["finish_reason"] == "length"
-    status, body = tiny_server.post("/v1/completions", {"prompt": prompt, "max_tokens": 5})
-    msg = _assert_error(status, body, 400, param="prompt", code="context_length_exceeded")["message"]
-    assert f"{TINY_N_CTX + 1} tokens" in msg and str(TINY_N_CTX) in msg
-
-
-def test_max_queue_zero_serves_an_idle_server(tiny_model, tmp_path):
-    """--max-queue 0: no request may wait, but one that finds a free sequence runs."""
-    srv = Server(["-m", str(tiny_model), "-np", "1", "-c", str(TINY_N_CTX), "--max-queue", "0"],
-                 tmp_path / "serve.log")
-    try:
-        srv.wait_ready(60)
-        status, body = srv.post("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0})
-        assert status == 200, body
-    finally:
-        srv.stop()
 
 
 # ---- a full queue, Ctrl+C ------------------------------------------------------------------------
@@ -880,24 +580,24 @@ def test_queue_full_then_sigint_drains(qwen_path, tmp_path):
         _client_gone(srv, stream=False)
         prompt = golden(QWEN, "greedy.json")["cases"][1]["prompt"]       # 48 tokens without end-of-generation
         n = 30
-        running = _start(srv, "/v1/completions", {"prompt": prompt, "max_tokens": n, "temperature": 0,
+        running = start_post(srv, "/v1/completions", {"prompt": prompt, "max_tokens": n, "temperature": 0,
                                                   "stream": True, "stream_options": {"include_usage": True}})
         r = running.getresponse()
         first = r.readline() + r.readline()
-        waiting = _start(srv, "/v1/completions", {"prompt": FRANCE, "max_tokens": 3, "temperature": 0})
+        waiting = start_post(srv, "/v1/completions", {"prompt": FRANCE, "max_tokens": 3, "temperature": 0})
         deadline = time.monotonic() + 10
         while srv.metrics()["edge_requests_waiting"] != 1:
             assert time.monotonic() < deadline, "the second request is not waiting"
             time.sleep(0.02)
         status, body = srv.post("/v1/completions", {"prompt": FRANCE, "max_tokens": 3})
-        assert "--max-queue 1" in _assert_error(status, body, 503, param=None, code="queue_full")["message"]
+        assert "--max-queue 1" in assert_error(status, body, 503, param=None, code="queue_full")["message"]
 
         srv.proc.send_signal(signal.SIGINT)
         rest = r.read()
-        events = _sse_events(first + rest)
+        events = sse_events(first + rest)
         assert events[-1] == "[DONE]"
         assert json.loads(events[-2])["usage"]["completion_tokens"] == n
-        assert len(_sse_events(rest)) >= n // 2                  # most of the stream came after SIGINT
+        assert len(sse_events(rest)) >= n // 2                  # most of the stream came after SIGINT
         w = waiting.getresponse()
         assert w.status == 200 and json.loads(w.read())["usage"]["completion_tokens"] == 3
         assert srv.proc.wait(15) == 0, srv.log_text()
@@ -911,7 +611,7 @@ def test_second_sigint_exits_at_once_without_traceback(gemma_path, tmp_path):
     srv = Server(["-m", str(gemma_path), "-np", "1", "-c", "512"], tmp_path / "serve.log")
     try:
         srv.wait_ready(120)
-        running = _start(srv, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 400,
+        running = start_post(srv, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 400,
                                                   "temperature": 0, "stream": True})
         r = running.getresponse()
         r.readline()

@@ -20,7 +20,8 @@ import pytest
 
 from edge.chat_template import ChatTemplate
 from edge.engine import Engine
-from tests.test_server import Server, _assert_error, openai
+from tests.server_process import Server, assert_error
+from tests.test_server import openai
 from tests.tiny_chat import CHATML, IM_END, IM_START, write_tiny_chat_model
 
 TIMEOUT = 2                      # the server's --timeout, seconds
@@ -116,7 +117,7 @@ def test_many_empty_messages_request_is_cheap(srv):
     status, body = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}] * 20_000},
                             timeout=60)
     assert time.monotonic() - t0 < 20
-    assert f"the context size (n_ctx) is {N_CTX}" in _assert_error(status, body, 400, param="messages",
+    assert f"the context size (n_ctx) is {N_CTX}" in assert_error(status, body, 400, param="messages",
                                                                    code="context_length_exceeded")["message"]
     assert srv.post("/v1/completions", {"prompt": [5, 6], "max_tokens": 1})[0] == 200
     assert srv.wait_idle()["edge_prompt_tokens_total"] == before["edge_prompt_tokens_total"] + 2
@@ -129,11 +130,11 @@ def test_many_empty_messages_request_is_cheap(srv):
 def test_foreign_host_is_refused(srv, host):
     """DNS rebinding: a request under another name is a 403 and runs nothing."""
     status, _, raw = srv.request("GET", "/v1/models", headers={"Host": host.format(port=srv.port)})
-    err = _assert_error(status, json.loads(raw), 403, param=None, code="host_not_allowed")
+    err = assert_error(status, json.loads(raw), 403, param=None, code="host_not_allowed")
     assert "--allowed-hosts" in err["message"]
     status, body = srv.post("/v1/completions", {"prompt": [5], "max_tokens": 1},
                             headers={"Host": host.format(port=srv.port)})
-    _assert_error(status, body, 403, code="host_not_allowed")
+    assert_error(status, body, 403, code="host_not_allowed")
 
 
 @pytest.mark.parametrize("host", ["localhost:{port}", "LocalHost.:{port}", "127.0.0.1:{port}", "[::1]:{port}",
@@ -153,7 +154,7 @@ def test_cross_site_post_is_refused(srv):
     for ctype in ("text/plain", "application/json"):
         status, _, raw = srv.request("POST", "/v1/completions", body,
                                      headers={"Origin": "https://evil.example", "Content-Type": ctype})
-        err = _assert_error(status, json.loads(raw), 403, code="origin_not_allowed")
+        err = assert_error(status, json.loads(raw), 403, code="origin_not_allowed")
         assert "--cors-origins https://evil.example" in err["message"]
     assert srv.wait_idle()["edge_prompt_tokens_total"] == before["edge_prompt_tokens_total"]
     for origin in ("http://localhost:5173", "http://127.0.0.1:8000", ALLOWED_ORIGIN):
@@ -175,7 +176,7 @@ def test_cross_site_post_is_refused(srv):
     conn.close()
     status, _, raw = srv.request("OPTIONS", "/v1/chat/completions", headers={"Origin": "https://evil.example",
                                                                             **preflight})
-    _assert_error(status, json.loads(raw), 403, code="origin_not_allowed")
+    assert_error(status, json.loads(raw), 403, code="origin_not_allowed")
 
 
 @pytest.mark.parametrize("ctype", [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
@@ -183,7 +184,7 @@ def test_cross_site_post_is_refused(srv):
 def test_post_body_must_be_json_content_type(srv, ctype):
     headers = {"Content-Type": ctype} if ctype else {"Content-Type": ""}
     status, _, raw = srv.request("POST", "/v1/chat/completions", json.dumps({"messages": HI}).encode(), headers=headers)
-    err = _assert_error(status, json.loads(raw), 415, param=None, code="unsupported_media_type")
+    err = assert_error(status, json.loads(raw), 415, param=None, code="unsupported_media_type")
     assert "Content-Type: application/json" in err["message"]
 
 
@@ -210,7 +211,7 @@ def test_json_content_type_with_charset_and_openai_client(srv):
 ])
 def test_lone_surrogate_is_400(srv, route, body, param):
     status, _, raw = srv.request("POST", route, body)
-    err = _assert_error(status, json.loads(raw), 400, param=param, code="invalid_value")
+    err = assert_error(status, json.loads(raw), 400, param=param, code="invalid_value")
     assert "lone surrogate" in err["message"]
     # a surrogate pair is a character, not an error
     assert srv.post("/tokenize", b'{"content": "\\ud83d\\ude00"}')[0] == 200
@@ -222,20 +223,20 @@ def test_encoded_surrogate_bytes_are_400(srv):
     for route, body in (("/v1/completions", b'{"prompt": "a\xed\xa0\x80"}'),
                         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\xed\xbf\xbf"}]}')):
         status, _, raw = srv.request("POST", route, body)
-        assert "utf-8" in _assert_error(status, json.loads(raw), 400, param=None, code="invalid_json")["message"]
+        assert "utf-8" in assert_error(status, json.loads(raw), 400, param=None, code="invalid_json")["message"]
 
 
 def test_body_larger_than_any_prompt_is_413(srv):
     status, _, raw = srv.request("POST", "/tokenize", b'{"content": "' + b"x" * (3 << 20) + b'"}')
-    assert "larger than" in _assert_error(status, json.loads(raw), 413, code="request_too_large")["message"]
+    assert "larger than" in assert_error(status, json.loads(raw), 413, code="request_too_large")["message"]
 
 
 def test_deep_nesting_is_400(srv):
     for route in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
         status, _, raw = srv.request("POST", route, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
-        assert "nested too deeply" in _assert_error(status, json.loads(raw), 400, code="invalid_json")["message"]
+        assert "nested too deeply" in assert_error(status, json.loads(raw), 400, code="invalid_json")["message"]
     status, _, raw = srv.request("POST", "/v1/completions", b'{"prompt": "hi", "temperature": 1e999}')
-    _assert_error(status, json.loads(raw), 400, code="invalid_json")
+    assert_error(status, json.loads(raw), 400, code="invalid_json")
 
 
 @pytest.mark.parametrize("args,env,name", [(["--api-key", ""], {}, "--api-key"),
@@ -258,7 +259,7 @@ def test_half_open_connections_time_out(srv):
     for partial in (b"GET /health HTTP/1.1\r\nHost: localhost\r\n", post + b"Content-Length: 100\r\n\r\n{\"pro"):
         got, took = _raw(srv, partial)
         status, body = _status_json(got)
-        err = _assert_error(status, body, 408, param=None, code="request_timeout")
+        err = assert_error(status, body, 408, param=None, code="request_timeout")
         assert f"within {TIMEOUT} s" in err["message"] and TIMEOUT - 0.5 < took < TIMEOUT + 5
     assert srv.get("/health") == (200, {"status": "ok"})
 
@@ -314,7 +315,7 @@ def test_answer_changing_field_is_refused(srv, field, value):
     for route in routes:
         req = {"messages": HI} if route.endswith("chat/completions") else {"prompt": "hi"}
         status, body = srv.post(route, {**req, "max_tokens": 1, field: value})
-        err = _assert_error(status, body, 400, param=field, code="unsupported_value")
+        err = assert_error(status, body, 400, param=field, code="unsupported_value")
         assert err["message"].startswith(f"{field} = ") and "not supported" in err["message"]
 
 
@@ -334,7 +335,7 @@ def test_llama_server_fields_are_implemented(srv):
     for route, req in (("/v1/completions", {"prompt": [5, 6]}), ("/v1/chat/completions", {"messages": HI})):
         status, body = srv.post(route, {**req, "n_predict": 3, "temperature": 0})
         assert (body["usage"]["completion_tokens"], body["choices"][0]["finish_reason"]) == (3, "length")
-        _assert_error(*srv.post(route, {**req, "n_predict": 0}), 400, param="n_predict", code="invalid_value")
+        assert_error(*srv.post(route, {**req, "n_predict": 0}), 400, param="n_predict", code="invalid_value")
         status, body = srv.post(route, {**req, "n_predict": 3, "max_tokens": 2})
         assert body["usage"]["completion_tokens"] == 2                      # max_tokens wins
         # end of generation forced by logit_bias: ignore_eos bans it
@@ -349,15 +350,15 @@ def test_llama_server_fields_are_implemented(srv):
     assert [len(t) for t in body["choices"][0]["logprobs"]["top_logprobs"]] == [3, 3]
     status, body = srv.post("/v1/chat/completions", {"messages": HI, "max_tokens": 2, "n_probs": 3})
     assert [len(c["top_logprobs"]) for c in body["choices"][0]["logprobs"]["content"]] == [3, 3]
-    _assert_error(*srv.post("/v1/completions", {"prompt": "hi", "n_probs": 21}), 400, param="n_probs",
+    assert_error(*srv.post("/v1/completions", {"prompt": "hi", "n_probs": 21}), 400, param="n_probs",
                   code="invalid_value")
     for samplers in ("edskypmxt", ["penalties", "top_k", "top_p", "min_p", "temperature"],
                      ["top_k", "top_p", "min_p", "temperature"]):
         assert srv.post("/v1/completions", {"prompt": "hi", "max_tokens": 1, "samplers": samplers})[0] == 200
     for samplers, why in ((["temperature", "top_k", "top_p", "min_p"], "the order differs"),
                           (["top_p", "min_p", "temperature"], "top_k is on but not listed"), ("tkpm", "order")):
-        err = _assert_error(*srv.post("/v1/completions", {"prompt": "hi", "samplers": samplers}), 400,
+        err = assert_error(*srv.post("/v1/completions", {"prompt": "hi", "samplers": samplers}), 400,
                             param="samplers", code="unsupported_value")
         assert why in err["message"]
-    _assert_error(*srv.post("/v1/completions", {"prompt": "hi", "samplers": ["top_z"]}), 400, param="samplers",
+    assert_error(*srv.post("/v1/completions", {"prompt": "hi", "samplers": ["top_z"]}), 400, param="samplers",
                   code="invalid_value")
