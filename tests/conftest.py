@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -107,6 +108,28 @@ def golden(golden_id: str, name: str):
     if name.endswith(".json"):
         return json.loads(path.read_text(encoding="utf-8"))
     return path
+
+
+_cli_perplexity: dict[tuple[str, ...], tuple[subprocess.CompletedProcess, float]] = {}
+
+
+def cli_perplexity(golden_id: str, *args: str) -> tuple[subprocess.CompletedProcess, float]:
+    """`edge perplexity` of a real model on its perplexity golden's text at the golden's n_ctx,
+    with extra CLI ``args``: (the finished process, its "PPL = x" value). Run once per session
+    per (model, args): tests/test_golden.py checks it against llama.cpp, tests/test_kv_cache.py
+    compares q8_0 K/V with it."""
+    key = (golden_id, *args)
+    if key not in _cli_perplexity:
+        ref = golden(golden_id, "perplexity.json")
+        proc = subprocess.run(
+            [sys.executable, "-m", "edge.cli", "perplexity", "-m", str(real_model_path(golden_id)),
+             "-f", str(GOLDEN / ref["text_file"]), "-c", str(ref["n_ctx"]), *args],
+            capture_output=True, text=True, timeout=1200)
+        assert proc.returncode == 0, proc.stderr
+        m = re.search(r"PPL = ([0-9.]+)", proc.stdout)
+        assert m, proc.stdout
+        _cli_perplexity[key] = proc, float(m.group(1))
+    return _cli_perplexity[key]
 
 
 def kill_when_printed(argv: list[str], line: str, env: dict | None = None, timeout: float = 120) -> int:

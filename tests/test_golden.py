@@ -19,7 +19,7 @@ import pytest
 
 from edge.engine import Engine, GenerationStats
 from edge.sampling import SamplingParams
-from tests.conftest import GOLDEN, golden, real_model_path
+from tests.conftest import cli_perplexity, golden, real_model_path
 
 MODELS = ["qwen2.5-coder-0.5b", "gemma3-270m"]
 GREEDY = SamplingParams(temperature=0.0)
@@ -129,14 +129,7 @@ def test_gemma_has_no_chat_template():
 @pytest.mark.parametrize("gid", MODELS)
 def test_perplexity_cli_within_1_percent(gid):
     ref = golden(gid, "perplexity.json")
-    path = real_model_path(gid)
-    proc = subprocess.run(
-        [sys.executable, "-m", "edge.cli", "perplexity", "-m", str(path), "-f", str(GOLDEN / ref["text_file"]),
-         "-c", str(ref["n_ctx"])], capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr
-    m = re.search(r"PPL = ([0-9.]+)", proc.stdout)
-    assert m, proc.stdout
-    ppl = float(m.group(1))
+    proc, ppl = cli_perplexity(gid)
     assert f"{ref['n_chunks']} chunks of {ref['n_ctx']} tokens, {ref['n_scored']} tokens scored" in proc.stderr
     assert abs(ppl / ref["perplexity"] - 1) <= 0.01, (ppl, ref["perplexity"])
 
