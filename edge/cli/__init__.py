@@ -36,7 +36,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parser(sub)
     quantize.add_parser(sub)
     models.add_parsers(sub)        # pull, list
+    parser.commands = sub.choices  # command name -> its parser (for its own usage errors)
     return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line parsed; an option the command does not know is that command's usage
+    error (``edge run: error: unrecognized arguments: ...``), not the top-level parser's.
+    Exits with status 2 on a usage error, as argparse does."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 class _Terminated(KeyboardInterrupt):
@@ -59,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from edge.gguf_file import GGUFError
 
-        args = build_parser().parse_args(argv)
+        args = parse_args(argv)
         command = f"edge {args.command}"
         return args.func(args)
     except KeyboardInterrupt as e:

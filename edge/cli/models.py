@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
@@ -75,16 +76,15 @@ def add_list_parser(subparsers) -> argparse.ArgumentParser:
 
 def cmd_pull(args: argparse.Namespace) -> int:
     """``edge pull [MODEL ...] [--verify]``: pull each model; return the exit code (0, 1, 130)."""
-    errors = Console(stderr=True)
     for name in args.model or [DEFAULT_MODEL]:
         try:
             with download_bars() as bars:
                 path = pull(name, verify=args.verify, progress=bars)
         except StoreError as e:
-            errors.print(f"[red]error:[/red] {e}", highlight=False)
+            print(f"edge pull: error: {e}", file=sys.stderr)  # one line, as every command's errors
             return 1
         except KeyboardInterrupt:
-            errors.print("[red]interrupted[/red]; no partial file was left")
+            print("edge pull: interrupted; no partial file was left", file=sys.stderr)
             return 130
         print(f"{name}: {path}", flush=True)  # plain text: scripts read this line
     return 0
