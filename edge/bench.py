@@ -82,10 +82,14 @@ class BenchConfig:
 
     def check(self) -> None:
         """Raise ValueError for sizes that cannot be run."""
-        for name, v in (("n_prompt", self.n_prompt), ("n_gen", self.n_gen), ("n_batch", self.n_batch),
-                        ("n_ctx", self.n_ctx), ("reps", self.reps)):
+        for name, v in (("n_batch", self.n_batch), ("n_ctx", self.n_ctx), ("reps", self.reps)):
             if v < 1:
                 raise ValueError(f"{name} must be at least 1, got {v}")
+        for name, v in (("n_prompt", self.n_prompt), ("n_gen", self.n_gen)):
+            if v < 0:
+                raise ValueError(f"{name} must be at least 0 (0 skips its test), got {v}")
+        if self.n_prompt == 0 and self.n_gen == 0:
+            raise ValueError("-p 0 and -n 0 leave no test to run")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError(f"batch sizes must be at least 1, got {list(self.batch_sizes)}")
         if self.n_prompt > self.n_ctx:
@@ -364,20 +368,24 @@ def _run_tests(cfg: BenchConfig, b: _Bench, edge: EdgeRunner) -> None:
     bos = tok.bos_id if tok.add_bos else None
     n_vocab = edge.model.args.n_vocab
     rng = np.random.default_rng(SEED)
-    pp_ids = _random_ids(rng, cfg.n_prompt, n_vocab, bos)
+    pp_ids = _random_ids(rng, max(cfg.n_prompt, 1), n_vocab, bos)   # drawn with -p 0 too: the same batch prompts
     prompts = _random_ids(rng, (max(cfg.batch_sizes), BATCH_PROMPT_LEN), n_vocab, bos)
     first = edge.first_ids
     n = cfg.n_gen
 
-    b.measure(f"pp{cfg.n_prompt}", "pp", 1, cfg.n_prompt,
-              lambda r: r.pp(pp_ids[: min(cfg.n_prompt, 16)]), lambda r: r.pp(pp_ids))
-    tg = b.measure(f"tg{n}", "tg", 1, n, lambda r: r.tg(first, 2), lambda r: r.tg(first, n))
+    if cfg.n_prompt:
+        b.measure(f"pp{cfg.n_prompt}", "pp", 1, cfg.n_prompt,
+                  lambda r: r.pp(pp_ids[: min(cfg.n_prompt, 16)]), lambda r: r.pp(pp_ids))
+    if n:
+        tg = b.measure(f"tg{n}", "tg", 1, n, lambda r: r.tg(first, 2), lambda r: r.tg(first, n))
     for name, runner in b.runners.items():
         if runner is not None:
             try:
                 b.result["peak_rss_mb"][name] = runner.rss()["peak_rss_mb"]
             except RuntimeError as e:
                 b.llama_failed("rss", e)
+    if not n:
+        return
     n_ctx_seq = -(-(BATCH_PROMPT_LEN + n) // 256) * 256
     rows = {}
     for B in cfg.batch_sizes:

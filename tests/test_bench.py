@@ -85,8 +85,8 @@ def test_runner_tokens_are_greedy(gemma_path):
 @pytest.mark.parametrize("opt, value, message", [
     ("-B", "0", "-B/--batched: must be at least 1, got 0"),
     ("-B", "1,,2", "-B/--batched: not an integer: ''"),
-    ("-p", "0", "-p/--n-prompt: must be at least 1, got 0"),
-    ("-n", "-1", "-n/--n-gen: must be at least 1, got -1"),
+    ("-p", "-1", "-p/--n-prompt: must be at least 0, got -1"),
+    ("-n", "-1", "-n/--n-gen: must be at least 0, got -1"),
     ("-r", "0", "-r/--repetitions: must be at least 1, got 0"),
 ])
 def test_bad_option_is_usage_error(opt, value, message, capsys):
@@ -94,6 +94,15 @@ def test_bad_option_is_usage_error(opt, value, message, capsys):
         main(["bench", opt, value])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_zero_skips_a_test_as_llama_bench(gemma_path, capsys):
+    """-p 0 runs no prefill test and -n 0 no decode tests (llama-bench's rule); both 0 is an error."""
+    for opts, tests in ((["-p", "0", "-n", "2"], ["tg2", "tg2 x1"]), (["-p", "8", "-n", "0"], ["pp8"])):
+        assert main(["bench", "-m", str(gemma_path), *opts, "-r", "1", "-B", "1", "--json"]) == 0
+        assert [t["test"] for t in json.loads(capsys.readouterr().out)["tests"]] == tests
+    assert main(["bench", "-m", str(gemma_path), "-p", "0", "-n", "0"]) == 1
+    assert "edge bench: error: -p 0 and -n 0 leave no test to run" in capsys.readouterr().err
 
 
 def test_prompt_larger_than_context(gemma_path, capsys):

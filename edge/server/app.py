@@ -36,6 +36,7 @@ from starlette.routing import Route
 
 from edge.chat_template import ChatTemplateError, NoChatTemplateError
 from edge.engine import ContextLengthExceeded
+from edge.generate import Limits
 from edge.sampling import InvalidParameter, SamplingParams
 from edge.server import guard, protocol as P
 from edge.server.metrics import Metrics
@@ -65,6 +66,25 @@ class ServerConfig:
     cache_type_v: str = "f16"
 
 
+def _warm_up(scheduler: Scheduler) -> None:
+    """Run a 9-row prefill (the many-row kernels: 8 rows and up), one sampled token and a 1-row
+    decode step through the scheduler's generation loop, then free the sequence, so that the
+    kernels of each path are compiled (or loaded from numba's cache) before /health says ready
+    and the first request waits for no compile. Called while nothing can be submitted
+    (requests get 503 until the scheduler is set); 10 tokens fill no KV block (16 tokens), so
+    the prefix cache stays empty."""
+    loop = scheduler.loop
+    bos = loop.tokenizer.bos_id if loop.tokenizer is not None else None
+    seq = loop.new([int(bos) if bos is not None else 0] * 9, SamplingParams(), Limits(max_tokens=2, eog=False))
+    loop.admit(seq)
+    try:
+        loop.sample(seq, loop.compute(seq))
+        loop.reserve(rows := loop.rows(seq, 1))
+        loop.step([rows])
+    finally:
+        loop.free(seq)
+
+
 class ServerState:
     """The loaded engine and scheduler (None until loaded; load() runs on a thread)."""
 
@@ -84,9 +104,10 @@ class ServerState:
             c = self.config
             engine = Engine(resolve_model(c.model), n_ctx=c.n_ctx, n_batch=c.n_batch, n_seq=c.n_parallel,
                             cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v, kv_storage=c.kv_storage)
-            self.scheduler = Scheduler(engine, max_queue=c.max_queue, n_batch=c.n_batch, threads=c.threads,
-                                       observe=self.metrics.observe)
-            self.engine = engine
+            scheduler = Scheduler(engine, max_queue=c.max_queue, n_batch=c.n_batch, threads=c.threads,
+                                  observe=self.metrics.observe)
+            _warm_up(scheduler)
+            self.scheduler, self.engine = scheduler, engine
             self.max_piece_bytes()
         except Exception as e:   # reported by /health and every request
             self.load_error = f"{type(e).__name__}: {e}"
@@ -220,7 +241,7 @@ def _check_samplers(samplers, params: SamplingParams, n_vocab: int) -> None:
 def _check_common(body, state: ServerState, max_tokens, max_tokens_param: str = "max_tokens") -> None:
     body.check_not_implemented()
     if body.model is not None and body.model not in state.model_names():
-        raise P.APIError(400, f"model {body.model!r} is not served here; this server serves "
+        raise P.APIError(404, f"The model {body.model!r} does not exist: this server serves "
                               f"{state.model_id()!r} (GET /v1/models)", param="model", code="model_not_found")
     if body.n is not None and body.n != 1:
         raise P.APIError(400, f"n must be 1 (one choice per request), got {body.n}", param="n", code="invalid_value")
@@ -376,6 +397,10 @@ class _Handlers:
                 raise P.APIError(400, f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {body.top_logprobs}",
                                  param="top_logprobs", code="invalid_value")
         params = _sampling(body, engine)
+        for i, m in enumerate(body.messages):
+            if m.content is None and m.role != "assistant":
+                raise P.APIError(400, f"messages[{i}].content is null: a {m.role} message needs content",
+                                 param=f"messages.{i}.content", code="invalid_value")
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
                     for m in body.messages]
         _too_long_to_tokenize(state, sum(len(m["content"].encode()) for m in messages), "messages")
