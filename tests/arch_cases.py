@@ -31,6 +31,9 @@ WEIGHT_TYPES = {
 ARCHS = {
     # head_dim 128 with 4 heads: q is wider than n_embd, as in the real Qwen3 models
     "qwen3": dict(arch="qwen3", n_embd=256, n_head=4, n_head_kv=2, head_dim=128, n_ff=512, n_layer=2),
+    # 8 experts, 2 used per token, experts of 256 (rows of 256 for the K-quants' ffn_down_exps)
+    "qwen3moe": dict(arch="qwen3moe", n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=512, n_layer=2,
+                     n_expert=8, n_expert_used=2, n_ff_exp=256),
 }
 
 ARCH_CASES = {f"{name}-{wt}": dict(kw, types=types) for name, kw in ARCHS.items() for wt, types in WEIGHT_TYPES.items()}
