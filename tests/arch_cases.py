@@ -34,6 +34,9 @@ ARCHS = {
     # 8 experts, 2 used per token, experts of 256 (rows of 256 for the K-quants' ffn_down_exps)
     "qwen3moe": dict(arch="qwen3moe", n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=512, n_layer=2,
                      n_expert=8, n_expert_used=2, n_ff_exp=256),
+    "olmo2": dict(arch="olmo2", n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_layer=2),
+    # 4 layers: the 4th has no RoPE
+    "smollm3": dict(arch="smollm3", n_embd=256, n_head=4, n_head_kv=1, n_ff=512, n_layer=4),
 }
 
 ARCH_CASES = {f"{name}-{wt}": dict(kw, types=types) for name, kw in ARCHS.items() for wt, types in WEIGHT_TYPES.items()}
