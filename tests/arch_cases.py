@@ -40,3 +40,7 @@ ARCHS = {
 }
 
 ARCH_CASES = {f"{name}-{wt}": dict(kw, types=types) for name, kw in ARCHS.items() for wt, types in WEIGHT_TYPES.items()}
+# and single cases of a variant: OLMo 3's sliding window (layers 0-2 local with a window of 4
+# tokens, layer 3 global) under linear RoPE scaling, which olmo2's local layers do not apply
+ARCH_CASES["olmo2-swa-f16"] = dict(ARCHS["olmo2"], n_layer=4, sliding_window=4, rope_scaling_factor=2.0,
+                                   types=WEIGHT_TYPES["f16"])
