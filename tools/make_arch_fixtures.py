@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tests.arch_cases import ARCH_CASES
+from tests.conftest import (
+    ORACLE_PYTHON as ORACLE,  # EDGE_ORACLE_PYTHON, else tools/build_oracle.sh's place
+)
 from tests.tiny_models import write_tiny_model
 
 OUT_DIR = ROOT / "tests" / "data" / "arch"
@@ -43,9 +45,6 @@ PROMPT_LENGTHS = (5, 11, 17)   # below and above 8 rows: llama.cpp's K-quant ker
 N_GREEDY = 32
 N_CTX = 64
 PROMPT_SEED = 1234
-ORACLE = Path(os.environ.get("EDGE_ORACLE_PYTHON") or
-              Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-              / "edge-oracle" / "llama-cpp-python-0.3.36" / "venv" / "bin" / "python")
 
 # runs in the oracle interpreter: argv = model, request.json, out.npz
 _ORACLE_SCRIPT = r"""
