@@ -67,3 +67,20 @@ def test_expert_counts_checked(tmp_path):
     p = write_tiny_model(tmp_path / "z.gguf", arch="qwen3moe", n_expert=2, n_expert_used=0)
     with pytest.raises(GGUFError, match=r"qwen3moe.expert_used_count = 0 is out of range: it must be in 1\.\."):
         load_model(GGUFFile(p))
+
+
+def test_batched_sequences_match_each_alone(model):
+    """Three sequences in one batch (prefill, then one decode row each): the experts group
+    rows of all three, and each sequence's logits are its own, computed alone."""
+    prompts, follow = [[1, 5, 17, 3], [88, 42, 42, 7, 60], [2, 33]], [[9, 4], [23, 8], [70, 1]]
+    alone = []
+    for p, f in zip(prompts, follow):
+        cache = model.new_cache(16)
+        alone.append(np.concatenate([model.forward(p, cache)] + [model.forward([t], cache) for t in f]))
+    cache = model.new_cache(16, n_seq=3)
+    steps = [model.forward(sum(prompts, []), cache, seq_ids=np.repeat(np.arange(3), [len(p) for p in prompts]))]
+    for i in range(2):
+        steps.append(model.forward([f[i] for f in follow], cache, seq_ids=np.arange(3)))
+    for s in range(3):
+        have = np.stack([step[s] for step in steps])
+        np.testing.assert_allclose(have, alone[s], rtol=0, atol=2e-4 * np.abs(alone[s]).max())
