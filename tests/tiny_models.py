@@ -1,5 +1,20 @@
 """Tiny random-weight GGUF files for the architectures edge implements, written with gguf's
-GGUFWriter. Used to test the model code against tests/reference_forward.py."""
+GGUFWriter. Used to test the model code against tests/reference_forward.py, and (the cases of
+tests/arch_cases.py) against llama.cpp itself: each architecture's file holds the metadata keys
+and tensors llama.cpp 0.3.36 loads it with (src/models/<arch>.cpp), and a vocabulary it accepts.
+
+Per architecture, the tensors of a layer beyond attention (attn_q/k/v/output):
+  llama, smollm3: attn_norm, ffn_norm, ffn_gate/up/down (smollm3: no RoPE in every 4th layer)
+  qwen2:          + attn_q/k/v.bias
+  gemma3:         + attn_q_norm, attn_k_norm (per head), post_attention_norm, post_ffw_norm
+  qwen3:          + attn_q_norm, attn_k_norm (per head)
+  qwen3moe:       qwen3's attention; ffn_gate_inp [n_expert, n_embd] and the experts
+                  ffn_gate_exps / ffn_up_exps [n_expert, n_ff_exp, n_embd], ffn_down_exps
+                  [n_expert, n_embd, n_ff_exp] instead of ffn_gate/up/down
+  olmo2:          no attn_norm / ffn_norm; attn_q_norm [n_head * head_dim], attn_k_norm
+                  [n_head_kv * head_dim] (over the whole projection), post_attention_norm,
+                  post_ffw_norm
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -35,13 +50,16 @@ def random_tensor(rng, shape, qtype, scale=0.3):
 def write_tiny_model(path, arch="llama", types=None, seed=0, n_embd=64, n_head=4, n_head_kv=2,
                      head_dim=None, n_ff=128, n_layer=2, n_vocab=96, sliding_window=0,
                      rope_scaling_factor=0.0, rope_freqs=False, tie_output=False, extra_tensors=(),
-                     n_tokens=None, rope_dims=None, swa_pattern=None):
+                     n_tokens=None, rope_dims=None, swa_pattern=None, n_expert=4, n_expert_used=2,
+                     n_ff_exp=None):
     """Write a tiny ``arch`` model with random weights to ``path``.
 
-    ``types`` maps a tensor role ('attn_q', 'ffn_down', 'token_embd', 'output', ...) to a
-    GGMLQuantizationType (default F32 everywhere). ``rope_dims`` and ``swa_pattern``, when
-    given, are written as rope.dimension_count and attention.sliding_window_pattern (absent
-    otherwise: the loaders' defaults). Returns the path.
+    ``types`` maps a tensor role ('attn_q', 'ffn_down', 'token_embd', 'output', 'ffn_gate_exps',
+    'ffn_gate_inp', ...) to a GGMLQuantizationType (default F32 everywhere). ``rope_dims`` and
+    ``swa_pattern``, when given, are written as rope.dimension_count and
+    attention.sliding_window_pattern (absent otherwise: the loaders' defaults). ``n_expert``,
+    ``n_expert_used`` and ``n_ff_exp`` (default n_ff) size a qwen3moe file's experts. The same
+    arguments write the same bytes (seeded). Returns the path.
     """
     types = types or {}
     rng = np.random.default_rng(seed)
@@ -55,6 +73,12 @@ def write_tiny_model(path, arch="llama", types=None, seed=0, n_embd=64, n_head=4
     w.add_uint32(k + "attention.head_count", n_head)
     w.add_uint32(k + "attention.head_count_kv", n_head_kv)
     w.add_float32(k + "attention.layer_norm_rms_epsilon", 1e-6)
+    moe = arch == "qwen3moe"
+    n_ff_exp = n_ff_exp or n_ff
+    if moe:
+        w.add_uint32(k + "expert_count", n_expert)
+        w.add_uint32(k + "expert_used_count", n_expert_used)
+        w.add_uint32(k + "expert_feed_forward_length", n_ff_exp)
     w.add_float32(k + "rope.freq_base", 10000.0 if arch == "llama" else 1e6)
     if head_dim:
         w.add_uint32(k + "attention.key_length", hd)
@@ -83,7 +107,8 @@ def write_tiny_model(path, arch="llama", types=None, seed=0, n_embd=64, n_head=4
     add("token_embd.weight", (n_vocab, n_embd), "token_embd", 1.0)
     for il in range(n_layer):
         p = f"blk.{il}."
-        norm(p + "attn_norm.weight", n_embd)
+        if arch != "olmo2":
+            norm(p + "attn_norm.weight", n_embd)
         add(p + "attn_q.weight", (n_head * hd, n_embd), "attn_q")
         add(p + "attn_k.weight", (n_head_kv * hd, n_embd), "attn_k")
         add(p + "attn_v.weight", (n_head_kv * hd, n_embd), "attn_v")
@@ -96,10 +121,26 @@ def write_tiny_model(path, arch="llama", types=None, seed=0, n_embd=64, n_head=4
             norm(p + "attn_k_norm.weight", hd)
             norm(p + "post_attention_norm.weight", n_embd)
             norm(p + "post_ffw_norm.weight", n_embd)
-        norm(p + "ffn_norm.weight", n_embd)
+        if arch in ("qwen3", "qwen3moe"):
+            norm(p + "attn_q_norm.weight", hd)
+            norm(p + "attn_k_norm.weight", hd)
+        if arch == "olmo2":
+            norm(p + "attn_q_norm.weight", n_head * hd)
+            norm(p + "attn_k_norm.weight", n_head_kv * hd)
+            norm(p + "post_attention_norm.weight", n_embd)
+        else:
+            norm(p + "ffn_norm.weight", n_embd)
+        if moe:
+            add(p + "ffn_gate_inp.weight", (n_expert, n_embd), "ffn_gate_inp")
+            add(p + "ffn_gate_exps.weight", (n_expert, n_ff_exp, n_embd), "ffn_gate_exps")
+            add(p + "ffn_up_exps.weight", (n_expert, n_ff_exp, n_embd), "ffn_up_exps")
+            add(p + "ffn_down_exps.weight", (n_expert, n_embd, n_ff_exp), "ffn_down_exps")
+            continue
         add(p + "ffn_gate.weight", (n_ff, n_embd), "ffn_gate")
         add(p + "ffn_up.weight", (n_ff, n_embd), "ffn_up")
         add(p + "ffn_down.weight", (n_embd, n_ff), "ffn_down")
+        if arch == "olmo2":
+            norm(p + "post_ffw_norm.weight", n_embd)
     norm("output_norm.weight", n_embd)
     if not tie_output and arch != "gemma3":
         add("output.weight", (n_vocab, n_embd), "output")

@@ -15,7 +15,9 @@ from importlib import import_module
 
 from edge.gguf_file import GGUFError, GGUFFile
 
-ARCHITECTURES = {"llama": "edge.models.llama", "qwen2": "edge.models.qwen2", "gemma3": "edge.models.gemma3"}
+ARCHITECTURES = {"llama": "edge.models.llama", "qwen2": "edge.models.qwen2", "gemma3": "edge.models.gemma3",
+                 "qwen3": "edge.models.qwen3", "qwen3moe": "edge.models.qwen3moe", "olmo2": "edge.models.olmo2",
+                 "smollm3": "edge.models.smollm3"}
 ALIASES: dict[str, str] = {}
 
 
