@@ -58,12 +58,17 @@ class Llama(Transformer):
     TENSORS = [*EMBEDDING_AND_OUTPUT, optional("rope_freqs.weight", "n_rot / 2")]
     LAYER_TENSORS = [*ATTENTION_TENSORS, *optional_all(QKV_BIAS_TENSORS), *GATED_FFN_TENSORS]  # biases: all or none
 
-    def build_blocks(self, layers):
-        a = self.args
+    def check_biases(self, layers: list[dict]) -> None:
+        """Raise GGUFError naming a layer that has some but not all of the q, k and v biases."""
         for il, w in enumerate(layers):
             if len({w[n] is None for n in ("attn_q_bias", "attn_k_bias", "attn_v_bias")}) > 1:
                 raise GGUFError(f"{self.gguf.path}: blk.{il}.attn_q/k/v.bias must be all present or all absent")
-        rope = Rope(a.n_rot, a.rope_freq_base, a.rope_freq_scale, neox=False, freq_factors=self.rope_freqs)
+
+    def build_blocks(self, layers):
+        a = self.args
+        self.check_biases(layers)
+        rope = Rope(a.n_rot, a.rope_freq_base, a.rope_freq_scale, neox=False, freq_factors=self.rope_freqs,
+                    attn_factor=a.rope_attn_factor)
         return [LlamaBlock(w, a, il, rope) for il, w in enumerate(layers)]
 
 
