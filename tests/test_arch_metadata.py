@@ -36,6 +36,13 @@ def test_unsupported_rope_scaling_is_one_line(tmp_path, kind):
         load_model(GGUFFile(p))
 
 
+def test_mixture_of_experts_llama_is_one_line(tmp_path):
+    p = write_tiny_model(tmp_path / "m.gguf", arch="llama", metadata={".expert_count": 8})
+    with pytest.raises(GGUFError, match=r"llama.expert_count = 8: mixture-of-experts llama files are not "
+                                        r"supported$"):
+        load_model(GGUFFile(p))
+
+
 def test_phi3_long_factors_past_the_original_context(tmp_path):
     """LongRoPE: a cache of at most rope.scaling.original_context_length positions (after
     llama.cpp's padding of n_ctx to a multiple of 256) takes the short factors, a longer one
