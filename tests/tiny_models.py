@@ -50,7 +50,8 @@ def write_tiny_model(path, arch="llama", types=None, seed=0, n_embd=64, n_head=4
     when the key starts with "."; float32, uint32, bool or string by the value's type);
     ``rope_factors`` writes LongRoPE's rope_factors_long / rope_factors_short (phi3).
     Architectures: llama, qwen2 (QKV biases), gemma3, gemma2 (post-norms, tied output), phi3
-    (fused attn_qkv, fused gate|up in ffn_up of 2 * n_ff rows), granite (Granite 3's
+    (fused attn_qkv, of role attn_q unless ``types`` names attn_qkv; fused gate|up in ffn_up of
+    2 * n_ff rows), granite (Granite 3's
     multipliers unless ``metadata`` sets them). Returns the path.
     """
     types = types or {}
@@ -107,7 +108,8 @@ def write_tiny_model(path, arch="llama", types=None, seed=0, n_embd=64, n_head=4
         p = f"blk.{il}."
         norm(p + "attn_norm.weight", n_embd)
         if arch == "phi3":
-            add(p + "attn_qkv.weight", ((n_head + 2 * n_head_kv) * hd, n_embd), "attn_qkv")
+            role = "attn_qkv" if "attn_qkv" in types else "attn_q"
+            add(p + "attn_qkv.weight", ((n_head + 2 * n_head_kv) * hd, n_embd), role)
         else:
             add(p + "attn_q.weight", (n_head * hd, n_embd), "attn_q")
             add(p + "attn_k.weight", (n_head_kv * hd, n_embd), "attn_k")
