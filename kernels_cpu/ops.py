@@ -11,7 +11,7 @@ import numpy as np
 from numba import njit, prange
 
 from kernels_cpu.f16 import f16_to_f32, f32_to_f16
-from kernels_cpu.fmath import fma, v_expf
+from kernels_cpu.fmath import fma, hsum16, v_expf
 
 # Below this many elements a kernel runs on the calling thread: waking numba's worker threads
 # for a decode-sized row costs more than the row (a few microseconds on an idle machine, far
@@ -234,6 +234,35 @@ def softcap(x, cap):
     flat = x.reshape(-1)
     for i in prange(flat.shape[0]):
         flat[i] = math.tanh(flat[i] * inv) * cap
+
+
+@njit(cache=True, nogil=True)
+def soft_max_rows(x, out):
+    """Softmax of every row of x f32[T, n] into out f32[T, n] (ggml_soft_max without mask or
+    scale, ggml_compute_forward_soft_max_f32 with ggml_vec_soft_max_f32, AVX-512): m = max of
+    the row; each whole 16-value block e = ggml_v_expf(x - m), summed with
+    _mm512_reduce_add_ps into a float64 total; the tail e = expf(x - m) (the C library's), each
+    added to the total in float64; out = e * float32(1.0 / total). Returns out."""
+    block = np.empty(16, np.float32)
+    n = x.shape[1]
+    for r in range(x.shape[0]):
+        mx = np.float32(-np.inf)
+        for j in range(n):
+            mx = max(mx, x[r, j])
+        total = 0.0
+        i = 0
+        while i + 15 < n:
+            for j in range(16):
+                block[j] = out[r, i + j] = v_expf(x[r, i + j] - mx)
+            total += np.float64(hsum16(block, 0))
+            i += 16
+        for j in range(i, n):
+            out[r, j] = math.exp(x[r, j] - mx)
+            total += np.float64(out[r, j])
+        inv = np.float32(1.0 / total)
+        for j in range(n):
+            out[r, j] *= inv
+    return out
 
 
 @njit(cache=True, nogil=True)

@@ -1,5 +1,25 @@
 """Tiny random-weight GGUF files for the architectures edge implements, written with gguf's
-GGUFWriter. Used to test the model code against tests/reference_forward.py."""
+GGUFWriter. Used to test the model code against tests/reference_forward.py, and (the cases of
+tests/arch_cases.py) against llama.cpp itself: each architecture's file holds the metadata keys
+and tensors llama.cpp 0.3.36 loads it with (src/models/<arch>.cpp), and a vocabulary it accepts.
+
+Per architecture, the tensors of a layer beyond attention (attn_q/k/v/output):
+  llama, smollm3: attn_norm, ffn_norm, ffn_gate/up/down (smollm3: no RoPE in every 4th layer)
+  qwen2:          + attn_q/k/v.bias
+  gemma3:         + attn_q_norm, attn_k_norm (per head), post_attention_norm, post_ffw_norm
+  qwen3:          + attn_q_norm, attn_k_norm (per head)
+  qwen3moe:       qwen3's attention; ffn_gate_inp [n_expert, n_embd] and the experts
+                  ffn_gate_exps / ffn_up_exps [n_expert, n_ff_exp, n_embd], ffn_down_exps
+                  [n_expert, n_embd, n_ff_exp] instead of ffn_gate/up/down
+  olmo2:          no attn_norm / ffn_norm; attn_q_norm [n_head * head_dim], attn_k_norm
+                  [n_head_kv * head_dim] (over the whole projection), post_attention_norm,
+                  post_ffw_norm
+  gemma2:         + post_attention_norm, post_ffw_norm; output tied
+  phi3:           attn_qkv [(n_head + 2 n_head_kv) * head_dim, n_embd] (role attn_q unless
+                  types names attn_qkv) for attn_q/k/v; ffn_up [2 n_ff, n_embd] (gate | up),
+                  no ffn_gate; rope_factors_long / _short with rope_factors
+  granite:        llama's; the four multipliers in the metadata
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -40,19 +60,19 @@ GRANITE_SCALES = {".embedding_scale": 12.0, ".residual_scale": 0.22, ".attention
 def write_tiny_model(path, arch="llama", types=None, seed=0, n_embd=64, n_head=4, n_head_kv=2,
                      head_dim=None, n_ff=128, n_layer=2, n_vocab=96, sliding_window=0,
                      rope_scaling_factor=0.0, rope_freqs=False, tie_output=False, extra_tensors=(),
-                     n_tokens=None, rope_dims=None, swa_pattern=None, metadata=None, rope_factors=False):
+                     n_tokens=None, rope_dims=None, swa_pattern=None, n_expert=4, n_expert_used=2,
+                     n_ff_exp=None, metadata=None, rope_factors=False):
     """Write a tiny ``arch`` model with random weights to ``path``.
 
-    ``types`` maps a tensor role ('attn_q', 'ffn_down', 'token_embd', 'output', ...) to a
-    GGMLQuantizationType (default F32 everywhere). ``rope_dims`` and ``swa_pattern``, when
-    given, are written as rope.dimension_count and attention.sliding_window_pattern (absent
-    otherwise: the loaders' defaults). ``metadata`` adds keys ({key: value}, ``{arch}.`` prefixed
-    when the key starts with "."; float32, uint32, bool or string by the value's type);
-    ``rope_factors`` writes LongRoPE's rope_factors_long / rope_factors_short (phi3).
-    Architectures: llama, qwen2 (QKV biases), gemma3, gemma2 (post-norms, tied output), phi3
-    (fused attn_qkv, of role attn_q unless ``types`` names attn_qkv; fused gate|up in ffn_up of
-    2 * n_ff rows), granite (Granite 3's
-    multipliers unless ``metadata`` sets them). Returns the path.
+    ``types`` maps a tensor role ('attn_q', 'ffn_down', 'token_embd', 'output', 'ffn_gate_exps',
+    'ffn_gate_inp', ...) to a GGMLQuantizationType (default F32 everywhere). ``rope_dims`` and
+    ``swa_pattern``, when given, are written as rope.dimension_count and
+    attention.sliding_window_pattern (absent otherwise: the loaders' defaults). ``n_expert``,
+    ``n_expert_used`` and ``n_ff_exp`` (default n_ff) size a qwen3moe file's experts.
+    ``metadata`` adds keys ({key: value}, ``{arch}.`` prefixed when the key starts with ".";
+    float32, uint32, bool or string by the value's type; a granite file has Granite 3's
+    multipliers unless it sets them); ``rope_factors`` writes LongRoPE's rope_factors_long /
+    rope_factors_short (phi3). The same arguments write the same bytes (seeded). Returns the path.
     """
     types = types or {}
     rng = np.random.default_rng(seed)
@@ -66,6 +86,12 @@ def write_tiny_model(path, arch="llama", types=None, seed=0, n_embd=64, n_head=4
     w.add_uint32(k + "attention.head_count", n_head)
     w.add_uint32(k + "attention.head_count_kv", n_head_kv)
     w.add_float32(k + "attention.layer_norm_rms_epsilon", 1e-6)
+    moe = arch == "qwen3moe"
+    n_ff_exp = n_ff_exp or n_ff
+    if moe:
+        w.add_uint32(k + "expert_count", n_expert)
+        w.add_uint32(k + "expert_used_count", n_expert_used)
+        w.add_uint32(k + "expert_feed_forward_length", n_ff_exp)
     w.add_float32(k + "rope.freq_base", 10000.0 if arch == "llama" else 1e6)
     if head_dim:
         w.add_uint32(k + "attention.key_length", hd)
@@ -106,7 +132,8 @@ def write_tiny_model(path, arch="llama", types=None, seed=0, n_embd=64, n_head=4
     add("token_embd.weight", (n_vocab, n_embd), "token_embd", 1.0)
     for il in range(n_layer):
         p = f"blk.{il}."
-        norm(p + "attn_norm.weight", n_embd)
+        if arch != "olmo2":
+            norm(p + "attn_norm.weight", n_embd)
         if arch == "phi3":
             role = "attn_qkv" if "attn_qkv" in types else "attn_q"
             add(p + "attn_qkv.weight", ((n_head + 2 * n_head_kv) * hd, n_embd), role)
@@ -124,13 +151,29 @@ def write_tiny_model(path, arch="llama", types=None, seed=0, n_embd=64, n_head=4
         if arch in ("gemma3", "gemma2"):
             norm(p + "post_attention_norm.weight", n_embd)
             norm(p + "post_ffw_norm.weight", n_embd)
-        norm(p + "ffn_norm.weight", n_embd)
+        if arch in ("qwen3", "qwen3moe"):
+            norm(p + "attn_q_norm.weight", hd)
+            norm(p + "attn_k_norm.weight", hd)
+        if arch == "olmo2":
+            norm(p + "attn_q_norm.weight", n_head * hd)
+            norm(p + "attn_k_norm.weight", n_head_kv * hd)
+            norm(p + "post_attention_norm.weight", n_embd)
+        else:
+            norm(p + "ffn_norm.weight", n_embd)
+        if moe:
+            add(p + "ffn_gate_inp.weight", (n_expert, n_embd), "ffn_gate_inp")
+            add(p + "ffn_gate_exps.weight", (n_expert, n_ff_exp, n_embd), "ffn_gate_exps")
+            add(p + "ffn_up_exps.weight", (n_expert, n_ff_exp, n_embd), "ffn_up_exps")
+            add(p + "ffn_down_exps.weight", (n_expert, n_embd, n_ff_exp), "ffn_down_exps")
+            continue
         if arch == "phi3":
             add(p + "ffn_up.weight", (2 * n_ff, n_embd), "ffn_up")
         else:
             add(p + "ffn_gate.weight", (n_ff, n_embd), "ffn_gate")
             add(p + "ffn_up.weight", (n_ff, n_embd), "ffn_up")
         add(p + "ffn_down.weight", (n_embd, n_ff), "ffn_down")
+        if arch == "olmo2":
+            norm(p + "post_ffw_norm.weight", n_embd)
     norm("output_norm.weight", n_embd)
     if not tie_output and arch not in ("gemma3", "gemma2"):
         add("output.weight", (n_vocab, n_embd), "output")

@@ -108,3 +108,13 @@ def static_k_bias(a: ModelArgs, k_bias: np.ndarray, is_swa: bool = False,
     c = np.asarray(k_bias, np.float32).reshape(a.n_head_kv, hd).copy()
     c[:, ~static] = 0
     return c
+
+
+class NoRope:
+    """The identity in a Rope's place: layers that apply no rotary embedding (smollm3's every
+    4th layer, llama.cpp's use_rope = false)."""
+
+    __slots__ = ()
+
+    def __call__(self, x: np.ndarray, batch) -> None:
+        """Leave x f32[T, H, head_dim] as it is."""

@@ -15,7 +15,7 @@ from edge.gguf_file import GGUFFile
 from edge.kv.contiguous import DEFAULT_TYPE, KVCache
 from edge.models.hparams import ModelArgs
 from edge.models.layers import Batch, Block, Scratch, rms_norm
-from edge.models.weights import Tensor, Weight, load_tensors, optional, tensor
+from edge.models.weights import ExpertWeights, Tensor, Weight, load_tensors, optional, tensor
 
 # the tensors outside the blocks that every architecture has
 EMBEDDING_AND_OUTPUT = [
@@ -46,7 +46,7 @@ class Transformer:
         if self.output is None:
             self.output = self.token_embd                                  # tied
         self.blocks: list[Block] = self.build_blocks(layers)
-        self.scratch = Scratch(max(args.n_embd, args.n_ff, args.n_head * args.head_dim_v))
+        self.scratch = Scratch(max(args.n_embd, args.n_ff, args.n_head * args.head_dim_v, getattr(args, "n_ff_exp", 0)))
         self.batch_invariant = False
 
     def build_blocks(self, layers: list[dict]) -> list[Block]:
@@ -75,12 +75,14 @@ class Transformer:
         self.batch_invariant = bool(on)
 
     def weights(self) -> list[Weight]:
-        """Every matrix the forward multiplies by (token_embd once, also when output is tied)."""
+        """Every matrix the forward multiplies by (token_embd once, also when output is tied;
+        each expert of an ExpertWeights)."""
         found = {}
         for owner in [self, *self.blocks]:
             for value in vars(owner).values():
-                if isinstance(value, Weight):
-                    found[id(value)] = value
+                for w in value.experts if isinstance(value, ExpertWeights) else [value]:
+                    if isinstance(w, Weight):
+                        found[id(w)] = w
         return list(found.values())
 
     def set_observer(self, observer=None) -> None:

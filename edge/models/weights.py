@@ -32,10 +32,10 @@ class Weight:
 
     __slots__ = ("name", "ggml_type", "rows", "n_in", "n_out", "batch_invariant", "observer")
 
-    def __init__(self, gf: GGUFFile, name: str, n_in: int, n_out: int):
+    def __init__(self, gf: GGUFFile, name: str, n_in: int, n_out: int, rows: np.ndarray | None = None):
         self.name = name
         self.ggml_type = gf.tensors[name].ggml_type
-        self.rows = gf.tensor_rows(name)
+        self.rows = gf.tensor_rows(name) if rows is None else rows
         self.n_in, self.n_out = n_in, n_out
         self.batch_invariant = False   # see Transformer.set_batch_invariant
         self.observer = None           # see Transformer.set_observer
@@ -51,6 +51,19 @@ class Weight:
         """Dequantized rows ``ids`` (embedding lookup, ggml_get_rows): f32[len(ids), n_in]."""
         out = np.empty((len(ids), self.n_in), dtype=np.float32)
         return dequantize_rows(self.rows, self.ggml_type, np.asarray(ids, dtype=np.int64), out)
+
+
+class ExpertWeights:
+    """A 3-D tensor of expert matrices (``ffn_up_exps``: ggml [n_in, n_out, n_expert]) in its GGML
+    block format: ``experts[e]`` is expert e's matrix as a :class:`Weight`, a zero-copy view of
+    its n_out rows (ggml_mul_mat_id reads the same slice, src0->data + e * nb02)."""
+
+    __slots__ = ("name", "ggml_type", "n_in", "n_out", "experts")
+
+    def __init__(self, gf: GGUFFile, name: str, n_in: int, n_out: int, n_expert: int):
+        rows = gf.tensor_rows(name)                                        # [n_expert * n_out, row_bytes]
+        self.name, self.ggml_type, self.n_in, self.n_out = name, gf.tensors[name].ggml_type, n_in, n_out
+        self.experts = [Weight(gf, name, n_in, n_out, rows[e * n_out:(e + 1) * n_out]) for e in range(n_expert)]
 
 
 @dataclass(frozen=True)
@@ -86,7 +99,8 @@ def optional(name: str, *shape: str) -> Tensor:
 def load_tensors(gf: GGUFFile, args: ModelArgs, model: list[Tensor], layer: list[Tensor]) -> tuple[dict, list[dict]]:
     """The tensors ``model`` and ``layer`` (for every blk.N, N < args.n_layer) declare, as
     ({attribute: value} of the model, one such dict per layer): a :class:`Weight` per matrix,
-    float32[n] per 1-D tensor, None for an absent optional one.
+    an :class:`ExpertWeights` per 3-D tensor, float32[n] per 1-D tensor, None for an absent
+    optional one.
 
     Matrices are checked before 1-D tensors, each kind in declaration order, the model's before
     the layers'. Raises GGUFError naming a missing required tensor, one whose shape is not the
@@ -107,6 +121,8 @@ def load_tensors(gf: GGUFFile, args: ModelArgs, model: list[Tensor], layer: list
             raise GGUFError(f"{gf.path}: tensor {name!r} has shape {list(shape)}, but the metadata "
                             f"gives [{', '.join(text for text, _ in dims[t])}]")
         used.add(name)
+        if len(want) == 3:
+            return ExpertWeights(gf, name, *want)
         if len(want) == 2:
             return Weight(gf, name, *want)
         if info.ggml_type == GGMLQuantizationType.F32:
@@ -118,7 +134,7 @@ def load_tensors(gf: GGUFFile, args: ModelArgs, model: list[Tensor], layer: list
         [(t, f"blk.{il}.{t.name}", il) for il in range(args.n_layer) for t in layer]
     top: dict = {}
     layers: list[dict] = [{} for _ in range(args.n_layer)]
-    for t, name, il in sorted(entries, key=lambda e: len(e[0].shape) == 1):
+    for t, name, il in sorted(entries, key=lambda e: len(e[0].shape) == 1):   # stable: 2-D and 3-D first
         (top if il is None else layers[il])[t.attr] = take(t, name)
     extra = [n for n in gf.tensors if n not in used]
     if extra:

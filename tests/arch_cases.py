@@ -1,0 +1,42 @@
+"""The tiny random-weight models edge is compared with llama.cpp on, one per architecture and
+weight type (tests/test_arch_llama_cpp.py; fixtures made by tools/make_arch_fixtures.py).
+
+ARCH_CASES maps a case name ``<arch>-<weights>`` to the keyword arguments of
+tests.tiny_models.write_tiny_model. Each architecture has three cases: ``f16`` (every matrix
+F16), ``q8_0`` (every matrix Q8_0) and ``q4_k`` (a Q4_K_M-like mix of Q4_K, Q5_K and Q6_K).
+Norms, biases and the MoE router (ffn_gate_inp) stay F32 in all three, as llama.cpp's converter
+and llama-quantize leave them. Sizes are the smallest that K-quants take (rows of 256 values)
+with a few heads and GQA; a case that changes makes another file, whose sha256 no longer
+matches its fixture: rebuild it with ``tools/make_arch_fixtures.py CASE``.
+"""
+from __future__ import annotations
+
+from gguf import GGMLQuantizationType as Q
+
+# every matrix role of tests.tiny_models.write_tiny_model but the router (F32, as in real files)
+MATRIX_ROLES = ("token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                "ffn_down", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+WEIGHT_TYPES = {
+    "f16": {r: Q.F16 for r in MATRIX_ROLES},
+    "q8_0": {r: Q.Q8_0 for r in MATRIX_ROLES},
+    # like llama-quantize's Q4_K_M: Q4_K most, Q6_K for attn_v / ffn_down / output; Q5_K for
+    # attn_output so that the three K-quant kernels all run
+    "q4_k": {"token_embd": Q.Q4_K, "output": Q.Q6_K, "attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K,
+             "attn_output": Q.Q5_K, "ffn_gate": Q.Q4_K, "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K,
+             "ffn_gate_exps": Q.Q4_K, "ffn_up_exps": Q.Q4_K, "ffn_down_exps": Q.Q6_K},
+}
+
+# per architecture: the write_tiny_model arguments shared by its three weight types
+ARCHS = {
+    # head_dim 128 with 4 heads: q is wider than n_embd, as in the real Qwen3 models
+    "qwen3": dict(arch="qwen3", n_embd=256, n_head=4, n_head_kv=2, head_dim=128, n_ff=512, n_layer=2),
+    # 8 experts, 2 used per token, experts of 256 (rows of 256 for the K-quants' ffn_down_exps)
+    "qwen3moe": dict(arch="qwen3moe", n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=512, n_layer=2,
+                     n_expert=8, n_expert_used=2, n_ff_exp=256),
+    "olmo2": dict(arch="olmo2", n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_layer=2),
+    # 4 layers: the 4th has no RoPE
+    "smollm3": dict(arch="smollm3", n_embd=256, n_head=4, n_head_kv=1, n_ff=512, n_layer=4),
+}
+
+ARCH_CASES = {f"{name}-{wt}": dict(kw, types=types) for name, kw in ARCHS.items() for wt, types in WEIGHT_TYPES.items()}
