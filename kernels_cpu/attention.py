@@ -29,6 +29,8 @@ f32 and q8_0 pools take the same walk with their own row arithmetic (kernels_cpu
 K in 16 float32 lanes; q8_0 K times the query quantized to Q8_0, block by block, as
 ggml_vec_dot_q8_0_q8_0; q8_0 V dequantized times the probability).
 """
+import math
+
 import numpy as np
 from numba import njit, prange
 
@@ -49,13 +51,19 @@ def _kq_row(qv, pool, table, base, n, hd, start, end, tiny, kq):
 
 
 @njit(cache=True, nogil=True)
-def _softmax_row(kq, start, end, scale, block, probs):
+def _softmax_row(kq, start, end, scale, softcap, block, probs):
     """probs[j] for cells start..end-1 = ggml_compute_forward_soft_max_f32 of the row kq with
     every other cell masked to -inf: x = kq * scale; m = max x; e = ggml_v_expf(x - m); each
     16-cell block (cells 16b..16b+15; masked cells count 0) summed with _mm512_reduce_add_ps,
-    block sums accumulated in float64 in order; probs = e * float32(1.0 / sum).
+    block sums accumulated in float64 in order; probs = e * float32(1.0 / sum). With
+    ``softcap`` > 0 (float32) the scores are soft-capped first, in place in kq (llama.cpp's
+    attn_soft_cap: ggml_scale by 1.0f/softcap, ggml_tanh with tanhf, ggml_scale by softcap).
     block: float32[16] scratch. Other entries of probs are left unchanged."""
     mx = np.float32(-np.inf)
+    if softcap > 0:
+        inv = np.float32(1.0) / softcap
+        for j in range(start, end):
+            kq[j] = np.float32(math.tanh(kq[j] * inv)) * softcap
     for j in range(start, end):
         x = kq[j] * scale
         probs[j] = x
@@ -126,7 +134,7 @@ def _paths(T, hd, hd_v, batch_invariant=False):
 
 
 @njit(cache=True, nogil=True)
-def _attention_rows(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out, first, step,
+def _attention_rows(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, softcap, out, first, step,
                     tiny_kq, tiny_kqv):
     """paged_attention for the (row, head) pairs first, first + step, ... (pair th = row th // H,
     head th % H), with the lane orders of _paths."""
@@ -148,16 +156,16 @@ def _attention_rows(q, k_pool, v_pool, tables, seq_ids, positions, window, scale
         start = _visible(p, window)
         row = np.empty(p + 1, np.float32)
         _kq_row(prep_query(q, t, h, k_pool), kflat, table, kh * nk, nk, hd, start, p + 1, tiny_kq, row)
-        _softmax_row(row, start, p + 1, scale, block, row)
+        _softmax_row(row, start, p + 1, scale, softcap, block, row)
         _kqv_row(row, vflat, table, kh * nv, nv, hd_v, start, p + 1, tiny_kqv, acc, out[t, h])
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _attention_par(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out, tiny_kq, tiny_kqv):
+def _attention_par(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, softcap, out, tiny_kq, tiny_kqv):
     # interleaved pairs: numba splits a prange into contiguous ranges, and causal rows grow
     n_chunks = min(q.shape[0] * q.shape[1], 64)
     for c in prange(n_chunks):
-        _attention_rows(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out, c, n_chunks,
+        _attention_rows(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, softcap, out, c, n_chunks,
                         tiny_kq, tiny_kqv)
 
 
@@ -166,7 +174,8 @@ def _attention_par(q, k_pool, v_pool, tables, seq_ids, positions, window, scale,
 PARALLEL_MIN_MACS = 1 << 18
 
 
-def paged_attention(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out, batch_invariant=False):
+def paged_attention(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out, batch_invariant=False,
+                    softcap=0.0):
     """Multi-head causal attention with GQA over a paged KV cache (f16, f32 or q8_0 pools),
     bit-exact with llama.cpp's non-flash CPU path.
 
@@ -178,7 +187,9 @@ def paged_attention(q, k_pool, v_pool, tables, seq_ids, positions, window, scale
     j % bs (a contiguous cache is one block of n_ctx per sequence); seq_ids and positions
     int32[T] (row t is the query of sequence seq_ids[t] at positions[t]); out f32[T, H, hd_v].
     ``scale`` (float32) multiplies the scores before the softmax (ggml_soft_max_ext's scale;
-    1.0 for Gemma). Query head h reads KV head h // (H / H_kv). A query at position p sees
+    1.0 for Gemma); ``softcap`` > 0 soft-caps the raw scores before that, kq = softcap *
+    tanh(kq / softcap) (Gemma 2's attn_logit_softcapping; 0, the default: not). Query head h
+    reads KV head h // (H / H_kv). A query at position p sees
     the cells j <= p of its own sequence, and with ``window`` > 0 only j > p - window (blocks
     wholly before that may be holes). The T rows pick the kernel lanes as llama.cpp does for a
     batch of T tokens (module docstring), or with ``batch_invariant`` each as a batch of one
@@ -192,10 +203,12 @@ def paged_attention(q, k_pool, v_pool, tables, seq_ids, positions, window, scale
                          "do not fit")
     tiny_kq, tiny_kqv = _paths(T, hd, out.shape[2], batch_invariant)
     cells = int(positions.max()) + 1 if window <= 0 else min(int(positions.max()) + 1, window)
+    softcap = np.float32(softcap)
     if T * H * cells * hd >= PARALLEL_MIN_MACS:
-        _attention_par(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out, tiny_kq, tiny_kqv)
+        _attention_par(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, softcap, out, tiny_kq, tiny_kqv)
     else:
-        _attention_rows(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out, 0, 1, tiny_kq, tiny_kqv)
+        _attention_rows(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, softcap, out, 0, 1,
+                        tiny_kq, tiny_kqv)
 
 
 @njit(cache=True, nogil=True)
@@ -240,4 +253,4 @@ def attention_scores(q, k_cache, positions, window, scale, kq_out, probs_out):
         probs_out[t, h, :] = 0.0
         _kq_row(prep_query(q, t, h, k_cache), kflat, table, (h // group) * hd, hd, hd, start, p + 1, tiny_kq,
                 kq_out[t, h])
-        _softmax_row(kq_out[t, h], start, p + 1, scale, np.empty(16, np.float32), probs_out[t, h])
+        _softmax_row(kq_out[t, h], start, p + 1, scale, np.float32(0.0), np.empty(16, np.float32), probs_out[t, h])

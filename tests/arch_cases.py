@@ -37,6 +37,21 @@ ARCHS = {
     "olmo2": dict(arch="olmo2", n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_layer=2),
     # 4 layers: the 4th has no RoPE
     "smollm3": dict(arch="smollm3", n_embd=256, n_head=4, n_head_kv=1, n_ff=512, n_layer=4),
+    # LongRoPE past the original context (64 < llama.cpp's n_ctx 64 padded to 256): the long
+    # factors and the attention factor; 48 of 64 head dimensions turned (Phi-4-mini's 3/4)
+    "phi3": dict(arch="phi3", n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_layer=2, rope_dims=48,
+                 rope_factors=True,
+                 metadata={".rope.scaling.original_context_length": 64, ".rope.scaling.attn_factor": 1.19}),
+    # soft caps low enough to bite on random weights; a window of 4 tokens on layers 0 and 2
+    "gemma2": dict(arch="gemma2", n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=512, n_layer=4,
+                   sliding_window=4, metadata={".attn_logit_softcapping": 4.0, ".final_logit_softcapping": 10.0}),
+    # Granite 3's embedding, residual, attention and logit multipliers (tests.tiny_models)
+    "granite": dict(arch="granite", n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_layer=2),
+    # the llama family: Llama 3.x / DeepSeek-R1-Distill-Llama (llama3 RoPE scaling as rope_freqs) ...
+    "llama3": dict(arch="llama", n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_layer=2, rope_freqs=True),
+    # ... Mistral Nemo / Small (key_length 128 over n_embd / n_head = 64) with SmolLM2's tied output
+    "mistral": dict(arch="llama", n_embd=256, n_head=4, n_head_kv=1, head_dim=128, n_ff=512, n_layer=2,
+                    tie_output=True),
 }
 
 ARCH_CASES = {f"{name}-{wt}": dict(kw, types=types) for name, kw in ARCHS.items() for wt, types in WEIGHT_TYPES.items()}
@@ -44,3 +59,6 @@ ARCH_CASES = {f"{name}-{wt}": dict(kw, types=types) for name, kw in ARCHS.items(
 # tokens, layer 3 global) under linear RoPE scaling, which olmo2's local layers do not apply
 ARCH_CASES["olmo2-swa-f16"] = dict(ARCHS["olmo2"], n_layer=4, sliding_window=4, rope_scaling_factor=2.0,
                                    types=WEIGHT_TYPES["f16"])
+# phi3 within its original context (256 = llama.cpp's padded n_ctx): the short factors
+ARCH_CASES["phi3short-q8_0"] = dict(ARCHS["phi3"], rope_dims=None, metadata={".rope.scaling.attn_factor": 1.19},
+                                    types=WEIGHT_TYPES["q8_0"])

@@ -14,6 +14,11 @@ Per architecture, the tensors of a layer beyond attention (attn_q/k/v/output):
   olmo2:          no attn_norm / ffn_norm; attn_q_norm [n_head * head_dim], attn_k_norm
                   [n_head_kv * head_dim] (over the whole projection), post_attention_norm,
                   post_ffw_norm
+  gemma2:         + post_attention_norm, post_ffw_norm; output tied
+  phi3:           attn_qkv [(n_head + 2 n_head_kv) * head_dim, n_embd] (role attn_q unless
+                  types names attn_qkv) for attn_q/k/v; ffn_up [2 n_ff, n_embd] (gate | up),
+                  no ffn_gate; rope_factors_long / _short with rope_factors
+  granite:        llama's; the four multipliers in the metadata
 """
 from __future__ import annotations
 
@@ -47,19 +52,27 @@ def random_tensor(rng, shape, qtype, scale=0.3):
     return quantize(x, qtype)
 
 
+# Granite 3's multipliers (granite-3.x-2b: embedding 12, residual 0.22, attention 1/128, logits 8)
+GRANITE_SCALES = {".embedding_scale": 12.0, ".residual_scale": 0.22, ".attention.scale": 0.0078125,
+                  ".logit_scale": 8.0}
+
+
 def write_tiny_model(path, arch="llama", types=None, seed=0, n_embd=64, n_head=4, n_head_kv=2,
                      head_dim=None, n_ff=128, n_layer=2, n_vocab=96, sliding_window=0,
                      rope_scaling_factor=0.0, rope_freqs=False, tie_output=False, extra_tensors=(),
                      n_tokens=None, rope_dims=None, swa_pattern=None, n_expert=4, n_expert_used=2,
-                     n_ff_exp=None):
+                     n_ff_exp=None, metadata=None, rope_factors=False):
     """Write a tiny ``arch`` model with random weights to ``path``.
 
     ``types`` maps a tensor role ('attn_q', 'ffn_down', 'token_embd', 'output', 'ffn_gate_exps',
     'ffn_gate_inp', ...) to a GGMLQuantizationType (default F32 everywhere). ``rope_dims`` and
     ``swa_pattern``, when given, are written as rope.dimension_count and
     attention.sliding_window_pattern (absent otherwise: the loaders' defaults). ``n_expert``,
-    ``n_expert_used`` and ``n_ff_exp`` (default n_ff) size a qwen3moe file's experts. The same
-    arguments write the same bytes (seeded). Returns the path.
+    ``n_expert_used`` and ``n_ff_exp`` (default n_ff) size a qwen3moe file's experts.
+    ``metadata`` adds keys ({key: value}, ``{arch}.`` prefixed when the key starts with ".";
+    float32, uint32, bool or string by the value's type; a granite file has Granite 3's
+    multipliers unless it sets them); ``rope_factors`` writes LongRoPE's rope_factors_long /
+    rope_factors_short (phi3). The same arguments write the same bytes (seeded). Returns the path.
     """
     types = types or {}
     rng = np.random.default_rng(seed)
@@ -92,6 +105,18 @@ def write_tiny_model(path, arch="llama", types=None, seed=0, n_embd=64, n_head=4
     if rope_scaling_factor:
         w.add_string(k + "rope.scaling.type", "linear")
         w.add_float32(k + "rope.scaling.factor", rope_scaling_factor)
+    meta = dict(GRANITE_SCALES) if arch == "granite" else {}
+    meta.update(metadata or {})
+    for key, value in meta.items():
+        key = arch + key if key.startswith(".") else key
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_string(key, value)
     n_tok = n_vocab if n_tokens is None else n_tokens
     w.add_tokenizer_model("llama")
     w.add_token_list([f"<t{i}>" for i in range(n_tok)])
@@ -109,9 +134,13 @@ def write_tiny_model(path, arch="llama", types=None, seed=0, n_embd=64, n_head=4
         p = f"blk.{il}."
         if arch != "olmo2":
             norm(p + "attn_norm.weight", n_embd)
-        add(p + "attn_q.weight", (n_head * hd, n_embd), "attn_q")
-        add(p + "attn_k.weight", (n_head_kv * hd, n_embd), "attn_k")
-        add(p + "attn_v.weight", (n_head_kv * hd, n_embd), "attn_v")
+        if arch == "phi3":
+            role = "attn_qkv" if "attn_qkv" in types else "attn_q"
+            add(p + "attn_qkv.weight", ((n_head + 2 * n_head_kv) * hd, n_embd), role)
+        else:
+            add(p + "attn_q.weight", (n_head * hd, n_embd), "attn_q")
+            add(p + "attn_k.weight", (n_head_kv * hd, n_embd), "attn_k")
+            add(p + "attn_v.weight", (n_head_kv * hd, n_embd), "attn_v")
         add(p + "attn_output.weight", (n_embd, n_head * hd), "attn_output")
         if arch == "qwen2":
             for t, n in (("q", n_head * hd), ("k", n_head_kv * hd), ("v", n_head_kv * hd)):
@@ -119,6 +148,7 @@ def write_tiny_model(path, arch="llama", types=None, seed=0, n_embd=64, n_head=4
         if arch == "gemma3":
             norm(p + "attn_q_norm.weight", hd)
             norm(p + "attn_k_norm.weight", hd)
+        if arch in ("gemma3", "gemma2"):
             norm(p + "post_attention_norm.weight", n_embd)
             norm(p + "post_ffw_norm.weight", n_embd)
         if arch in ("qwen3", "qwen3moe"):
@@ -136,14 +166,21 @@ def write_tiny_model(path, arch="llama", types=None, seed=0, n_embd=64, n_head=4
             add(p + "ffn_up_exps.weight", (n_expert, n_ff_exp, n_embd), "ffn_up_exps")
             add(p + "ffn_down_exps.weight", (n_expert, n_embd, n_ff_exp), "ffn_down_exps")
             continue
-        add(p + "ffn_gate.weight", (n_ff, n_embd), "ffn_gate")
-        add(p + "ffn_up.weight", (n_ff, n_embd), "ffn_up")
+        if arch == "phi3":
+            add(p + "ffn_up.weight", (2 * n_ff, n_embd), "ffn_up")
+        else:
+            add(p + "ffn_gate.weight", (n_ff, n_embd), "ffn_gate")
+            add(p + "ffn_up.weight", (n_ff, n_embd), "ffn_up")
         add(p + "ffn_down.weight", (n_embd, n_ff), "ffn_down")
         if arch == "olmo2":
             norm(p + "post_ffw_norm.weight", n_embd)
     norm("output_norm.weight", n_embd)
-    if not tie_output and arch != "gemma3":
+    if not tie_output and arch not in ("gemma3", "gemma2"):
         add("output.weight", (n_vocab, n_embd), "output")
+    if rope_factors:
+        n_pairs = (rope_dims or hd) // 2
+        w.add_tensor("rope_factors_long.weight", rng.uniform(1.0, 8.0, n_pairs).astype(np.float32))
+        w.add_tensor("rope_factors_short.weight", rng.uniform(0.8, 1.5, n_pairs).astype(np.float32))
     if rope_freqs:
         w.add_tensor("rope_freqs.weight", rng.uniform(1.0, 8.0, hd // 2).astype(np.float32))
     for name in extra_tensors:

@@ -80,7 +80,8 @@ def hadamard_size(head_dim: int) -> int:
 
 def store_and_attend(cache, il: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, seq_ids: np.ndarray,
                      positions: np.ndarray, window: int, scale: np.float32, out: np.ndarray | None,
-                     k_shift: np.ndarray | None = None, batch_invariant: bool = False) -> np.ndarray | None:
+                     k_shift: np.ndarray | None = None, batch_invariant: bool = False,
+                     softcap: float = 0.0) -> np.ndarray | None:
     """Write a batch's K/V of layer ``il`` into ``cache`` in its types, then attend.
 
     Args:
@@ -93,6 +94,7 @@ def store_and_attend(cache, il: int, q: np.ndarray, k: np.ndarray, v: np.ndarray
         out: f32[T, n_head, hd_v] for the attention output, or None to store the K/V only.
         k_shift: f32[n_head_kv, hd], the static part of the layer's K bias, or None.
         batch_invariant: each row computed as a batch of one (kernels_cpu.attention).
+        softcap: soft-capping of the scores before the softmax (0: none; Gemma 2).
     Returns out, or None when out is None.
     """
     kc, vc = CODECS[cache.type_k], CODECS[cache.type_v]
@@ -104,6 +106,6 @@ def store_and_attend(cache, il: int, q: np.ndarray, k: np.ndarray, v: np.ndarray
     store_kv(v.reshape(T, -1), v_pool, tables, seq_ids, positions)
     if out is None:
         return None
-    paged_attention(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out, batch_invariant)
+    paged_attention(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out, batch_invariant, softcap)
     vc.decode_v(out)
     return out

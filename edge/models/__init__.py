@@ -17,7 +17,8 @@ from edge.gguf_file import GGUFError, GGUFFile
 
 ARCHITECTURES = {"llama": "edge.models.llama", "qwen2": "edge.models.qwen2", "gemma3": "edge.models.gemma3",
                  "qwen3": "edge.models.qwen3", "qwen3moe": "edge.models.qwen3moe", "olmo2": "edge.models.olmo2",
-                 "smollm3": "edge.models.smollm3"}
+                 "smollm3": "edge.models.smollm3", "phi3": "edge.models.phi3", "gemma2": "edge.models.gemma2",
+                 "granite": "edge.models.granite"}
 ALIASES: dict[str, str] = {}
 
 

@@ -108,8 +108,9 @@ class Gemma3(Transformer):
 
     def build_blocks(self, layers):
         a = self.args
-        glob = Rope(a.n_rot, a.rope_freq_base, a.rope_freq_scale, neox=True, freq_factors=self.rope_freqs)
-        local = Rope(a.n_rot, a.rope_freq_base_swa, a.rope_freq_scale_swa, neox=True)
+        glob = Rope(a.n_rot, a.rope_freq_base, a.rope_freq_scale, neox=True, freq_factors=self.rope_freqs,
+                    attn_factor=a.rope_attn_factor)
+        local = Rope(a.n_rot, a.rope_freq_base_swa, a.rope_freq_scale_swa, neox=True, attn_factor=a.rope_attn_factor)
         return [Gemma3Block(w, a, il, local if a.swa_layers[il] else glob) for il, w in enumerate(layers)]
 
     def embed(self, tokens):

@@ -149,7 +149,8 @@ class ModelArgs:
     GPT-NeoX RoPE pairing; ``partial_rope`` allows ``rope.dimension_count`` below head_dim
     (otherwise it must equal head_dim, as llama.cpp requires for llama and qwen2);
     ``swa_layers[i]`` is True for sliding-window layers, which use ``sliding_window`` and their
-    own RoPE base ``rope_freq_base_swa``. Call :meth:`check` before sizing anything from them;
+    own RoPE base ``rope_freq_base_swa``; ``rope_attn_factor`` (rope.scaling.attn_factor, default
+    1) multiplies RoPE's cos and sin (llama.cpp's attn_factor). Call :meth:`check` before sizing anything from them;
     :meth:`dim` evaluates the tensor shapes an architecture declares in these fields.
     """
 
@@ -173,6 +174,7 @@ class ModelArgs:
     swa_layers: tuple[bool, ...] = ()
     rope_freq_base_swa: float = 10000.0
     rope_freq_scale_swa: float = 1.0
+    rope_attn_factor: float = 1.0
 
     # the metadata key (gguf.Keys template) of each field a tensor shape may name (n_vocab: the
     # token list); a subclass adds its own fields' keys
@@ -213,6 +215,7 @@ class ModelArgs:
             rms_eps=read_float(gf, key(Keys.Attention.LAYERNORM_RMS_EPS), lo=0.0),   # ggml: eps >= 0
             rope_freq_base=read_float(gf, key(Keys.Rope.FREQ_BASE), default=10000.0, lo=0.0, strict=True),
             rope_freq_scale=read_rope_freq_scale(gf, arch),
+            rope_attn_factor=read_float(gf, key(Keys.Rope.SCALING_ATTN_FACTOR), default=1.0, lo=0.0, strict=True),
             n_rot=read_int(gf, key(Keys.Rope.DIMENSION_COUNT), default=head_dim, lo=0),
             rope_neox=True,
             swa_layers=(False,) * n_layer,

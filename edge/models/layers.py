@@ -122,8 +122,9 @@ class Block:
     ``blk.N.attn_q.weight`` is attn_q, ``blk.N.attn_q.bias`` attn_q_bias). The facts its
     attention hands the KV cache are attributes too: ``window`` (sliding window in tokens, 0:
     full attention), ``kq_scale`` (float32 softmax scale of the scores, default
-    1/sqrt(head_dim)) and ``k_shift`` (None, or the static part of the K bias,
-    f32[n_head_kv, head_dim], that a quantized K cache may store K without: edge.kv.codec).
+    1/sqrt(head_dim)), ``softcap`` (soft-capping of the scores before the softmax, 0: none)
+    and ``k_shift`` (None, or the static part of the K bias, f32[n_head_kv, head_dim], that a
+    quantized K cache may store K without: edge.kv.codec).
     """
 
     def __init__(self, w: dict, a: ModelArgs, il: int):
@@ -131,6 +132,7 @@ class Block:
         self.args, self.il = a, il
         self.window = a.sliding_window if a.swa_layers[il] else 0
         self.kq_scale = np.float32(1) / np.sqrt(np.float32(a.head_dim))
+        self.softcap = 0.0
         self.k_shift: np.ndarray | None = None
 
     def __call__(self, x: np.ndarray, b: Batch) -> np.ndarray | None:
@@ -146,7 +148,7 @@ class Block:
         T, H = q.shape[:2]
         out = None if b.kv_only else b.buf("attn", (T, H, v.shape[2]))
         if store_and_attend(b.cache, self.il, q, k, v, b.seq_ids, b.positions, self.window, self.kq_scale,
-                            out, self.k_shift, b.batch_invariant) is None:
+                            out, self.k_shift, b.batch_invariant, self.softcap) is None:
             return None
         wo = self.attn_output
         return b.keep(wo(out.reshape(T, -1), b.buf("o", (T, wo.n_out)), workspace=b.ws))

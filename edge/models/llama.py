@@ -1,13 +1,21 @@
 """LLaMA (``general.architecture = llama``): RMSNorm, SwiGLU FFN, RoPE in the original
 interleaved (NORM) pairing, optional QKV bias, optional llama-3 ``rope_freqs`` factors and
 linear RoPE scaling, output tied to token_embd when ``output.weight`` is absent. Mirrors
-llama.cpp's llm_build_llama."""
+llama.cpp's llm_build_llama.
+
+The llama family as GGUF files carry it, all this architecture with other metadata: Llama 2
+and 3.x (3.1+: llama3 RoPE scaling as the ``rope_freqs`` tensor), Mistral 7B and Mistral
+Nemo / Small (attention.key_length 128 below n_embd / n_head), SmolLM2 (tied output),
+DeepSeek-R1-Distill-Llama (rope_freqs), Falcon3 (head size 256). RoPE scaling types other
+than none and linear (yarn, longrope) and mixture-of-experts files (Mixtral) are one-line
+errors."""
 from __future__ import annotations
 
 import numpy as np
+from gguf import Keys
 
 from edge.gguf_file import GGUFError, GGUFFile
-from edge.models.hparams import ModelArgs
+from edge.models.hparams import ModelArgs, read_int
 from edge.models.layers import (ATTENTION_TENSORS, GATED_FFN_TENSORS, QKV_BIAS_TENSORS, Batch, Block, ffn_swiglu,
                                 heads, optional_all, project_qkv, rms_norm)
 from edge.models.rope import Rope, static_k_bias
@@ -18,7 +26,12 @@ ARCH = "llama"
 
 
 def read_args(gf: GGUFFile) -> ModelArgs:
-    """The hyperparameters (edge.models.hparams: every key checked). Raises GGUFError."""
+    """The hyperparameters (edge.models.hparams: every key checked). Raises GGUFError, also for
+    a mixture-of-experts file (expert_count > 0: Mixtral), which edge does not implement."""
+    key = Keys.LLM.EXPERT_COUNT.format(arch=ARCH)
+    n_expert = read_int(gf, key, default=0, lo=0)
+    if n_expert:
+        raise GGUFError(f"{gf.path}: {key} = {n_expert}: mixture-of-experts llama files are not supported")
     return ModelArgs.common_from_gguf(gf, ARCH, rope_neox=False)
 
 
@@ -58,12 +71,17 @@ class Llama(Transformer):
     TENSORS = [*EMBEDDING_AND_OUTPUT, optional("rope_freqs.weight", "n_rot / 2")]
     LAYER_TENSORS = [*ATTENTION_TENSORS, *optional_all(QKV_BIAS_TENSORS), *GATED_FFN_TENSORS]  # biases: all or none
 
-    def build_blocks(self, layers):
-        a = self.args
+    def check_biases(self, layers: list[dict]) -> None:
+        """Raise GGUFError naming a layer that has some but not all of the q, k and v biases."""
         for il, w in enumerate(layers):
             if len({w[n] is None for n in ("attn_q_bias", "attn_k_bias", "attn_v_bias")}) > 1:
                 raise GGUFError(f"{self.gguf.path}: blk.{il}.attn_q/k/v.bias must be all present or all absent")
-        rope = Rope(a.n_rot, a.rope_freq_base, a.rope_freq_scale, neox=False, freq_factors=self.rope_freqs)
+
+    def build_blocks(self, layers):
+        a = self.args
+        self.check_biases(layers)
+        rope = Rope(a.n_rot, a.rope_freq_base, a.rope_freq_scale, neox=False, freq_factors=self.rope_freqs,
+                    attn_factor=a.rope_attn_factor)
         return [LlamaBlock(w, a, il, rope) for il, w in enumerate(layers)]
 
 

@@ -26,7 +26,8 @@ class Qwen2(Transformer):
 
     def build_blocks(self, layers):
         a = self.args
-        rope = Rope(a.n_rot, a.rope_freq_base, a.rope_freq_scale, neox=True, freq_factors=self.rope_freqs)
+        rope = Rope(a.n_rot, a.rope_freq_base, a.rope_freq_scale, neox=True, freq_factors=self.rope_freqs,
+                    attn_factor=a.rope_attn_factor)
         return [LlamaBlock(w, a, il, rope) for il, w in enumerate(layers)]
 
 

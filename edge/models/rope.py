@@ -5,8 +5,10 @@ A :class:`Rope` is one ggml_rope_ext without YaRN: the first n_rot dimensions of
 turn by angle position * freq_scale * base^(-2i/n_rot) / freq_factors[i] for pair i, the pairs
 being (2i, 2i+1) (llama's NORM mode) or (i, i + n_rot/2) (GPT-NeoX, Qwen2, Gemma). Linear
 scaling is freq_scale = 1 / rope.scaling.factor; llama 3's ``rope_freqs`` tensor gives the
-freq_factors. A model's layers share their Rope objects, so a forward pass computes the cos/sin
-tables of each once (edge.models.layers.Batch).
+freq_factors; ``attn_factor`` (rope.scaling.attn_factor) multiplies cos and sin. Phi-3's
+LongRoPE (:class:`LongRope`) is two such variants, short and long factors, of which the
+context size picks one. A model's layers share their Rope objects, so a forward pass computes
+the cos/sin tables of each once (edge.models.layers.Batch).
 """
 from __future__ import annotations
 
@@ -25,23 +27,54 @@ class Rope:
         scale: frequency scale (1 / linear scaling factor).
         neox: GPT-NeoX pairing (i, i + n_rot/2); else (2i, 2i+1).
         freq_factors: float32[n_rot/2] dividing each pair's angle, or None.
+        attn_factor: multiplies cos and sin (ggml_rope_ext's attn_factor, the mscale of
+            ggml's rope_yarn without YaRN's extrapolation); 1.0 leaves them as they are.
     """
 
-    __slots__ = ("n_rot", "base", "scale", "neox", "freq_factors")
+    __slots__ = ("n_rot", "base", "scale", "neox", "freq_factors", "attn_factor")
 
     def __init__(self, n_rot: int, base: float, scale: float = 1.0, neox: bool = False,
-                 freq_factors: np.ndarray | None = None):
+                 freq_factors: np.ndarray | None = None, attn_factor: float = 1.0):
         self.n_rot, self.base, self.scale, self.neox, self.freq_factors = n_rot, base, scale, neox, freq_factors
+        self.attn_factor = attn_factor
 
     def tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(cos, sin) float32[T, n_rot/2] for positions int[T] (ops.rope_cos_sin)."""
-        return ops.rope_cos_sin(positions, self.n_rot, self.base, self.scale, self.freq_factors)
+        """(cos, sin) float32[T, n_rot/2] for positions int[T] (ops.rope_cos_sin; times
+        attn_factor in float32, as ggml's cosf(theta) * mscale)."""
+        cos, sin = ops.rope_cos_sin(positions, self.n_rot, self.base, self.scale, self.freq_factors)
+        if self.attn_factor != 1.0:
+            cos *= np.float32(self.attn_factor)
+            sin *= np.float32(self.attn_factor)
+        return cos, sin
 
     def __call__(self, x: np.ndarray, batch) -> None:
         """Rotate x f32[T, H, head_dim] in place at the positions of ``batch``
         (edge.models.layers.Batch, which holds the tables)."""
         cos, sin = batch.rope_tables(self)
         ops.rope(x, cos, sin, self.neox)
+
+
+class LongRope:
+    """Phi-3's LongRoPE: the Rope with the short factors (``rope_factors_short``) or the one with
+    the long factors (``rope_factors_long``), picked per forward pass by the cache's context
+    size, as llama.cpp's llama_model::get_rope_factors: long when n_ctx_seq (the cache's
+    per-sequence n_ctx rounded up to a multiple of 256, as llama.cpp pads n_ctx) exceeds
+    ``n_ctx_orig`` (rope.scaling.original_context_length)."""
+
+    __slots__ = ("short", "long", "n_ctx_orig")
+
+    PAD = 256   # llama.cpp: cparams.n_ctx_seq = GGML_PAD(n_ctx / n_seq, 256)
+
+    def __init__(self, short: Rope, long: Rope, n_ctx_orig: int):
+        self.short, self.long, self.n_ctx_orig = short, long, n_ctx_orig
+
+    def pick(self, n_ctx: int) -> Rope:
+        """The Rope for a cache of n_ctx positions per sequence."""
+        return self.long if -(-n_ctx // self.PAD) * self.PAD > self.n_ctx_orig else self.short
+
+    def __call__(self, x: np.ndarray, batch) -> None:
+        """Rope.__call__ with the factors batch.cache.n_ctx picks."""
+        self.pick(batch.cache.n_ctx)(x, batch)
 
 
 def static_k_bias(a: ModelArgs, k_bias: np.ndarray, is_swa: bool = False,
