@@ -364,6 +364,8 @@ def test_tiny_spm_unknown_bytes_use_unk_id(tmp_path):
     ("gpt-2", "x\t\ty", ["x", "\t", "\t", "y"]),
     ("gpt2", "12345 apples", ["12345", " apples"]),
     ("qwen2", "12345 apples", ["1", "2", "3", "4", "5", " apples"]),
+    ("smollm", "12345 apples", ["1", "2", "3", "4", "5", " apples"]),
+    ("smollm", "I'M x3.5\t\ty", ["I", "'", "M", " x", "3", ".", "5", "\t", "\t", "y"]),
     ("default", "1234567", ["123", "456", "7"]),
     ("default", "don't 3.14", ["don", "'", "t", " ", "3", ".", "14"]),
 ])
@@ -394,8 +396,9 @@ def test_synthetic_bpe_llama3_vs_gpt2(tmp_path):
 
 def test_synthetic_bpe_clean_spaces(tmp_path):
     """llama.cpp's clean_spaces (on for gpt-2, off for qwen2) when detokenizing."""
-    gpt2, qwen2 = _bpe(tmp_path, "gpt-2"), _bpe(tmp_path, "qwen2")
+    gpt2, qwen2, smollm = _bpe(tmp_path, "gpt-2"), _bpe(tmp_path, "qwen2"), _bpe(tmp_path, "smollm")
     for text, cleaned in [("Hi , you 're !", "Hi, you're!"), ("a ' b", "a'b"), ("don 't", "don 't"),
                           ("I 'm , we 've", "I'm, we've"), ("x 'll", "x 'll")]:
         assert gpt2.decode(gpt2.encode(text, False, False)) == cleaned.encode(), text
         assert qwen2.decode(qwen2.encode(text, False, False)) == text.encode(), text
+        assert smollm.decode(smollm.encode(text, False, False)) == text.encode(), text
