@@ -203,7 +203,7 @@ def pull_hub(name: str, *, progress=None, verify: bool = False) -> Path:
     except ValueError as e:
         raise StoreError(str(e)) from None
     models = models_dir()
-    present = store_hf.local_path(ref, models)
+    present = store_hf.local_path(ref, models, any_one=False)  # no tag: what the Hub's pick would be
     if present is not None and _hub_file_matches(present, ref):
         if verify:
             _check_hub_sha256(present, progress)

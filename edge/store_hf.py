@@ -144,9 +144,9 @@ def stem(ref: HubRef, tag: str) -> str:
     return f"{PREFIX}--{ref.user}--{ref.repo}--{tag}"
 
 
-def local_path(ref: HubRef, models: Path) -> Path | None:
-    """The stored file a pull of ``ref`` would give, if it is there (no network): the tag's
-    file; with no tag, the Q4_K_M one, else the repo's only stored file."""
+def local_path(ref: HubRef, models: Path, any_one: bool = True) -> Path | None:
+    """The stored file for ``ref``, if it is there (no network): the tag's file; with no tag,
+    the Q4_K_M one, else (with ``any_one``) the repo's only stored file."""
     if ref.tag is not None:
         path = models / f"{stem(ref, ref.tag)}.gguf"
         return path if path.is_file() else None
@@ -154,7 +154,7 @@ def local_path(ref: HubRef, models: Path) -> Path | None:
     default = models / f"{stem(ref, DEFAULT_QUANT)}.gguf"
     if default in stored:
         return default
-    return stored[0] if len(stored) == 1 else None
+    return stored[0] if any_one and len(stored) == 1 else None
 
 
 def manifest_path(gguf: Path) -> Path:

@@ -128,6 +128,12 @@ def test_pull_default_quant_list_and_offline_resolve(hub, payloads, tmp_path):
     assert len(hub.log) == n
 
 
+def test_without_a_tag_run_takes_the_one_stored_but_pull_asks_the_hub(hub, payloads):
+    q8 = store.pull(f"hf.co/{REPO}:Q8_0", progress=False)
+    assert store.resolve_model(f"hf.co/{REPO}", pull_missing=False) == q8
+    assert store.pull(f"hf.co/{REPO}", progress=False).name == "hf.co--alice--Tiny-GGUF--Q4_K_M.gguf"
+
+
 def test_only_gguf_of_a_repo_and_url(hub, payloads):
     path = store.pull("hf.co/alice/one-file", progress=False)
     assert path.name == "hf.co--alice--one-file--Q4_1.gguf" and path.read_bytes() == payloads["tiny"]
