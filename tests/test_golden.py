@@ -21,7 +21,8 @@ from edge.engine import Engine, GenerationStats
 from edge.sampling import SamplingParams
 from tests.conftest import cli_perplexity, golden, real_model_path
 
-MODELS = ["qwen2.5-coder-0.5b", "gemma3-270m"]
+MODELS = ["qwen2.5-coder-0.5b", "gemma3-270m", "smollm2-135m"]
+CHAT_MODELS = ["qwen2.5-coder-0.5b", "smollm2-135m"]  # the models with a chat template
 GREEDY = SamplingParams(temperature=0.0)
 TIE_GAP = 0.3
 
@@ -96,14 +97,16 @@ def test_greedy_parts_only_at_near_ties(greedy_results, gid):
             _check_continuation(got, case["greedy_ids"], case["top1_minus_top2"], f"{gid} prompt {i}")
 
 
-def test_greedy_at_least_7_of_8_prompts_agree(greedy_results):
+def test_greedy_at_most_one_prompt_in_8_parts(greedy_results):
+    """All raw prompts of all models agree over their 48 tokens, but for at most one prompt in
+    each 8 (11 of the 12)."""
     agree = [key for key, (got, case) in greedy_results.items() if got == case["greedy_ids"]]
-    assert len(greedy_results) == 8
-    assert len(agree) >= 7, f"only {sorted(agree)} agree"
+    assert len(greedy_results) == 4 * len(MODELS)
+    assert len(agree) >= len(greedy_results) - len(greedy_results) // 8, f"only {sorted(agree)} agree"
 
 
-def test_chat_prompt_and_replies():
-    gid = "qwen2.5-coder-0.5b"
+@pytest.mark.parametrize("gid", CHAT_MODELS)
+def test_chat_prompt_and_replies(gid):
     eng = _engine(gid)
     cases = golden(gid, "chat.json")["cases"]
     assert len(cases) == 3
@@ -112,7 +115,7 @@ def test_chat_prompt_and_replies():
         ids = eng.chat_prompt(case["messages"])
         assert ids == case["prompt_ids"], i
         got = _greedy(eng, ids, 64)
-        _check_continuation(got, case["greedy_reply_ids"], case["top1_minus_top2"], f"chat {i}")
+        _check_continuation(got, case["greedy_reply_ids"], case["top1_minus_top2"], f"{gid} chat {i}")
 
 
 def test_gemma_has_no_chat_template():
@@ -134,9 +137,9 @@ def test_perplexity_cli_within_1_percent(gid):
     assert abs(ppl / ref["perplexity"] - 1) <= 0.01, (ppl, ref["perplexity"])
 
 
-def test_edge_run_streams_greedy_answer():
+@pytest.mark.parametrize("gid", CHAT_MODELS)
+def test_edge_run_streams_greedy_answer(gid):
     """`edge run` prints exactly the text of the engine's greedy tokens and the stats line."""
-    gid = "qwen2.5-coder-0.5b"
     prompt = "Write a Python function that reverses a string."
     proc = subprocess.run(
         [sys.executable, "-m", "edge.cli", "run", "-m", str(real_model_path(gid)), "-n", "12", "--temp", "0", prompt],

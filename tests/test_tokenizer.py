@@ -28,7 +28,7 @@ from edge.tokenizer import StreamDecoder, TokenAttr, Tokenizer, TokenizerError
 from edge.tokenizer.pretokenize import BYTE_TO_UNICODE, PRE_TOKENIZERS, PreTokenizer, decode_utf8_lossy
 from tests.conftest import GOLDEN, golden
 
-QWEN, GEMMA = "qwen2.5-coder-0.5b", "gemma3-270m"  # golden ids
+QWEN, GEMMA, SMOLLM2 = "qwen2.5-coder-0.5b", "gemma3-270m", "smollm2-135m"  # golden ids
 K = gguf.Keys.Tokenizer
 
 
@@ -40,6 +40,11 @@ def qwen(qwen_path) -> Tokenizer:
 @pytest.fixture(scope="module")
 def gemma(gemma_path) -> Tokenizer:
     return Tokenizer.from_gguf(GGUFFile(gemma_path))
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path) -> Tokenizer:
+    return Tokenizer.from_gguf(GGUFFile(smollm2_path))
 
 
 def _golden_cases(golden_id: str) -> list:
@@ -77,11 +82,16 @@ def test_golden_gemma(gemma, case):
     _check_golden_case(gemma, case)
 
 
+@pytest.mark.parametrize("case", _golden_cases(SMOLLM2))
+def test_golden_smollm2(smollm2, case):
+    _check_golden_case(smollm2, case)
+
+
 def test_golden_detok_is_not_the_special_free_round_trip(gemma):
     assert gemma.decode([2, 2, 1005], remove_special=True, unparse_special=False) == b"text"
 
 
-@pytest.mark.parametrize("tok_name, model", [("qwen", QWEN), ("gemma", GEMMA)])
+@pytest.mark.parametrize("tok_name, model", [("qwen", QWEN), ("gemma", GEMMA), ("smollm2", SMOLLM2)])
 def test_other_goldens_prompts_and_replies(request, tok_name, model):
     """Prompt ids and decoded replies in greedy.json / chat.json, token count in perplexity.json."""
     tok = request.getfixturevalue(tok_name)
@@ -106,6 +116,20 @@ def test_model_facts(qwen, gemma):
     assert (gemma.add_bos, gemma.add_eos, gemma.add_space_prefix) == (True, False, False)
     assert gemma.token_types[107] == gguf.TokenType.USER_DEFINED
     assert gemma.token_attr(105) & TokenAttr.CONTROL
+
+
+def test_smollm2_facts(smollm2):
+    """SmolLM2 (byte-level BPE, pre-tokenizer 'smollm': digits one by one): no BOS added;
+    llama.cpp's EOG set is ids 0, 2, 4 (checked with llama_vocab_is_eog)."""
+    t = smollm2
+    assert (t.model, t.n_vocab, t.bos_id, t.eos_id, t.unk_id, t.add_bos, t.add_eos) == (
+        "gpt2", 49152, 1, 2, 0, False, False)
+    assert sorted(t.eog_ids) == [0, 2, 4]
+    assert {t.token_text(i) for i in t.eog_ids} == {"<|endoftext|>", "<|im_end|>", "<reponame>"}
+    assert t.encode("12345", False, False) == [33, 34, 35, 36, 37]
+    text = "<|im_start|>Hello World<|im_end|>"
+    assert t.encode(text, False, True) == [1, 19556, 2260, 2]
+    assert t.encode(text, False, False) == [44, 108, 306, 79, 3738, 108, 46, 19556, 2260, 44, 108, 306, 79, 486, 108, 46]
 
 
 def test_end_of_generation_set(qwen, gemma):
@@ -364,6 +388,8 @@ def test_tiny_spm_unknown_bytes_use_unk_id(tmp_path):
     ("gpt-2", "x\t\ty", ["x", "\t", "\t", "y"]),
     ("gpt2", "12345 apples", ["12345", " apples"]),
     ("qwen2", "12345 apples", ["1", "2", "3", "4", "5", " apples"]),
+    ("smollm", "12345 apples", ["1", "2", "3", "4", "5", " apples"]),
+    ("smollm", "I'M x3.5\t\ty", ["I", "'", "M", " x", "3", ".", "5", "\t", "\t", "y"]),
     ("default", "1234567", ["123", "456", "7"]),
     ("default", "don't 3.14", ["don", "'", "t", " ", "3", ".", "14"]),
 ])
@@ -394,8 +420,9 @@ def test_synthetic_bpe_llama3_vs_gpt2(tmp_path):
 
 def test_synthetic_bpe_clean_spaces(tmp_path):
     """llama.cpp's clean_spaces (on for gpt-2, off for qwen2) when detokenizing."""
-    gpt2, qwen2 = _bpe(tmp_path, "gpt-2"), _bpe(tmp_path, "qwen2")
+    gpt2, qwen2, smollm = _bpe(tmp_path, "gpt-2"), _bpe(tmp_path, "qwen2"), _bpe(tmp_path, "smollm")
     for text, cleaned in [("Hi , you 're !", "Hi, you're!"), ("a ' b", "a'b"), ("don 't", "don 't"),
                           ("I 'm , we 've", "I'm, we've"), ("x 'll", "x 'll")]:
         assert gpt2.decode(gpt2.encode(text, False, False)) == cleaned.encode(), text
         assert qwen2.decode(qwen2.encode(text, False, False)) == text.encode(), text
+        assert smollm.decode(smollm.encode(text, False, False)) == text.encode(), text

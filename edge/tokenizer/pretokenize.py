@@ -125,6 +125,8 @@ PRE_TOKENIZERS: dict[str, PreTokenizerSpec] = {
     **dict.fromkeys(("gpt-2", "gpt2", "phi-2", "gigachat", "a.x-4.0", "mellum", "exaone4", "mpt", "olmo"), _GPT2),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2"), _QWEN2),
     **dict.fromkeys(("megrez", "stablelm2"), PreTokenizerSpec((REGEX_QWEN2,))),
+    # LLAMA_VOCAB_PRE_TYPE_SMOLLM: every digit alone, then GPT-2's split
+    "smollm": PreTokenizerSpec((r"\p{N}", REGEX_GPT2), clean_spaces=False),
 }
 """``tokenizer.ggml.pre`` value -> spec, for the pre-tokenizers edge supports (a subset of llama.cpp's)."""
 
