@@ -25,7 +25,8 @@ from gguf import GGUFValueType as VT
 
 from edge.gguf_file import GGUFError, GGUFFile
 from edge.tokenizer import StreamDecoder, TokenAttr, Tokenizer, TokenizerError
-from edge.tokenizer.pretokenize import BYTE_TO_UNICODE, PRE_TOKENIZERS, PreTokenizer, decode_utf8_lossy
+from edge.tokenizer.pretokenize import BYTE_TO_UNICODE, PreTokenizer, decode_utf8_lossy
+from edge.tokenizer.pretypes import PRE_TOKENIZERS
 from tests.conftest import GOLDEN, golden
 
 QWEN, GEMMA = "qwen2.5-coder-0.5b", "gemma3-270m"  # golden ids

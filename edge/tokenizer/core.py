@@ -18,6 +18,7 @@ from edge.gguf_file import GGUFFile
 from edge.tokenizer.bpe import BPEModel
 from edge.tokenizer.pretokenize import UNICODE_TO_BYTE, PreTokenizer
 from edge.tokenizer.spm import SPMModel
+from edge.tokenizer.wpm import WPMModel
 from edge.tokenizer.vocab import TokenAttr, TokenizerError, Vocab, read_vocab
 
 _ESCAPED_SPACE = "\u2581".encode()  # SentencePiece's visible space, U+2581
@@ -28,12 +29,14 @@ _NORMAL, _BYTE = int(TokenAttr.NORMAL), int(TokenAttr.BYTE)
 
 
 class Tokenizer:
-    """A GGUF model's tokenizer (``tokenizer.ggml.model`` "llama" = SentencePiece, "gpt2" = byte-level BPE).
+    """A GGUF model's tokenizer: ``tokenizer.ggml.model`` "llama" (SentencePiece), "gpt2"
+    (byte-level BPE), "gemma4" (BPE over text with U+2581 for spaces) or "bert" (WordPiece).
 
     Build with :meth:`from_gguf`. Token ids are ints in ``[0, n_vocab)``.
 
     Attributes:
-        model: "llama" or "gpt2".
+        model: ``tokenizer.ggml.model``.
+        kind: llama.cpp's vocab type, "spm", "bpe" or "wpm".
         n_vocab: number of tokens.
         bos_id, eos_id, unk_id, pad_id: special token ids, or None.
         add_bos, add_eos: whether ``encode(..., add_special=True)`` adds BOS / EOS.
@@ -44,12 +47,14 @@ class Tokenizer:
 
     def __init__(self, vocab: Vocab):
         self.model = vocab.model
+        self.kind = vocab.kind
         self._texts = vocab.texts
         self._attrs = vocab.attrs
         self.n_vocab = len(vocab.texts)
         self.token_types = vocab.token_types
         self.bos_id, self.eos_id = vocab.ids["bos"], vocab.ids["eos"]
         self.unk_id, self.pad_id = vocab.ids["unk"], vocab.ids["pad"]
+        self.sep_id = vocab.ids["sep"]
         self.add_bos, self.add_eos = vocab.add_bos, vocab.add_eos
         self.add_space_prefix = vocab.add_space_prefix
         self._clean_spaces = vocab.clean_spaces
@@ -65,11 +70,15 @@ class Tokenizer:
         self._matchers: dict[bool, _SpecialMatcher] = {}   # by parse_special, built on first use
 
         token_to_id = vocab.token_to_id
-        if self.model == "llama":
+        self._escape_spaces = self.kind == "spm" or bool(vocab.pre and vocab.pre.escape_whitespaces)
+        if self.kind == "spm":
             self._spm = SPMModel(token_to_id, vocab.scores, self.unk_id)
+        elif self.kind == "wpm":
+            self._wpm = WPMModel(token_to_id, self.unk_id, vocab.lowercase, vocab.strip_accents)
         else:
-            self._bpe = BPEModel(token_to_id, vocab.merges, PreTokenizer(vocab.pre.regexes),
-                                 vocab.pre.ignore_merges)
+            pre = vocab.pre
+            self._bpe = BPEModel(token_to_id, vocab.merges, PreTokenizer(pre.regexes), pre.ignore_merges,
+                                 pre.byte_encode, pre.newline_tokens)
 
     @classmethod
     def from_gguf(cls, gf: GGUFFile) -> Tokenizer:
@@ -125,16 +134,28 @@ class Tokenizer:
         protected = _byte_spans(text, protect)
         fragments = self._partition(raw, parse_special, protected) if raw else []
         out: list[int] = []
+        if self.kind == "wpm":  # llama.cpp: BOS (CLS) and SEP whenever add_special, whatever add_bos says
+            if add_special:
+                out.append(self.bos_id)
+            for fragment in fragments:
+                if isinstance(fragment, int):
+                    out.append(fragment)
+                else:
+                    self._wpm.tokenize(fragment, out)
+            if add_special:
+                out.append(self.sep_id)
+            return out
         if add_special and self.add_bos:
             out.append(self.bos_id)
-        if self.model == "llama":
+        if self.kind == "spm":
             self._encode_spm(fragments, out)
         else:
             for fragment in fragments:
                 if isinstance(fragment, int):
                     out.append(fragment)
                 else:
-                    self._bpe.tokenize(fragment, out)
+                    self._bpe.tokenize(fragment.replace(b" ", _ESCAPED_SPACE) if self._escape_spaces else fragment,
+                                       out)
         if add_special and self.add_eos:
             out.append(self.eos_id)
         return out
@@ -220,7 +241,7 @@ class Tokenizer:
         if attr & _RENDERED_AS_TEXT:
             return raw
         if attr & _NORMAL:
-            if self.model == "llama":
+            if self._escape_spaces or self.kind == "wpm":
                 return raw.replace(_ESCAPED_SPACE, b" ")
             return _byte_level_to_bytes(text)
         if attr & _BYTE:

@@ -18,8 +18,6 @@ Three pieces, each mirroring a llama.cpp function (src/unicode.cpp, src/llama-vo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import regex
 
 
@@ -80,75 +78,92 @@ def decode_utf8_lossy(data: bytes) -> str:
     return "".join(out)
 
 
-# regexes as llama.cpp's llm_tokenizer_bpe writes them (case-insensitive contractions spelled out)
-_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-REGEX_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-REGEX_LLAMA3 = (
-    _CONTRACTIONS
-    + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-REGEX_QWEN2 = (
-    _CONTRACTIONS
-    + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-REGEXES_DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", REGEX_GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
+_CATEGORY = regex.compile(r"\\p\{(?:N|L|P|M|S|Lu|Ll|Lt|Lm|Lo)\}")
+_LETTER_SUBCATEGORY = regex.compile(r"\\p\{L[ultmo]\}")
 
 
-@dataclass(frozen=True)
-class PreTokenizerSpec:
-    """What a ``tokenizer.ggml.pre`` value selects in llama.cpp's ``llama_vocab::impl::load``.
+def llama_regex_to_python(expr: str) -> str:
+    """A regex of llama.cpp's ``regex_exprs`` -> the ``regex``-module pattern that splits alike.
 
-    ``clean_spaces``: detokenizing removes spaces before ``?!.,`` and some contractions.
-    ``ignore_merges``: a pre-token that is itself a vocab token is emitted whole.
-    ``add_bos``: default for ``add_bos`` when ``tokenizer.ggml.add_bos_token`` is absent.
+    llama.cpp (``unicode_regex_split``) runs a pattern that names Unicode categories with
+    ``std::regex`` (ECMAScript) on a copy of the text in which every non-ASCII code point is
+    replaced by one byte standing for its category; ``\\p{Lu}``, ``\\p{Ll}``, ``\\p{Lt}``,
+    ``\\p{Lm}`` and ``\\p{Lo}`` all stand for that one "letter" byte plus ``A-Za-z``, so each
+    of them means any letter (``\\p{L}``). ECMAScript's ``\\d`` is ``[0-9]`` and its ``$``
+    matches only at the end of the piece, where Python's ``$`` also matches before a final
+    newline. ``\\s`` needs no change: llama.cpp's whitespace set equals the ``regex`` module's.
     """
+    if _CATEGORY.search(expr):
+        expr = _LETTER_SUBCATEGORY.sub(r"\\p{L}", expr)
+    out, i, inside = [], 0, False
+    while i < len(expr):
+        ch = expr[i]
+        if ch == "\\" and i + 1 < len(expr):
+            pair = expr[i:i + 2]
+            out.append("[0-9]" if pair == r"\d" and not inside else "0-9" if pair == r"\d" else pair)
+            i += 2
+            continue
+        if ch == "[" and not inside:
+            inside = True
+        elif ch == "]" and inside:
+            inside = False
+        elif ch == "$" and not inside:
+            ch = r"\Z"
+        out.append(ch)
+        i += 1
+    return "".join(out)
 
-    regexes: tuple[str, ...]
-    clean_spaces: bool = True
-    ignore_merges: bool = False
-    add_bos: bool = False
+
+def _split_digit_groups(text: str, start: int, end: int, out: list[tuple[int, int]]) -> None:
+    """llama.cpp ``unicode_regex_split_custom_afmoe``: each run of digits (``\\p{N}``) is cut
+    into a leading group of ``len % 3`` digits (if any) and then groups of three. The text
+    before a run is not a piece of its own: it joins the run's first group (as in llama.cpp)."""
+    prev = start
+    for m in _DIGITS.finditer(text, start, end):
+        s, e = m.span()
+        cut = s + (e - s) % 3
+        if cut == s:
+            cut += 3
+        while cut <= e:
+            out.append((prev, cut))
+            prev, cut = cut, cut + 3
+    if prev < end:
+        out.append((prev, end))
 
 
-_DEFAULT = PreTokenizerSpec(REGEXES_DEFAULT)
-_GPT2 = PreTokenizerSpec((REGEX_GPT2,))
-_LLAMA3 = PreTokenizerSpec((REGEX_LLAMA3,), ignore_merges=True, add_bos=True)
-_QWEN2 = PreTokenizerSpec((REGEX_QWEN2,), clean_spaces=False)
-
-PRE_TOKENIZERS: dict[str, PreTokenizerSpec] = {
-    "default": _DEFAULT,
-    **dict.fromkeys(
-        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"),
-        _LLAMA3,
-    ),
-    **dict.fromkeys(("dbrx", "smaug-bpe"), PreTokenizerSpec((REGEX_LLAMA3,))),
-    # "gpt2" is not a value llama.cpp knows (it writes "gpt-2"), but it names the same thing
-    **dict.fromkeys(("gpt-2", "gpt2", "phi-2", "gigachat", "a.x-4.0", "mellum", "exaone4", "mpt", "olmo"), _GPT2),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2"), _QWEN2),
-    **dict.fromkeys(("megrez", "stablelm2"), PreTokenizerSpec((REGEX_QWEN2,))),
-    # LLAMA_VOCAB_PRE_TYPE_SMOLLM: every digit alone, then GPT-2's split
-    "smollm": PreTokenizerSpec((r"\p{N}", REGEX_GPT2), clean_spaces=False),
+_DIGITS = regex.compile(r"\p{N}+")
+# llama.cpp unicode_regex_split_custom: patterns run by a hand-written splitter instead
+_CUSTOM_SPLITTERS = {
+    r"\p{AFMoE_digits}": _split_digit_groups,
+    r"\d{1,3}(?=(?:\d{3})*\b)": _split_digit_groups,   # tiny_aya: llama.cpp uses the same splitter
 }
-"""``tokenizer.ggml.pre`` value -> spec, for the pre-tokenizers edge supports (a subset of llama.cpp's)."""
 
 
 class PreTokenizer:
     """Splits text into pre-tokens with a list of regexes (llama.cpp ``unicode_regex_split``).
 
     Args:
-        regexes: patterns applied in order; each one splits every piece the previous left.
+        regexes: patterns as llama.cpp writes them, applied in order; each one splits every
+            piece the previous left. Text between two matches is a piece of its own
+            (``unicode_regex_split_stl``); empty pieces (zero-width matches) are dropped, as
+            they give no tokens.
     """
 
     def __init__(self, regexes: tuple[str, ...]):
-        self.patterns = tuple(regex.compile(r) for r in regexes)
+        self.steps = tuple(_CUSTOM_SPLITTERS.get(r) or regex.compile(llama_regex_to_python(r)).finditer
+                           for r in regexes)
 
     def split(self, text: str) -> list[str]:
         """The pre-tokens of ``text``, in order; their concatenation is ``text``."""
         spans = [(0, len(text))] if text else []
-        for pattern in self.patterns:
-            pieces = []
+        for step in self.steps:
+            pieces: list[tuple[int, int]] = []
             for start, end in spans:
+                if step is _split_digit_groups:
+                    step(text, start, end, pieces)
+                    continue
                 pos = start
-                for m in pattern.finditer(text, start, end):
+                for m in step(text, start, end):
                     s, e = m.span()
                     if s > pos:
                         pieces.append((pos, s))
@@ -157,4 +172,4 @@ class PreTokenizer:
                 if pos < end:
                     pieces.append((pos, end))
             spans = pieces
-        return [text[s:e] for s, e in spans]
+        return [text[s:e] for s, e in spans if e > s]

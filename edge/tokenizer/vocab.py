@@ -21,7 +21,7 @@ import numpy as np
 from gguf import GGUFValueType, Keys, TokenType
 
 from edge.gguf_file import GGUFError, GGUFFile
-from edge.tokenizer.pretokenize import PRE_TOKENIZERS, PreTokenizerSpec
+from edge.tokenizer.pretypes import PRE_TOKENIZERS, PreTokenizerSpec
 
 K = Keys.Tokenizer
 
@@ -72,10 +72,16 @@ _ID_KEYS = {
     "bos": (K.BOS_ID,), "eos": (K.EOS_ID,), "eot": (K.EOT_ID,), "eom": (K.EOM_ID,), "unk": (K.UNK_ID,),
     "pad": (K.PAD_ID,), "fim_pre": (K.FIM_PRE_ID, K.PREFIX_ID), "fim_suf": (K.FIM_SUF_ID, K.SUFFIX_ID),
     "fim_mid": (K.FIM_MID_ID, K.MIDDLE_ID), "fim_pad": (K.FIM_PAD_ID,), "fim_rep": (K.FIM_REP_ID,),
-    "fim_sep": (K.FIM_SEP_ID,),
+    "fim_sep": (K.FIM_SEP_ID,), "sep": (K.SEP_ID,), "mask": (K.MASK_ID,),
 }
-_DEFAULT_IDS = {"llama": {"bos": 1, "eos": 2, "unk": 0}, "gpt2": {"bos": 11, "eos": 11}}
-MODELS = {"llama": "SentencePiece (SPM)", "gpt2": "byte-level BPE"}
+_DEFAULT_IDS = {"llama": {"bos": 1, "eos": 2, "unk": 0}, "gpt2": {"bos": 11, "eos": 11}, "gemma4": {},
+                "bert": {"bos": 101, "unk": 100, "sep": 102, "pad": 0, "mask": 103}}
+MODELS = {"llama": "SentencePiece (SPM)", "gpt2": "byte-level BPE", "gemma4": "SentencePiece-style BPE",
+          "bert": "WordPiece (WPM)"}
+# tokenizer.ggml.model -> llama.cpp's vocab type
+KINDS = {"llama": "spm", "gpt2": "bpe", "gemma4": "bpe", "bert": "wpm"}
+NORMALIZER_LOWERCASE = "tokenizer.ggml.normalizer.lowercase"
+NORMALIZER_STRIP_ACCENTS = "tokenizer.ggml.normalizer.strip_accents"
 
 
 @dataclass
@@ -83,7 +89,8 @@ class Vocab:
     """Everything the tokenizer needs, read and checked from GGUF metadata.
 
     Attributes:
-        model: ``tokenizer.ggml.model``, "llama" (SPM) or "gpt2" (byte-level BPE).
+        model: ``tokenizer.ggml.model``: "llama", "gpt2", "gemma4" or "bert".
+        kind: llama.cpp's vocab type: "spm" (llama), "bpe" (gpt2, gemma4) or "wpm" (bert).
         texts: token texts as stored (str, utf-8 with surrogateescape); empty ones renamed
             ``[EMPTY_<id>]`` as llama.cpp does.
         token_to_id: text -> id.
@@ -91,13 +98,16 @@ class Vocab:
         attrs: per-token :class:`TokenAttr` bits as ints, after llama.cpp's fix-ups.
         scores: per-token float score (0.0 where ``tokenizer.ggml.scores`` is absent).
         merges: BPE merges ("left right"), empty for SPM.
-        pre: the BPE pre-tokenizer spec (None for SPM).
-        ids: special token ids by field name (bos, eos, eot, eom, unk, pad, fim_*), None if unset.
+        pre: the BPE pre-tokenizer spec (None for SPM and WPM).
+        ids: special token ids by field name (bos, eos, eot, eom, unk, pad, fim_*, sep, mask),
+            None if unset.
         eog_ids: end-of-generation token ids.
         add_bos, add_eos, add_space_prefix, clean_spaces: llama.cpp tokenizer flags.
+        lowercase, strip_accents: WPM's BertNormalizer options (``tokenizer.ggml.normalizer.*``).
     """
 
     model: str
+    kind: str
     texts: list[str]
     token_to_id: dict[str, int]
     token_types: np.ndarray
@@ -111,6 +121,8 @@ class Vocab:
     add_eos: bool
     add_space_prefix: bool
     clean_spaces: bool
+    lowercase: bool = True
+    strip_accents: bool = True
 
 
 def _fail(gf: GGUFFile, message: str) -> GGUFError:
@@ -121,7 +133,7 @@ def read_vocab(gf: GGUFFile) -> Vocab:
     """Read and validate the tokenizer metadata of ``gf``.
 
     Raises:
-        GGUFError: naming the key, when ``tokenizer.ggml.model`` is missing or not "llama"/"gpt2",
+        GGUFError: naming the key, when ``tokenizer.ggml.model`` is missing or not one of :data:`MODELS`,
             ``tokenizer.ggml.tokens`` is missing, empty, not strings or has duplicates, scores or
             token types have the wrong type or length, merges are missing for "gpt2", the
             pre-tokenizer is unknown, a special token id is outside the vocab, or BOS/EOS is to
@@ -144,19 +156,27 @@ def read_vocab(gf: GGUFFile) -> Vocab:
     known = (types >= 0) & (types < len(_TYPE_TO_ATTR))
     attrs = np.where(known, _TYPE_TO_ATTR[np.where(known, types, 0)], 0)
 
-    merges, pre = ([], None) if model == "llama" else _read_bpe(gf)
-    ids = _special_ids(gf, model, n)
+    kind = KINDS[model]
+    merges, pre = _read_bpe(gf, model) if kind == "bpe" else ([], None)
+    ids = _special_ids(gf, model, n, default_bos=pre.default_bos if pre else True)
     # llama.cpp's defaults by tokenizer type, then the metadata flags
-    add_space_prefix = gf.get_bool(K.ADD_PREFIX, model == "llama")
-    add_bos = gf.get_bool(K.ADD_BOS, pre.add_bos if pre else True)
+    add_space_prefix = gf.get_bool(K.ADD_PREFIX, kind == "spm")
+    add_bos = gf.get_bool(K.ADD_BOS, pre.add_bos if pre else True) or bool(pre and pre.force_add_bos)
     add_eos = gf.get_bool(K.ADD_EOS, False)
+    lowercase = gf.get_bool(NORMALIZER_LOWERCASE, True)
+    strip_accents = gf.get_bool(NORMALIZER_STRIP_ACCENTS, lowercase)
+    if kind == "wpm":  # llama.cpp adds BOS and SEP around WPM text whatever add_bos says
+        for field, key in (("bos", K.BOS_ID), ("sep", K.SEP_ID)):
+            if ids[field] is None:
+                raise _fail(gf, f"{key} is not set (a WordPiece vocab needs it)")
     for flag, key, field, id_key in ((add_bos, K.ADD_BOS, "bos", K.BOS_ID), (add_eos, K.ADD_EOS, "eos", K.EOS_ID)):
         if flag and ids[field] is None:
             raise _fail(gf, f"{key} is true, but {id_key} is not set")
 
     eog_ids = _fix_attrs_by_text(token_to_id, texts, attrs, ids)
-    return Vocab(model, texts, token_to_id, types, attrs.tolist(), scores_list, merges, pre, ids, eog_ids,
-                 add_bos, add_eos, add_space_prefix, clean_spaces=bool(pre and pre.clean_spaces))
+    return Vocab(model, kind, texts, token_to_id, types, attrs.tolist(), scores_list, merges, pre, ids, eog_ids,
+                 add_bos, add_eos, add_space_prefix, clean_spaces=kind == "wpm" or bool(pre and pre.clean_spaces),
+                 lowercase=lowercase, strip_accents=strip_accents)
 
 
 def _read_tokens(gf: GGUFFile) -> tuple[list[str], dict[str, int]]:
@@ -174,20 +194,20 @@ def _read_tokens(gf: GGUFFile) -> tuple[list[str], dict[str, int]]:
     return texts, token_to_id
 
 
-def _read_bpe(gf: GGUFFile) -> tuple[list[str], PreTokenizerSpec]:
+def _read_bpe(gf: GGUFFile, model: str) -> tuple[list[str], PreTokenizerSpec]:
     merges = gf.get_array(K.MERGES, (GGUFValueType.STRING,))
-    # llama.cpp: "missing pre-tokenizer type, using: 'default'"
-    name = gf.get_str(K.PRE, "default")
+    # llama.cpp: "missing pre-tokenizer type, using: 'default'"; the gemma4 model is always "gemma4"
+    name = "gemma4" if model == "gemma4" else gf.get_str(K.PRE, "default")
     if name not in PRE_TOKENIZERS:
         raise _fail(gf, f"{K.PRE} {name!r} is not a supported pre-tokenizer "
                         f"(supported: {', '.join(sorted(PRE_TOKENIZERS))})")
     return merges, PRE_TOKENIZERS[name]
 
 
-def _special_ids(gf: GGUFFile, model: str, n: int) -> dict[str, int | None]:
+def _special_ids(gf: GGUFFile, model: str, n: int, default_bos: bool) -> dict[str, int | None]:
     ids: dict[str, int | None] = {}
     for field, keys in _ID_KEYS.items():
-        tid = _DEFAULT_IDS[model].get(field)
+        tid = _DEFAULT_IDS[model].get(field) if field != "bos" or default_bos else None
         if tid is not None and tid >= n:
             tid = None  # default outside a small vocab: unset, as llama.cpp does
         for key in keys:
