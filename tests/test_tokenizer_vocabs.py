@@ -6,25 +6,33 @@ The sdist of llama-cpp-python 0.3.36 (the oracle's version) holds llama.cpp's
 ids per text). test-tokenizer-0 tokenizes each text with ``add_special=false,
 parse_special=false`` and compares the ids; it does not check the decoded text, so the decode
 check here asks the oracle itself (``llama_detokenize``). The sdist is fetched once with pip
-into ``${XDG_CACHE_HOME:-~/.cache}/edge/test-data/`` and only the vocab files are extracted.
+into ``${XDG_CACHE_HOME:-~/.cache}/edge/test-data/``; only the vocab files and two sources
+(src/llama-vocab.cpp, src/unicode-data.cpp, read by the table checks) are extracted.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import pytest
+import regex
 
 from edge.gguf_file import GGUFError, GGUFFile
 from edge.tokenizer import Tokenizer
+from edge.tokenizer.pretokenize import llama_cpp_categories
+from edge.tokenizer.pretypes import PRE_TOKENIZERS, UNSUPPORTED_PRE_TOKENIZERS
 
 SDIST_VERSION = "0.3.36"
 SDIST = f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
-MODELS_DIR = f"llama_cpp_python-{SDIST_VERSION}/vendor/llama.cpp/models/"
+LLAMA_CPP_DIR = f"llama_cpp_python-{SDIST_VERSION}/vendor/llama.cpp/"
+SOURCES = ("src/llama-vocab.cpp", "src/unicode-data.cpp")
 TEST_DATA = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "edge" / "test-data"
 SEPARATOR = "\n__ggml_vocab_test__\n"
 
@@ -40,7 +48,8 @@ VOCABS_WITHOUT_TESTS = {"aquila": "gpt2", "baichuan": "llama", "gpt-neox": "gpt2
 
 @pytest.fixture(scope="session")
 def vocab_dir() -> Path:
-    """The folder of llama.cpp's ggml-vocab-* files, fetched and extracted on first use."""
+    """The folder of llama.cpp's ggml-vocab-* files (and :data:`SOURCES` by their base names),
+    fetched and extracted on first use."""
     folder = TEST_DATA / f"llama.cpp-vocabs-{SDIST_VERSION}"
     done = folder / ".complete"
     if done.is_file():
@@ -56,10 +65,12 @@ def vocab_dir() -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     with tarfile.open(sdist) as tar:
         for member in tar.getmembers():
-            name = member.name.removeprefix(MODELS_DIR)
-            if member.isfile() and name != member.name and name.startswith("ggml-vocab-") and "/" not in name:
+            path = member.name.removeprefix(LLAMA_CPP_DIR)
+            name = path.removeprefix("models/")
+            wanted = path in SOURCES or (name != path and name.startswith("ggml-vocab-") and "/" not in name)
+            if member.isfile() and path != member.name and wanted:
                 with tar.extractfile(member) as src:
-                    (folder / name).write_bytes(src.read())
+                    (folder / Path(path).name).write_bytes(src.read())
     done.write_text("ok\n")
     return folder
 
@@ -93,6 +104,7 @@ def tokenizers(vocab_dir):
 def test_the_sdist_has_the_vocabs_we_expect(vocab_dir):
     """The parametrization below covers every vocab of the sdist (none is silently left out)."""
     names = {p.name.removeprefix("ggml-vocab-").removesuffix(".gguf") for p in vocab_dir.glob("ggml-vocab-*.gguf")}
+    assert all((vocab_dir / Path(s).name).is_file() for s in SOURCES)
     with_tests = {n for n in names if (vocab_dir / f"ggml-vocab-{n}.gguf.inp").is_file()}
     assert with_tests == set(VOCABS_WITH_TESTS)
     assert names - with_tests == set(VOCABS_WITHOUT_TESTS)
@@ -153,3 +165,87 @@ def test_llama_cpp_vocab_decode_matches_oracle(vocab_dir, tokenizers, oracle_pyt
     got = [tok.decode(i) for i in ids]
     bad = [(i, w, g) for i, w, g in zip(ids, want, got) if w != g]
     assert not bad, f"{len(bad)}/{len(ids)} decodes differ, first: {bad[0]!r}"
+
+
+# ---------------------------------------------------------------- the pre-tokenizer table vs llama-vocab.cpp
+def _c_string(body: str) -> str:
+    """The value of a C string literal's body (the escapes llama-vocab.cpp's regexes use)."""
+    return re.sub(r"\\(.)", lambda m: {"n": "\n", "r": "\r", "t": "\t"}.get(m.group(1), m.group(1)), body)
+
+
+def _llama_cpp_pre_types(source: str) -> dict[str, dict]:
+    """``tokenizer.ggml.pre`` name -> {pre_type, flags set beside it} from ``llama_vocab::impl::load``."""
+    chain = source[source.index("if (tokenizer_pre.empty())"):source.index('"unknown pre-tokenizer type')]
+    out = {}
+    for branch in chain.split("} else if (")[1:]:
+        pre_type = re.search(r"pre_type = LLAMA_VOCAB_PRE_TYPE_(\w+);", branch).group(1)
+        flags = dict(re.findall(r"\b(clean_spaces|ignore_merges|add_bos|escape_whitespaces) = (true|false);", branch))
+        facts = {"pre_type": pre_type, "no_bos": "special_bos_id = LLAMA_TOKEN_NULL" in branch,
+                 **{k: v == "true" for k, v in flags.items()}}
+        for name in re.findall(r'tokenizer_pre == "([^"]+)"', branch):
+            out[name] = facts
+    return out
+
+
+def _llama_cpp_regexes(source: str) -> dict[str, tuple[tuple[str, ...], bool]]:
+    """pre_type -> (regex_exprs, byte_encode) from ``llm_tokenizer_bpe``'s constructor."""
+    start = source.index("struct llm_tokenizer_bpe : llm_tokenizer {")
+    body = source[start:source.index("std::vector<std::string> regex_exprs;", start)]
+    out = {}
+    for block in re.split(r"\n\s*break;", body):
+        code = "\n".join(line for line in block.split("\n") if not line.strip().startswith("//"))
+        exprs = tuple(_c_string(e) for e in re.findall(r'^\s*"((?:[^"\\]|\\.)*)",?\s*(?://.*)?$', code, re.MULTILINE))
+        for pre_type in re.findall(r"case LLAMA_VOCAB_PRE_TYPE_(\w+):", block) + ["DEFAULT"] * ("default:" in block):
+            out[pre_type] = (exprs, "byte_encode = false" not in block)
+    return out
+
+
+def test_pre_tokenizer_table_is_llama_cpps(vocab_dir):
+    """Every ``tokenizer.ggml.pre`` name of llama.cpp 0.3.36 is in PRE_TOKENIZERS (or refused on
+    purpose), with the regexes, byte encoding and flags that llama.cpp gives its pre_type."""
+    source = (vocab_dir / "llama-vocab.cpp").read_text()
+    names, regexes = _llama_cpp_pre_types(source), _llama_cpp_regexes(source)
+    assert len(names) > 90
+    assert set(names) == (set(PRE_TOKENIZERS) - {"gpt2"}) | set(UNSUPPORTED_PRE_TOKENIZERS)
+    for name, facts in names.items():
+        if name in UNSUPPORTED_PRE_TOKENIZERS:
+            continue
+        spec, gemma4 = PRE_TOKENIZERS[name], facts["pre_type"] == "GEMMA4"
+        assert (spec.regexes, spec.byte_encode) == regexes[facts["pre_type"]], name
+        assert spec.clean_spaces == facts.get("clean_spaces", True), name
+        assert spec.ignore_merges == facts.get("ignore_merges", False), name
+        assert spec.add_bos == facts.get("add_bos", False), name
+        assert spec.escape_whitespaces == facts.get("escape_whitespaces", False), name
+        assert spec.default_bos == (not facts["no_bos"]), name
+        assert (spec.force_add_bos, spec.newline_tokens) == (gemma4, gemma4), name
+    assert PRE_TOKENIZERS["gpt2"] == PRE_TOKENIZERS["gpt-2"]
+
+
+def test_unicode_categories_are_llama_cpps(vocab_dir):
+    """For all 1,114,112 code points, the ``regex`` module's category of
+    ``llama_cpp_categories(text)`` is llama.cpp's (``unicode_ranges_flags``), and ``\\s`` is
+    llama.cpp's ``unicode_set_whitespace``: the pre-tokenizer's categories are llama.cpp's."""
+    source = (vocab_dir / "unicode-data.cpp").read_text()
+
+    def table(name: str) -> str:
+        start = source.index(name)
+        return source[start:source.index("};", start)]
+
+    starts = [(int(a, 16), int(f, 16)) for a, f in re.findall(r"\{0x([0-9A-F]+), 0x([0-9A-F]+)\}",
+                                                              table("unicode_ranges_flags = {"))]
+    flags = np.zeros(0x110000, dtype=np.int64)
+    for (a, f), (b, _) in itertools.pairwise(starts):
+        flags[a:b] = f
+    whitespace = {int(c, 16) for c in re.findall(r"0x([0-9A-F]+)", table("unicode_set_whitespace = {"))}
+    text = llama_cpp_categories("".join(map(chr, range(0x110000))))
+
+    def where(pattern: str) -> np.ndarray:
+        hit = np.zeros(0x110000, dtype=bool)
+        hit[[m.start() for m in regex.finditer(pattern, text)]] = True
+        return hit
+
+    for bit, pattern in ((0x01, r"\p{Cn}"), (0x02, r"\p{N}"), (0x04, r"\p{L}"), (0x08, r"\p{Z}"), (0x10, r"\p{M}"),
+                         (0x20, r"\p{P}"), (0x40, r"\p{S}"), (0x80, r"[\p{Cc}\p{Cf}\p{Co}\p{Cs}]")):
+        differ = np.flatnonzero(where(pattern) != ((flags & bit) != 0))
+        assert not differ.size, f"{pattern}: {differ.size} code points differ, first U+{differ[0]:04X}"
+    assert set(np.flatnonzero(where(r"\s")).tolist()) == whitespace

@@ -18,8 +18,8 @@ from edge.gguf_file import GGUFFile
 from edge.tokenizer.bpe import BPEModel
 from edge.tokenizer.pretokenize import UNICODE_TO_BYTE, PreTokenizer
 from edge.tokenizer.spm import SPMModel
-from edge.tokenizer.wpm import WPMModel
 from edge.tokenizer.vocab import TokenAttr, TokenizerError, Vocab, read_vocab
+from edge.tokenizer.wpm import WPMModel
 
 _ESCAPED_SPACE = "\u2581".encode()  # SentencePiece's visible space, U+2581
 # plain ints: attribute tests run per token

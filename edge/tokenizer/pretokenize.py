@@ -11,10 +11,12 @@ Three pieces, each mirroring a llama.cpp function (src/unicode.cpp, src/llama-vo
   (``llm_tokenizer_bpe``). Each regex splits every piece left by the previous one; text between
   two matches is a piece of its own (``unicode_regex_split_stl``). llama.cpp runs some of these
   regexes as hand-written splitters and the others on a category-collapsed copy of the text;
-  both are meant to equal the regex, which we run with the ``regex`` module (Unicode
-  properties), so results can differ only for code points whose Unicode category differs
-  between llama.cpp's tables and the ``regex`` module's, or that llama.cpp's tables leave
-  undefined (unassigned code points).
+  both equal the regex (read with :func:`llama_regex_to_python`), which we run with the
+  ``regex`` module. Its Unicode is newer than llama.cpp's tables: the code points assigned
+  since (:data:`NEWER_THAN_LLAMA_CPP`) are undefined for llama.cpp, so wherever llama.cpp goes
+  by categories we match a copy of the text in which they are a noncharacter
+  (:func:`llama_cpp_categories`); there the ``regex`` module's categories equal llama.cpp's
+  for every code point (tests/test_tokenizer_vocabs.py checks all of them).
 """
 from __future__ import annotations
 
@@ -76,6 +78,47 @@ def decode_utf8_lossy(data: bytes) -> str:
         out.append(chr(cpt) if cpt <= 0x10FFFF else "\ufffd")
         i += length
     return "".join(out)
+
+
+NEWER_THAN_LLAMA_CPP: tuple[tuple[int, int], ...] = (
+    (0x00558, 0x00558), (0x0058B, 0x0058C), (0x005C8, 0x005C9), (0x0088F, 0x0088F), (0x00897, 0x00897),
+    (0x00B53, 0x00B54), (0x00C5C, 0x00C5C), (0x00CDC, 0x00CDC), (0x01ACF, 0x01AF0), (0x01B4E, 0x01B4F),
+    (0x01B7F, 0x01B7F), (0x01C89, 0x01C8A), (0x0208F, 0x0208F), (0x0209D, 0x0209F), (0x020C1, 0x020C4),
+    (0x02427, 0x02429), (0x02B96, 0x02B96), (0x02E60, 0x02E63), (0x031E4, 0x031E5), (0x0A7CB, 0x0A7CF),
+    (0x0A7D2, 0x0A7D2), (0x0A7D4, 0x0A7D4), (0x0A7DA, 0x0A7DD), (0x0A7E2, 0x0A7E2), (0x0A7F1, 0x0A7F1),
+    (0x0AB6C, 0x0AB6D), (0x0FBC3, 0x0FBD2), (0x0FD90, 0x0FD91), (0x0FDC8, 0x0FDCE), (0x105C0, 0x105F3),
+    (0x107BB, 0x107BF), (0x10940, 0x10959), (0x10D40, 0x10D65), (0x10D69, 0x10D85), (0x10D8E, 0x10D8F),
+    (0x10EC2, 0x10EC7), (0x10EC9, 0x10EEE), (0x10EF0, 0x10EFC), (0x11380, 0x11389), (0x1138B, 0x1138B),
+    (0x1138E, 0x1138E), (0x11390, 0x113B5), (0x113B7, 0x113C0), (0x113C2, 0x113C2), (0x113C5, 0x113C5),
+    (0x113C7, 0x113CA), (0x113CC, 0x113D5), (0x113D7, 0x113D8), (0x113E1, 0x113E2), (0x116D0, 0x116E3),
+    (0x11B0A, 0x11B0A), (0x11B60, 0x11B67), (0x11BC0, 0x11BE1), (0x11BF0, 0x11BF9), (0x11DB0, 0x11DDB),
+    (0x11DE0, 0x11DE9), (0x11DF0, 0x11DF1), (0x11F5A, 0x11F5A), (0x1246F, 0x1246F), (0x12475, 0x1247F),
+    (0x12550, 0x12686), (0x13460, 0x143FA), (0x16100, 0x16139), (0x16D40, 0x16D79), (0x16EA0, 0x16EB8),
+    (0x16EBB, 0x16ED3), (0x16FF2, 0x16FF6), (0x187F8, 0x187FF), (0x18CD6, 0x18CDA), (0x18CFF, 0x18CFF),
+    (0x18D09, 0x18D20), (0x18D80, 0x18DF2), (0x18E00, 0x19191), (0x191A0, 0x191D2), (0x1B123, 0x1B128),
+    (0x1B168, 0x1B168), (0x1CC00, 0x1CCFC), (0x1CD00, 0x1CEB3), (0x1CEBA, 0x1CED0), (0x1CED2, 0x1CED4),
+    (0x1CEDD, 0x1CEFD), (0x1D127, 0x1D128), (0x1D1EB, 0x1D1FF), (0x1D250, 0x1D281), (0x1D6A6, 0x1D6A6),
+    (0x1DB00, 0x1DB1C), (0x1DF1F, 0x1DF24), (0x1DF2B, 0x1DF81), (0x1DF90, 0x1DF96), (0x1DFCD, 0x1DFFF),
+    (0x1E5D0, 0x1E5FA), (0x1E5FF, 0x1E5FF), (0x1E6C0, 0x1E6DE), (0x1E6E0, 0x1E6F5), (0x1E6FE, 0x1E6FF),
+    (0x1F1AE, 0x1F1AE), (0x1F6D8, 0x1F6D9), (0x1F777, 0x1F77A), (0x1F7DA, 0x1F7DB), (0x1F7F1, 0x1F7FF),
+    (0x1F8B2, 0x1F8BB), (0x1F8C0, 0x1F8C1), (0x1F8D0, 0x1F8D8), (0x1FA54, 0x1FA57), (0x1FA89, 0x1FA8F),
+    (0x1FABE, 0x1FABE), (0x1FAC6, 0x1FAC6), (0x1FAC8, 0x1FAC8), (0x1FACC, 0x1FACD), (0x1FADC, 0x1FADD),
+    (0x1FADF, 0x1FADF), (0x1FAE9, 0x1FAEB), (0x1FAEF, 0x1FAEF), (0x1FAF9, 0x1FAFA), (0x1FBCB, 0x1FBEF),
+    (0x1FBFA, 0x1FBFA), (0x2B73A, 0x2B73F), (0x2B81E, 0x2B81E), (0x2CEA2, 0x2CEAD), (0x323B0, 0x33479),
+    (0x3D000, 0x3FC3F),
+)
+"""Inclusive code point ranges that the ``regex`` module assigns (Unicode 16 and 17) and
+llama.cpp 0.3.36's tables (src/unicode-data.cpp) leave undefined."""
+_NEWER = regex.compile("[" + "".join(f"{chr(a)}-{chr(b)}" for a, b in NEWER_THAN_LLAMA_CPP) + "]")
+_UNDEFINED = "\ufdd0"  # a noncharacter: unassigned for llama.cpp and for every Unicode version
+_AS_UNDEFINED = {c: _UNDEFINED for a, b in NEWER_THAN_LLAMA_CPP for c in range(a, b + 1)}
+
+
+def llama_cpp_categories(text: str) -> str:
+    """``text`` with each code point of :data:`NEWER_THAN_LLAMA_CPP` replaced by U+FDD0: the
+    same length, and the same Unicode categories for the ``regex`` module as llama.cpp's
+    ``unicode_cpt_flags_from_cpt`` gives the original."""
+    return text.translate(_AS_UNDEFINED) if _NEWER.search(text) else text
 
 
 _CATEGORY = regex.compile(r"\\p\{(?:N|L|P|M|S|Lu|Ll|Lt|Lm|Lo)\}")
@@ -150,20 +193,25 @@ class PreTokenizer:
     """
 
     def __init__(self, regexes: tuple[str, ...]):
-        self.steps = tuple(_CUSTOM_SPLITTERS.get(r) or regex.compile(llama_regex_to_python(r)).finditer
+        # (splitter, whether it goes by Unicode categories: llama.cpp's custom splitters and
+        # "collapsed" regexes do; a regex without \p{..} runs on the code points themselves)
+        self.steps = tuple((_CUSTOM_SPLITTERS[r], True) if r in _CUSTOM_SPLITTERS else
+                           (regex.compile(llama_regex_to_python(r)).finditer, bool(_CATEGORY.search(r)))
                            for r in regexes)
 
     def split(self, text: str) -> list[str]:
         """The pre-tokens of ``text``, in order; their concatenation is ``text``."""
         spans = [(0, len(text))] if text else []
-        for step in self.steps:
+        by_category = llama_cpp_categories(text)
+        for step, categories in self.steps:
+            probe = by_category if categories else text
             pieces: list[tuple[int, int]] = []
             for start, end in spans:
                 if step is _split_digit_groups:
-                    step(text, start, end, pieces)
+                    step(probe, start, end, pieces)
                     continue
                 pos = start
-                for m in step(text, start, end):
+                for m in step(probe, start, end):
                     s, e = m.span()
                     if s > pos:
                         pieces.append((pos, s))

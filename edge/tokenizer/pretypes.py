@@ -200,5 +200,10 @@ PRE_TOKENIZERS: dict[str, PreTokenizerSpec] = {
     **_names(_LAGUNA, "laguna", **_OFF),
 }
 """``tokenizer.ggml.pre`` value -> spec, for every BPE pre-tokenizer of llama.cpp (0.3.36's)
-except "kimi-k2" (a tiktoken vocabulary without merges, split by a hand-written splitter)
-and "whitespace" (its own tokenizer session)."""
+but :data:`UNSUPPORTED_PRE_TOKENIZERS`."""
+
+UNSUPPORTED_PRE_TOKENIZERS = {
+    "kimi-k2": "a tiktoken vocabulary without merges, split by a hand-written splitter",
+    "whitespace": "its own tokenizer session",
+}
+"""llama.cpp pre-tokenizers edge refuses, and why."""

@@ -5,7 +5,7 @@ import unicodedata
 
 import regex
 
-from edge.tokenizer.pretokenize import decode_utf8_lossy
+from edge.tokenizer.pretokenize import decode_utf8_lossy, llama_cpp_categories
 
 _ESCAPED_SPACE = "\u2581"
 _WHITESPACE = regex.compile(r"\s")
@@ -63,18 +63,18 @@ class WPMModel:
         """llama.cpp ``llm_tokenizer_wpm_session::preprocess``: the normalized words of ``text``."""
         words: list[str] = []
         word: list[str] = []
-        for ch in text:
-            if self.strip_accents:
-                ch = _first_nfd(ch)
-            if _WHITESPACE.match(ch):
+        if self.strip_accents:
+            text = "".join(map(_first_nfd, text))
+        for ch, probe in zip(text, llama_cpp_categories(text)):   # probe: ch as llama.cpp's tables see it
+            if _WHITESPACE.match(probe):
                 if word:
                     words.append("".join(word))
                     word = []
                 continue
-            if ch in "\x00\ufffd" or _CONTROL.match(ch) or self.strip_accents and _MARK.match(ch):
+            if ch in "\x00\ufffd" or _CONTROL.match(probe) or self.strip_accents and _MARK.match(probe):
                 continue
             out = _lower(ch) if self.lowercase else ch
-            if _PUNCT.match(ch) or ord(ch) < 0x7F and _SYMBOL.match(ch) or _is_chinese(ord(ch)):
+            if _PUNCT.match(probe) or ord(ch) < 0x7F and _SYMBOL.match(probe) or _is_chinese(ord(ch)):
                 if word:
                     words.append("".join(word))
                     word = []
