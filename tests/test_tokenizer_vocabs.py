@@ -134,7 +134,8 @@ def test_vocabs_without_cases_load_or_refuse_clearly(vocab_dir, name):
     assert tok.model == model and tok.encode("Hello world", False, False)
 
 
-_DETOKENIZE = r"""
+# the oracle: llama-cpp-python loads the vocab (argv[1]) and reads json cases from stdin
+_ORACLE_VOCAB = r"""
 import json, sys, llama_cpp
 path, cases = sys.argv[1], json.load(sys.stdin)
 llama_cpp.llama_backend_init()
@@ -142,6 +143,8 @@ params = llama_cpp.llama_model_default_params()
 params.vocab_only = True
 model = llama_cpp.llama_model_load_from_file(path.encode(), params)
 vocab = llama_cpp.llama_model_get_vocab(model)
+"""
+_DETOKENIZE = _ORACLE_VOCAB + r"""
 out = []
 for ids in cases:
     arr = (llama_cpp.llama_token * max(1, len(ids)))(*ids)
@@ -249,3 +252,49 @@ def test_unicode_categories_are_llama_cpps(vocab_dir):
         differ = np.flatnonzero(where(pattern) != ((flags & bit) != 0))
         assert not differ.size, f"{pattern}: {differ.size} code points differ, first U+{differ[0]:04X}"
     assert set(np.flatnonzero(where(r"\s")).tolist()) == whitespace
+
+
+_TOKENIZE = _ORACLE_VOCAB + r"""
+buf = (llama_cpp.llama_token * 4096)()
+out = []
+for text in cases:
+    raw = text.encode()
+    for add_special in (False, True):
+        n = llama_cpp.llama_tokenize(vocab, raw, len(raw), buf, len(buf), add_special, True)
+        out.append(list(buf[:n]))
+print(json.dumps(out))
+"""
+
+
+# tokens llama.cpp's load() treats by their text
+_NAMED_BY_LLAMA_CPP = {"</s>", "<|end|>", "<|channel|>", "<|start|>", "<mask>", "[MASK]", "<|endoftext|>", "<unk>"}
+
+
+def _special_texts(tok: Tokenizer) -> list[str]:
+    """Texts around a vocab's special tokens (by GGUF token type: control, user-defined,
+    unknown; the first few, BOS/EOS and those llama.cpp names), with the whitespace LSTRIP/RSTRIP
+    would eat."""
+    special = [i for i in range(tok.n_vocab) if tok.token_types[i] in (2, 3, 4)]
+    named = [i for i in range(tok.n_vocab) if tok.token_text(i) in _NAMED_BY_LLAMA_CPP]
+    picks = [t for t in dict.fromkeys(special[:3] + [tok.bos_id, tok.eos_id] + special[-2:] + named) if t is not None]
+    texts = []
+    for a, b in zip(picks, picks[1:] + picks[:1]):
+        sa, sb = tok.token_text(a), tok.token_text(b)
+        texts += [f"{sa}hello{sb}", f" {sa} \n {sb}\n\nworld  {sa}", f"x{sa}{sa}  y", f"\t{sb} ", sa]
+    return texts
+
+
+@pytest.mark.parametrize("name", sorted(VOCABS_WITH_TESTS))
+def test_llama_cpp_vocab_special_tokens_match_oracle(vocab_dir, tokenizers, oracle_python, name):
+    """``encode(parse_special=True)``, with and without BOS/EOS, gives llama_tokenize's ids on
+    texts around the vocab's special tokens (their matching, LSTRIP/RSTRIP, BOS/EOS rules)."""
+    tok = tokenizers(name)
+    path = vocab_dir / f"ggml-vocab-{name}.gguf"
+    texts = _special_texts(tok) + list(read_cases(path))[:12]
+    proc = subprocess.run([str(oracle_python), "-c", _TOKENIZE, str(path)], input=json.dumps(texts),
+                          check=False, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    want = iter(json.loads(proc.stdout))
+    bad = [(text, add, w, got) for text in texts for add in (False, True)
+           if (w := next(want)) != (got := tok.encode(text, add_special=add, parse_special=True))]
+    assert not bad, f"{len(bad)}/{2 * len(texts)} differ, first: {bad[0]!r}"

@@ -26,6 +26,9 @@ _ESCAPED_SPACE = "\u2581".encode()  # SentencePiece's visible space, U+2581
 _RENDERED_AS_TEXT = int(TokenAttr.UNKNOWN | TokenAttr.CONTROL | TokenAttr.USER_DEFINED)
 _SPECIAL = int(TokenAttr.UNKNOWN | TokenAttr.CONTROL)  # rendered only when asked; matched only when parsing
 _NORMAL, _BYTE = int(TokenAttr.NORMAL), int(TokenAttr.BYTE)
+_LSTRIP, _RSTRIP = int(TokenAttr.LSTRIP), int(TokenAttr.RSTRIP)
+_STRIP = _LSTRIP | _RSTRIP
+_C_SPACE = b" \t\n\v\f\r"
 
 
 class Tokenizer:
@@ -182,6 +185,8 @@ class Tokenizer:
         taken when none of its bytes is taken yet and it overlaps no guarding span. One regex
         pass finds every occurrence of every candidate token, so the work grows with the text
         and the number of occurrences, not with their product or with the vocabulary.
+        A token with LSTRIP (RSTRIP) removes the ASCII whitespace (C ``isspace``) right before
+        (after) an occurrence it takes, up to the fragment's edge.
         """
         specials = self._specials_all if parse_special else self._specials_user
         matcher = self._matchers.get(parse_special)
@@ -204,14 +209,28 @@ class Tokenizer:
                     continue
                 taken[j:k] = mark
                 found.append((j, k, tid))
+                strip = self._attrs[tid] & _STRIP
+                if strip & _LSTRIP:
+                    i = j
+                    while i > 0 and not taken[i - 1] and raw[i - 1] in _C_SPACE:
+                        i -= 1
+                    taken[i:j] = b"\x01" * (j - i)
+                    found.append((i, j, -1))
+                if strip & _RSTRIP:
+                    i = k
+                    while i < len(raw) and not taken[i] and raw[i] in _C_SPACE:
+                        i += 1
+                    taken[k:i] = b"\x01" * (i - k)
+                    found.append((k, i, -1))
         found.sort()
         out: list[bytes | int] = []
         pos = 0
         for j, k, tid in found:
             if j > pos:
                 out.append(raw[pos:j])
-            out.append(tid)
-            pos = k
+            if tid >= 0:
+                out.append(tid)
+            pos = max(pos, k)
         if pos < len(raw):
             out.append(raw[pos:])
         return out

@@ -10,7 +10,10 @@ end-of-generation set is eos + eot + eom + FIM pad/repo/sep + every token whose 
 Deliberate differences from llama.cpp: a special token id outside the vocab is an error (llama.cpp
 warns and keeps its default); where llama.cpp's choice among several candidate tokens depends
 on hash-map order (auto-detected eot/FIM ids) we take the lowest id; the name-based attribute
-hacks for phi-3, jina, modern-bert, gpt-oss and gemma 4 are not reproduced.
+hacks are reproduced (gpt-oss' always-rendered tokens, "<|end|>" of o200k_harmony/solar-open
+and "</s>" of gemma 4/plamo leaving the end-of-generation set, LSTRIP/RSTRIP for phi-3, jina,
+nomic-bert-moe and modern-bert), except that a token they name which is missing is skipped
+(llama.cpp throws for phi-3's "</s>").
 """
 from __future__ import annotations
 
@@ -40,6 +43,10 @@ class TokenAttr(enum.IntFlag):
     CONTROL = 1 << 3
     USER_DEFINED = 1 << 4
     BYTE = 1 << 5
+    NORMALIZED = 1 << 6
+    LSTRIP = 1 << 7        # a match eats the whitespace before it (tokenizer_st_partition)
+    RSTRIP = 1 << 8        # ... and after it
+    SINGLE_WORD = 1 << 9
 
 
 # GGUF token type (gguf.TokenType; 0 = undefined) -> attribute; other values -> UNDEFINED
@@ -66,6 +73,7 @@ EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<
              "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
              "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
              "<｜end▁of▁sentence｜>", "[e~[")
+ALWAYS_RENDERED_TEXTS = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 
 # special id fields, the metadata keys that set them (later keys win), and the default per model
 _ID_KEYS = {
@@ -174,6 +182,7 @@ def read_vocab(gf: GGUFFile) -> Vocab:
             raise _fail(gf, f"{key} is true, but {id_key} is not set")
 
     eog_ids = _fix_attrs_by_text(token_to_id, texts, attrs, ids)
+    _strip_attrs(gf, token_to_id, attrs)
     return Vocab(model, kind, texts, token_to_id, types, attrs.tolist(), scores_list, merges, pre, ids, eog_ids,
                  add_bos, add_eos, add_space_prefix, clean_spaces=kind == "wpm" or bool(pre and pre.clean_spaces),
                  lowercase=lowercase, strip_accents=strip_accents)
@@ -246,4 +255,43 @@ def _fix_attrs_by_text(token_to_id: dict[str, int], texts: list[str], attrs: np.
     for tid in found(EOG_TEXTS):
         eog.add(tid)
         attrs[tid] |= control
+    # gpt-oss: these are always rendered
+    for tid in found(ALWAYS_RENDERED_TEXTS):
+        attrs[tid] = int(TokenAttr.USER_DEFINED)
+    eog_texts = {texts[i]: i for i in sorted(eog, reverse=True)}   # the lowest id per text
+    # o200k_harmony and solar-open: "<|end|>" ends a message, not generation
+    has_call = "<|call|>" in eog_texts or "<|calls|>" in eog_texts
+    if "<|end|>" in eog_texts and has_call and ("<|return|>" in eog_texts or "<|flush|>" in eog_texts):
+        eog.discard(eog_texts["<|end|>"])
+        attrs[eog_texts["<|end|>"]] = int(TokenAttr.USER_DEFINED)
+    # gemma4 and plamo: "</s>" is a normal token
+    if "</s>" in eog_texts and ("<|tool_response>" in eog_texts or "<|plamo:eos|>" in eog_texts):
+        eog.discard(eog_texts["</s>"])
+        attrs[eog_texts["</s>"]] = int(TokenAttr.NORMAL)
     return frozenset(eog)
+
+
+def _strip_attrs(gf: GGUFFile, token_to_id: dict[str, int], attrs: np.ndarray) -> None:
+    """llama.cpp's per-model LSTRIP/RSTRIP attributes ("set attributes by model/tokenizer/
+    architecture name" in ``llama_vocab::impl::load``), chosen by general.name (lowercased),
+    tokenizer.ggml.pre and general.architecture as there."""
+    name = (gf.get_str("general.name", "") or "").lower()
+    pre = gf.get_str(K.PRE, "")
+    arch = gf.get_str("general.architecture", "")
+
+    def set_attr(text: str, attr: TokenAttr, on: bool) -> None:
+        tid = token_to_id.get(text)
+        if tid is not None:
+            attrs[tid] = attrs[tid] | int(attr) if on else attrs[tid] & ~int(attr)
+
+    if any(p in pre for p in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or \
+            any(a in arch for a in ("nomic-bert-moe", "jina-bert-v3")):
+        set_attr("<mask>", TokenAttr.LSTRIP, True)
+    elif "phi-3" in name or "phi3" in name:
+        special = np.flatnonzero(attrs & int(TokenAttr.CONTROL | TokenAttr.USER_DEFINED | TokenAttr.UNKNOWN))
+        attrs[special] |= int(TokenAttr.RSTRIP)
+        set_attr("</s>", TokenAttr.RSTRIP, True)
+        for text in ("<unk>", "<s>", "<|endoftext|>"):
+            set_attr(text, TokenAttr.RSTRIP, False)
+    elif "modern-bert" in name:
+        set_attr("[MASK]", TokenAttr.LSTRIP, True)
