@@ -490,3 +490,24 @@ def test_tiny_gemma4_style_bpe(tmp_path):
     assert (tok.kind, tok.add_bos) == ("bpe", True)
     assert tok.encode("ab ab\n\né", True, False) == [2, 7, 8, 10, 11, 12]
     assert tok.decode([7, 8, 10, 11, 12]) == "ab ab\n\né".encode()
+
+
+def test_tiny_ugm(tmp_path):
+    """Unigram as llama.cpp: Viterbi over scores (user-defined tokens score 0), one unknown
+    token for a run of uncovered code points, EOS added by default, no BOS."""
+    tokens = ["<pad>", "</s>", "<unk>", "▁", "a", "b", "ab", "▁ab", "<x>"]
+    fields = {
+        K.MODEL: ("t5", VT.STRING, None),
+        K.LIST: (tokens, VT.ARRAY, VT.STRING),
+        K.SCORES: ([0.0, 0.0, 0.0, -2.0, -3.0, -3.0, -4.5, -5.5, -9.0], VT.ARRAY, VT.FLOAT32),
+        K.TOKEN_TYPE: ([3, 3, 2, 1, 1, 1, 1, 1, 4], VT.ARRAY, VT.INT32),
+        K.ADD_PREFIX: (True, VT.BOOL, None),
+    }
+    tok = Tokenizer.from_gguf(_write_gguf(tmp_path / "ugm.gguf", fields))
+    assert (tok.kind, tok.add_bos, tok.add_eos) == ("ugm", False, True)
+    # "▁ab" -5.5 beats "▁"+"ab" -6.5 and "▁"+"a"+"b" -8; then "ab" -4.5 beats "a"+"b" -6
+    assert tok.encode("ab ab", add_special=True, parse_special=False) == [7, 7, 1]
+    assert tok.encode("aab", False, False) == [3, 4, 6]   # "▁" + "a" + "ab"
+    # "éé" has no token: one <unk> for both; "<x>" is user-defined, matched with score 0
+    assert tok.encode("ééa<x>", False, False) == [3, 2, 4, 8]
+    assert tok.decode([7, 7]) == b"ab ab"

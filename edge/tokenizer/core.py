@@ -18,6 +18,7 @@ from edge.gguf_file import GGUFFile
 from edge.tokenizer.bpe import BPEModel
 from edge.tokenizer.pretokenize import UNICODE_TO_BYTE, PreTokenizer
 from edge.tokenizer.spm import SPMModel
+from edge.tokenizer.ugm import UGMModel
 from edge.tokenizer.vocab import TokenAttr, TokenizerError, Vocab, read_vocab
 from edge.tokenizer.wpm import WPMModel
 
@@ -33,13 +34,14 @@ _C_SPACE = b" \t\n\v\f\r"
 
 class Tokenizer:
     """A GGUF model's tokenizer: ``tokenizer.ggml.model`` "llama" (SentencePiece), "gpt2"
-    (byte-level BPE), "gemma4" (BPE over text with U+2581 for spaces) or "bert" (WordPiece).
+    (byte-level BPE), "gemma4" (BPE over text with U+2581 for spaces), "bert" (WordPiece) or
+    "t5" (Unigram).
 
     Build with :meth:`from_gguf`. Token ids are ints in ``[0, n_vocab)``.
 
     Attributes:
         model: ``tokenizer.ggml.model``.
-        kind: llama.cpp's vocab type, "spm", "bpe" or "wpm".
+        kind: llama.cpp's vocab type, "spm", "bpe", "wpm" or "ugm".
         n_vocab: number of tokens.
         bos_id, eos_id, unk_id, pad_id: special token ids, or None.
         add_bos, add_eos: whether ``encode(..., add_special=True)`` adds BOS / EOS.
@@ -73,9 +75,12 @@ class Tokenizer:
         self._matchers: dict[bool, _SpecialMatcher] = {}   # by parse_special, built on first use
 
         token_to_id = vocab.token_to_id
-        self._escape_spaces = self.kind == "spm" or bool(vocab.pre and vocab.pre.escape_whitespaces)
+        self._escape_spaces = self.kind in ("spm", "ugm") or bool(vocab.pre and vocab.pre.escape_whitespaces)
         if self.kind == "spm":
             self._spm = SPMModel(token_to_id, vocab.scores, self.unk_id)
+        elif self.kind == "ugm":
+            self._ugm = UGMModel(vocab.texts, vocab.scores, vocab.attrs, self.unk_id, vocab.charsmap,
+                                 vocab.add_space_prefix, vocab.remove_extra_whitespaces)
         elif self.kind == "wpm":
             self._wpm = WPMModel(token_to_id, self.unk_id, vocab.lowercase, vocab.strip_accents)
         else:
@@ -152,6 +157,12 @@ class Tokenizer:
             out.append(self.bos_id)
         if self.kind == "spm":
             self._encode_spm(fragments, out)
+        elif self.kind == "ugm":
+            for fragment in fragments:
+                if isinstance(fragment, int):
+                    out.append(fragment)
+                else:
+                    self._ugm.tokenize(fragment, out)
         else:
             for fragment in fragments:
                 if isinstance(fragment, int):

@@ -83,11 +83,12 @@ _ID_KEYS = {
     "fim_sep": (K.FIM_SEP_ID,), "sep": (K.SEP_ID,), "mask": (K.MASK_ID,),
 }
 _DEFAULT_IDS = {"llama": {"bos": 1, "eos": 2, "unk": 0}, "gpt2": {"bos": 11, "eos": 11}, "gemma4": {},
-                "bert": {"bos": 101, "unk": 100, "sep": 102, "pad": 0, "mask": 103}}
+                "bert": {"bos": 101, "unk": 100, "sep": 102, "pad": 0, "mask": 103},
+                "t5": {"eos": 1, "unk": 2, "pad": 0}}
 MODELS = {"llama": "SentencePiece (SPM)", "gpt2": "byte-level BPE", "gemma4": "SentencePiece-style BPE",
-          "bert": "WordPiece (WPM)"}
+          "bert": "WordPiece (WPM)", "t5": "Unigram (UGM)"}
 # tokenizer.ggml.model -> llama.cpp's vocab type
-KINDS = {"llama": "spm", "gpt2": "bpe", "gemma4": "bpe", "bert": "wpm"}
+KINDS = {"llama": "spm", "gpt2": "bpe", "gemma4": "bpe", "bert": "wpm", "t5": "ugm"}
 NORMALIZER_LOWERCASE = "tokenizer.ggml.normalizer.lowercase"
 NORMALIZER_STRIP_ACCENTS = "tokenizer.ggml.normalizer.strip_accents"
 
@@ -97,8 +98,9 @@ class Vocab:
     """Everything the tokenizer needs, read and checked from GGUF metadata.
 
     Attributes:
-        model: ``tokenizer.ggml.model``: "llama", "gpt2", "gemma4" or "bert".
-        kind: llama.cpp's vocab type: "spm" (llama), "bpe" (gpt2, gemma4) or "wpm" (bert).
+        model: ``tokenizer.ggml.model``: "llama", "gpt2", "gemma4", "bert" or "t5".
+        kind: llama.cpp's vocab type: "spm" (llama), "bpe" (gpt2, gemma4), "wpm" (bert) or
+            "ugm" (t5).
         texts: token texts as stored (str, utf-8 with surrogateescape); empty ones renamed
             ``[EMPTY_<id>]`` as llama.cpp does.
         token_to_id: text -> id.
@@ -112,6 +114,8 @@ class Vocab:
         eog_ids: end-of-generation token ids.
         add_bos, add_eos, add_space_prefix, clean_spaces: llama.cpp tokenizer flags.
         lowercase, strip_accents: WPM's BertNormalizer options (``tokenizer.ggml.normalizer.*``).
+        remove_extra_whitespaces, charsmap: UGM's normalizer options (the precompiled charsmap
+            bytes, or None).
     """
 
     model: str
@@ -131,6 +135,8 @@ class Vocab:
     clean_spaces: bool
     lowercase: bool = True
     strip_accents: bool = True
+    remove_extra_whitespaces: bool = False
+    charsmap: bytes | None = None
 
 
 def _fail(gf: GGUFFile, message: str) -> GGUFError:
@@ -169,8 +175,13 @@ def read_vocab(gf: GGUFFile) -> Vocab:
     ids = _special_ids(gf, model, n, default_bos=pre.default_bos if pre else True)
     # llama.cpp's defaults by tokenizer type, then the metadata flags
     add_space_prefix = gf.get_bool(K.ADD_PREFIX, kind == "spm")
-    add_bos = gf.get_bool(K.ADD_BOS, pre.add_bos if pre else True) or bool(pre and pre.force_add_bos)
-    add_eos = gf.get_bool(K.ADD_EOS, False)
+    add_bos = gf.get_bool(K.ADD_BOS, pre.add_bos if pre else kind != "ugm") or bool(pre and pre.force_add_bos)
+    add_eos = gf.get_bool(K.ADD_EOS, kind == "ugm")
+    remove_extra_ws = gf.get_bool(K.REMOVE_EXTRA_WS, False)
+    charsmap = None
+    if kind == "ugm":
+        blob = gf.get_array(K.PRECOMPILED_CHARSMAP, (GGUFValueType.UINT8, GGUFValueType.INT8), required=False)
+        charsmap = None if blob is None or not len(blob) else np.asarray(blob).tobytes()
     lowercase = gf.get_bool(NORMALIZER_LOWERCASE, True)
     strip_accents = gf.get_bool(NORMALIZER_STRIP_ACCENTS, lowercase)
     if kind == "wpm":  # llama.cpp adds BOS and SEP around WPM text whatever add_bos says
@@ -185,7 +196,8 @@ def read_vocab(gf: GGUFFile) -> Vocab:
     _strip_attrs(gf, token_to_id, attrs)
     return Vocab(model, kind, texts, token_to_id, types, attrs.tolist(), scores_list, merges, pre, ids, eog_ids,
                  add_bos, add_eos, add_space_prefix, clean_spaces=kind == "wpm" or bool(pre and pre.clean_spaces),
-                 lowercase=lowercase, strip_accents=strip_accents)
+                 lowercase=lowercase, strip_accents=strip_accents, remove_extra_whitespaces=remove_extra_ws,
+                 charsmap=charsmap)
 
 
 def _read_tokens(gf: GGUFFile) -> tuple[list[str], dict[str, int]]:
