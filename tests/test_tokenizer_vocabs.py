@@ -15,6 +15,7 @@ import itertools
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
 import tarfile
@@ -302,3 +303,59 @@ def test_llama_cpp_vocab_special_tokens_match_oracle(vocab_dir, tokenizers, orac
     bad = [(text, add, w, got) for text in texts for add in (False, True)
            if (w := next(want)) != (got := tok.encode(text, add_special=add, parse_special=True))]
     assert not bad, f"{len(bad)}/{2 * len(texts)} differ, first: {bad[0]!r}"
+
+
+def _with_pre(source: bytes, name: str) -> bytes:
+    """A tensor-less GGUF with its ``tokenizer.ggml.pre`` string value replaced by ``name``."""
+    key = b"tokenizer.ggml.pre"
+    at = source.index(len(key).to_bytes(8, "little") + key) + 8 + len(key)
+    vtype, n = struct.unpack_from("<IQ", source, at)
+    assert vtype == 8  # GGUF string
+    value = name.encode()
+    return source[:at] + struct.pack("<IQ", 8, len(value)) + value + source[at + 12 + n:]
+
+
+_TOKENIZE_MANY = r"""
+import json, sys, llama_cpp
+paths, texts = sys.argv[1:], json.load(sys.stdin)
+llama_cpp.llama_backend_init()
+params = llama_cpp.llama_model_default_params()
+params.vocab_only = True
+buf = (llama_cpp.llama_token * 4096)()
+out = []
+for path in paths:
+    model = llama_cpp.llama_model_load_from_file(path.encode(), params)
+    vocab = llama_cpp.llama_model_get_vocab(model)
+    for text in texts:
+        raw = text.encode()
+        n = llama_cpp.llama_tokenize(vocab, raw, len(raw), buf, len(buf), True, False)
+        out.append(list(buf[:n]))
+    llama_cpp.llama_model_free(model)
+print(json.dumps(out))
+"""
+_EXTRA_TEXTS = ["1234567 89 1,234,567.0", "naïve café\u0301 Ünïcödé", "我想在apple工作1314151天～ 한국어 テスト",
+                "x\u00a0y\u2003z  \t\n \r\n  end ", "I'M you'LL we'Re it's", "<sentinel:12> IMGIMGABZ", "a//b\\\\c",
+                "HeLLo WORLDs camelCaseWord ÀÉÎõü", " iPhone iPad eBay McDonald"]
+
+
+def test_every_pre_tokenizer_matches_oracle(vocab_dir, tokenizers, oracle_python, tmp_path):
+    """Each distinct pre-tokenizer of the table, put on the gpt-2 vocab in place of "gpt-2",
+    splits and merges as llama.cpp does: the ids (with BOS/EOS) equal llama_tokenize's on the
+    gpt-2 and qwen35 case texts and a few more (digits, marks, CJK, odd spaces)."""
+    source = (vocab_dir / "ggml-vocab-gpt-2.gguf").read_bytes()
+    names = list({spec: name for name, spec in reversed(PRE_TOKENIZERS.items()) if name != "gpt2"}.values())
+    texts = [t for v in VOCABS_FOR_TEXTS for t in read_cases(vocab_dir / f"ggml-vocab-{v}.gguf")] + _EXTRA_TEXTS
+    paths = []
+    for name in names:
+        path = tmp_path / f"{name}.gguf"
+        path.write_bytes(_with_pre(source, name))
+        paths.append(path)
+    proc = subprocess.run([str(oracle_python), "-c", _TOKENIZE_MANY, *map(str, paths)], input=json.dumps(texts),
+                          check=False, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    want = iter(json.loads(proc.stdout))
+    bad = []
+    for name, path in zip(names, paths):
+        tok = Tokenizer.from_gguf(GGUFFile(path))
+        bad += [(name, text) for text in texts if next(want) != tok.encode(text, add_special=True, parse_special=False)]
+    assert len(names) > 35 and not bad, f"{len(bad)} differ: {bad[:5]!r}"

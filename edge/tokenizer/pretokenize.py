@@ -157,12 +157,12 @@ def llama_regex_to_python(expr: str) -> str:
     return "".join(out)
 
 
-def _split_digit_groups(text: str, start: int, end: int, out: list[tuple[int, int]]) -> None:
+def _split_digit_groups(text: str, probe: str, start: int, end: int, out: list[tuple[int, int]]) -> None:
     """llama.cpp ``unicode_regex_split_custom_afmoe``: each run of digits (``\\p{N}``) is cut
     into a leading group of ``len % 3`` digits (if any) and then groups of three. The text
     before a run is not a piece of its own: it joins the run's first group (as in llama.cpp)."""
     prev = start
-    for m in _DIGITS.finditer(text, start, end):
+    for m in _DIGITS.finditer(probe, start, end):
         s, e = m.span()
         cut = s + (e - s) % 3
         if cut == s:
@@ -175,11 +175,95 @@ def _split_digit_groups(text: str, start: int, end: int, out: list[tuple[int, in
 
 
 _DIGITS = regex.compile(r"\p{N}+")
+_LETTER = regex.compile(r"\p{L}")
+_NUMBER = regex.compile(r"\p{N}")
+_SPACE = regex.compile(r"\s")
+
+
+def _is_han(ch: str) -> bool:
+    """llama.cpp ``unicode_cpt_is_han``: the CJK ideograph blocks (unified, extensions A-F,
+    compatibility)."""
+    c = ord(ch)
+    return (0x4E00 <= c <= 0x9FFF or 0x3400 <= c <= 0x4DBF or 0x20000 <= c <= 0x2A6DF or 0x2A700 <= c <= 0x2EBEF
+            or 0xF900 <= c <= 0xFAFF or 0x2F800 <= c <= 0x2FA1F)
+
+
+def _split_kimi_k2(text: str, probe: str, start: int, end: int, out: list[tuple[int, int]]) -> None:
+    """llama.cpp ``unicode_regex_split_custom_kimi_k2``, step for step (it is what llama.cpp
+    runs for "kimi-k2", and it differs from the regex it cites: its letters take no marks and
+    no case split). Han runs; an optional non-letter, non-digit, non-CR/LF character and then
+    non-Han letters, with an optional contraction; up to three digits; `` ?`` and non-space
+    non-letter non-digits, then CR/LF; whitespace ending at its last CR/LF; whitespace but
+    its last character when more follows; whitespace; else one character."""
+    def letter(i: int) -> bool:
+        return i < end and bool(_LETTER.match(probe, i)) and not _is_han(text[i])
+
+    def kind(i: int) -> str:   # "" outside the piece, else the first of "s", "l", "n" that applies, or "o"
+        if i >= end:
+            return ""
+        return "s" if _SPACE.match(probe, i) else "l" if _LETTER.match(probe, i) else "n" if _NUMBER.match(probe, i) \
+            else "o"
+
+    prev = pos = start
+    while pos < end:
+        ch, k = text[pos], kind(pos)
+        if _is_han(ch):
+            while pos < end and _is_han(text[pos]):
+                pos += 1
+        elif letter(pos) or (ch not in "\r\n" and k not in "ln" and letter(pos + 1)):
+            if not letter(pos):
+                pos += 1
+            while letter(pos):
+                pos += 1
+            if pos + 1 < end and text[pos] == "'":
+                nxt = _lower_ascii(text[pos + 1])
+                if nxt in "stmd":
+                    pos += 2
+                elif pos + 2 < end and nxt + _lower_ascii(text[pos + 2]) in ("re", "ve", "ll"):
+                    pos += 3
+        elif k == "n":
+            run = pos
+            while kind(pos) == "n":
+                pos += 1
+                if pos - run >= 3:
+                    out.append((prev, pos))
+                    prev = run = pos
+        elif (kind(pos + 1) if ch == " " else k) == "o":
+            pos += ch == " "
+            while kind(pos) == "o":
+                pos += 1
+            while pos < end and text[pos] in "\r\n":
+                pos += 1
+        else:
+            n, last_newline = 0, 0
+            while kind(pos + n) == "s":
+                if text[pos + n] in "\r\n":
+                    last_newline = pos + n + 1
+                n += 1
+            if last_newline:
+                pos = last_newline
+            elif n > 1 and pos + n < end:
+                pos += n - 1
+            else:
+                pos += max(n, 1)
+        if pos > prev:
+            out.append((prev, pos))
+        prev = pos
+
+
+def _lower_ascii(ch: str) -> str:
+    """llama.cpp ``unicode_tolower`` of one character (first code point of the lowercase)."""
+    low = ch.lower()
+    return low[0] if low else ch
 # llama.cpp unicode_regex_split_custom: patterns run by a hand-written splitter instead
 _CUSTOM_SPLITTERS = {
     r"\p{AFMoE_digits}": _split_digit_groups,
     r"\d{1,3}(?=(?:\d{3})*\b)": _split_digit_groups,   # tiny_aya: llama.cpp uses the same splitter
+    r"\p{Han}+": _split_kimi_k2,
 }
+
+
+_SPLITTERS = frozenset(_CUSTOM_SPLITTERS.values())
 
 
 class PreTokenizer:
@@ -207,8 +291,8 @@ class PreTokenizer:
             probe = by_category if categories else text
             pieces: list[tuple[int, int]] = []
             for start, end in spans:
-                if step is _split_digit_groups:
-                    step(probe, start, end, pieces)
+                if step in _SPLITTERS:
+                    step(text, by_category, start, end, pieces)
                     continue
                 pos = start
                 for m in step(probe, start, end):

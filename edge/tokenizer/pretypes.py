@@ -198,12 +198,13 @@ PRE_TOKENIZERS: dict[str, PreTokenizerSpec] = {
     **_names(_UFAKZEKA, "ufakzeka", **_OFF),
     **_names(_AFMOE, "afmoe", **_OFF),
     **_names(_LAGUNA, "laguna", **_OFF),
+    # llama.cpp's hand-written Kimi K2 splitter (a vocabulary converted from tiktoken; merges optional)
+    **_names(PreTokenizerSpec((r"\p{Han}+",)), "kimi-k2", **_OFF),
 }
 """``tokenizer.ggml.pre`` value -> spec, for every BPE pre-tokenizer of llama.cpp (0.3.36's)
 but :data:`UNSUPPORTED_PRE_TOKENIZERS`."""
 
 UNSUPPORTED_PRE_TOKENIZERS = {
-    "kimi-k2": "a tiktoken vocabulary without merges, split by a hand-written splitter",
-    "whitespace": "its own tokenizer session",
+    "whitespace": "its own tokenizer session (llm_tokenizer_whitespace_session)",
 }
 """llama.cpp pre-tokenizers edge refuses, and why."""

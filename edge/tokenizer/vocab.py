@@ -216,13 +216,14 @@ def _read_tokens(gf: GGUFFile) -> tuple[list[str], dict[str, int]]:
 
 
 def _read_bpe(gf: GGUFFile, model: str) -> tuple[list[str], PreTokenizerSpec]:
-    merges = gf.get_array(K.MERGES, (GGUFValueType.STRING,))
     # llama.cpp: "missing pre-tokenizer type, using: 'default'"; the gemma4 model is always "gemma4"
     name = "gemma4" if model == "gemma4" else gf.get_str(K.PRE, "default")
     if name not in PRE_TOKENIZERS:
         raise _fail(gf, f"{K.PRE} {name!r} is not a supported pre-tokenizer "
                         f"(supported: {', '.join(sorted(PRE_TOKENIZERS))})")
-    return merges, PRE_TOKENIZERS[name]
+    # Kimi K2 may come without merges (llama.cpp then merges nothing)
+    merges = gf.get_array(K.MERGES, (GGUFValueType.STRING,), required=name != "kimi-k2")
+    return [] if merges is None else merges, PRE_TOKENIZERS[name]
 
 
 def _special_ids(gf: GGUFFile, model: str, n: int, default_bos: bool) -> dict[str, int | None]:
