@@ -305,9 +305,9 @@ def test_llama_cpp_vocab_special_tokens_match_oracle(vocab_dir, tokenizers, orac
     assert not bad, f"{len(bad)}/{2 * len(texts)} differ, first: {bad[0]!r}"
 
 
-def _with_pre(source: bytes, name: str) -> bytes:
-    """A tensor-less GGUF with its ``tokenizer.ggml.pre`` string value replaced by ``name``."""
-    key = b"tokenizer.ggml.pre"
+def _with_string(source: bytes, name: str, key: str = "tokenizer.ggml.pre") -> bytes:
+    """A tensor-less GGUF with the string value of ``key`` replaced by ``name``."""
+    key = key.encode()
     at = source.index(len(key).to_bytes(8, "little") + key) + 8 + len(key)
     vtype, n = struct.unpack_from("<IQ", source, at)
     assert vtype == 8  # GGUF string
@@ -339,17 +339,25 @@ _EXTRA_TEXTS = ["1234567 89 1,234,567.0", "naïve café\u0301 Ünïcödé", "我
 
 
 def test_every_pre_tokenizer_matches_oracle(vocab_dir, tokenizers, oracle_python, tmp_path):
-    """Each distinct pre-tokenizer of the table, put on the gpt-2 vocab in place of "gpt-2",
-    splits and merges as llama.cpp does: the ids (with BOS/EOS) equal llama_tokenize's on the
-    gpt-2 and qwen35 case texts and a few more (digits, marks, CJK, odd spaces)."""
+    """Each distinct pre-tokenizer of the table, put on the gpt-2 vocab in place of "gpt-2"
+    (and the "whitespace" tokenizer model), splits and merges as llama.cpp does: the ids (with
+    BOS/EOS) equal llama_tokenize's on the gpt-2 and qwen35 case texts and a few more (digits,
+    marks, CJK, odd spaces, mixed case)."""
     source = (vocab_dir / "ggml-vocab-gpt-2.gguf").read_bytes()
-    names = list({spec: name for name, spec in reversed(PRE_TOKENIZERS.items()) if name != "gpt2"}.values())
+    # "whitespace" leaves whitespace pieces that llama.cpp's BPE asserts against (find_bpe_rank):
+    # it is meant for the "whitespace" model only, checked below
+    names = list({spec: name for name, spec in reversed(PRE_TOKENIZERS.items())
+                  if name not in ("gpt2", "whitespace")}.values())
     texts = [t for v in VOCABS_FOR_TEXTS for t in read_cases(vocab_dir / f"ggml-vocab-{v}.gguf")] + _EXTRA_TEXTS
     paths = []
     for name in names:
         path = tmp_path / f"{name}.gguf"
-        path.write_bytes(_with_pre(source, name))
+        path.write_bytes(_with_string(source, name))
         paths.append(path)
+    # the "whitespace" tokenizer model (its own session), on the "whitespace" pre-tokenizer
+    names.append("model whitespace")
+    paths.append(tmp_path / "model-whitespace.gguf")
+    paths[-1].write_bytes(_with_string(_with_string(source, "whitespace"), "whitespace", "tokenizer.ggml.model"))
     proc = subprocess.run([str(oracle_python), "-c", _TOKENIZE_MANY, *map(str, paths)], input=json.dumps(texts),
                           check=False, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -20,7 +20,7 @@ from edge.tokenizer.pretokenize import UNICODE_TO_BYTE, PreTokenizer
 from edge.tokenizer.spm import SPMModel
 from edge.tokenizer.ugm import UGMModel
 from edge.tokenizer.vocab import TokenAttr, TokenizerError, Vocab, read_vocab
-from edge.tokenizer.wpm import WPMModel
+from edge.tokenizer.wpm import WhitespaceSegments, WPMModel
 
 _ESCAPED_SPACE = "\u2581".encode()  # SentencePiece's visible space, U+2581
 # plain ints: attribute tests run per token
@@ -87,6 +87,8 @@ class Tokenizer:
             pre = vocab.pre
             self._bpe = BPEModel(token_to_id, vocab.merges, PreTokenizer(pre.regexes), pre.ignore_merges,
                                  pre.byte_encode, pre.newline_tokens)
+            # llm_tokenizer_whitespace_session: BPE per whitespace-free segment, lowercased
+            self._segments = WhitespaceSegments(vocab.lowercase) if self.model == "whitespace" else None
 
     @classmethod
     def from_gguf(cls, gf: GGUFFile) -> Tokenizer:
@@ -167,6 +169,9 @@ class Tokenizer:
             for fragment in fragments:
                 if isinstance(fragment, int):
                     out.append(fragment)
+                elif self._segments is not None:
+                    for segment in self._segments.split(fragment):
+                        self._bpe.tokenize(segment, out)
                 else:
                     self._bpe.tokenize(fragment.replace(b" ", _ESCAPED_SPACE) if self._escape_spaces else fragment,
                                        out)

@@ -27,6 +27,8 @@ class PreTokenizerSpec:
     ``force_add_bos``: ``add_bos`` is on even if the metadata says false (Gemma 4).
     ``newline_tokens``: a pre-token of newlines only that is a vocab token is emitted
     whole (llama.cpp's Gemma 4 fix).
+    ``lowercase``: default of ``tokenizer.ggml.normalizer.lowercase`` (used by the
+    "whitespace" tokenizer model).
     """
 
     regexes: tuple[str, ...]
@@ -38,6 +40,7 @@ class PreTokenizerSpec:
     default_bos: bool = True
     force_add_bos: bool = False
     newline_tokens: bool = False
+    lowercase: bool = True
 
 
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
@@ -200,11 +203,12 @@ PRE_TOKENIZERS: dict[str, PreTokenizerSpec] = {
     **_names(_LAGUNA, "laguna", **_OFF),
     # llama.cpp's hand-written Kimi K2 splitter (a vocabulary converted from tiktoken; merges optional)
     **_names(PreTokenizerSpec((r"\p{Han}+",)), "kimi-k2", **_OFF),
+    # for the "whitespace" tokenizer model (which drops whitespace first); under another model
+    # llama.cpp aborts on text with whitespace (find_bpe_rank's assert), edge tokenizes it
+    **_names(PreTokenizerSpec((r"\S+",), byte_encode=False), "whitespace", lowercase=False),
 }
 """``tokenizer.ggml.pre`` value -> spec, for every BPE pre-tokenizer of llama.cpp (0.3.36's)
 but :data:`UNSUPPORTED_PRE_TOKENIZERS`."""
 
-UNSUPPORTED_PRE_TOKENIZERS = {
-    "whitespace": "its own tokenizer session (llm_tokenizer_whitespace_session)",
-}
+UNSUPPORTED_PRE_TOKENIZERS: dict[str, str] = {}
 """llama.cpp pre-tokenizers edge refuses, and why."""

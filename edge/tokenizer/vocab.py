@@ -82,13 +82,15 @@ _ID_KEYS = {
     "fim_mid": (K.FIM_MID_ID, K.MIDDLE_ID), "fim_pad": (K.FIM_PAD_ID,), "fim_rep": (K.FIM_REP_ID,),
     "fim_sep": (K.FIM_SEP_ID,), "sep": (K.SEP_ID,), "mask": (K.MASK_ID,),
 }
-_DEFAULT_IDS = {"llama": {"bos": 1, "eos": 2, "unk": 0}, "gpt2": {"bos": 11, "eos": 11}, "gemma4": {},
+_DEFAULT_IDS = {"llama": {"bos": 1, "eos": 2, "unk": 0}, "gpt2": {"bos": 11, "eos": 11},
+                "whitespace": {"bos": 11, "eos": 11}, "gemma4": {},
                 "bert": {"bos": 101, "unk": 100, "sep": 102, "pad": 0, "mask": 103},
                 "t5": {"eos": 1, "unk": 2, "pad": 0}}
 MODELS = {"llama": "SentencePiece (SPM)", "gpt2": "byte-level BPE", "gemma4": "SentencePiece-style BPE",
+          "whitespace": "BPE per whitespace-separated word",
           "bert": "WordPiece (WPM)", "t5": "Unigram (UGM)"}
 # tokenizer.ggml.model -> llama.cpp's vocab type
-KINDS = {"llama": "spm", "gpt2": "bpe", "gemma4": "bpe", "bert": "wpm", "t5": "ugm"}
+KINDS = {"llama": "spm", "gpt2": "bpe", "gemma4": "bpe", "whitespace": "bpe", "bert": "wpm", "t5": "ugm"}
 NORMALIZER_LOWERCASE = "tokenizer.ggml.normalizer.lowercase"
 NORMALIZER_STRIP_ACCENTS = "tokenizer.ggml.normalizer.strip_accents"
 
@@ -98,7 +100,7 @@ class Vocab:
     """Everything the tokenizer needs, read and checked from GGUF metadata.
 
     Attributes:
-        model: ``tokenizer.ggml.model``: "llama", "gpt2", "gemma4", "bert" or "t5".
+        model: ``tokenizer.ggml.model``: "llama", "gpt2", "gemma4", "whitespace", "bert" or "t5".
         kind: llama.cpp's vocab type: "spm" (llama), "bpe" (gpt2, gemma4), "wpm" (bert) or
             "ugm" (t5).
         texts: token texts as stored (str, utf-8 with surrogateescape); empty ones renamed
@@ -182,7 +184,7 @@ def read_vocab(gf: GGUFFile) -> Vocab:
     if kind == "ugm":
         blob = gf.get_array(K.PRECOMPILED_CHARSMAP, (GGUFValueType.UINT8, GGUFValueType.INT8), required=False)
         charsmap = None if blob is None or not len(blob) else np.asarray(blob).tobytes()
-    lowercase = gf.get_bool(NORMALIZER_LOWERCASE, True)
+    lowercase = gf.get_bool(NORMALIZER_LOWERCASE, pre.lowercase if pre else True)
     strip_accents = gf.get_bool(NORMALIZER_STRIP_ACCENTS, lowercase)
     if kind == "wpm":  # llama.cpp adds BOS and SEP around WPM text whatever add_bos says
         for field, key in (("bos", K.BOS_ID), ("sep", K.SEP_ID)):

@@ -1,4 +1,5 @@
-"""WordPiece (BERT) tokenization, as llama.cpp's ``llm_tokenizer_wpm_session`` does it."""
+"""WordPiece (BERT) tokenization, as llama.cpp's ``llm_tokenizer_wpm_session`` does it, and
+the whitespace segmentation of its "whitespace" BPE tokenizer."""
 from __future__ import annotations
 
 import unicodedata
@@ -104,3 +105,28 @@ class WPMModel:
                     break
             if len(out) == start:
                 out.append(self.unk_id)
+
+
+class WhitespaceSegments:
+    """llama.cpp ``llm_tokenizer_whitespace_session``: the text, read as UTF-8, cut at each
+    whitespace code point (which is dropped), each code point lowercased when ``lowercase``;
+    every segment is then BPE-tokenized on its own."""
+
+    def __init__(self, lowercase: bool):
+        self.lowercase = lowercase
+
+    def split(self, text: bytes) -> list[bytes]:
+        """The UTF-8 segments of ``text`` (raw bytes), in order, none empty."""
+        decoded = decode_utf8_lossy(text)
+        probe = llama_cpp_categories(decoded)
+        segments, segment = [], []
+        for ch, seen in zip(decoded, probe):
+            if _WHITESPACE.match(seen):
+                if segment:
+                    segments.append("".join(segment).encode("utf-8", "surrogatepass"))
+                    segment = []
+            else:
+                segment.append(_lower(ch) if self.lowercase else ch)
+        if segment:
+            segments.append("".join(segment).encode("utf-8", "surrogatepass"))
+        return segments
