@@ -25,7 +25,14 @@ from gguf import GGUFValueType as VT
 
 from edge.gguf_file import GGUFError, GGUFFile
 from edge.tokenizer import StreamDecoder, TokenAttr, Tokenizer, TokenizerError
-from edge.tokenizer.pretokenize import BYTE_TO_UNICODE, PRE_TOKENIZERS, PreTokenizer, decode_utf8_lossy
+from edge.tokenizer.pretokenize import (
+    BYTE_TO_UNICODE,
+    PreTokenizer,
+    decode_utf8_lossy,
+    llama_cpp_categories,
+    llama_regex_to_python,
+)
+from edge.tokenizer.pretypes import PRE_TOKENIZERS
 from tests.conftest import GOLDEN, golden
 
 QWEN, GEMMA, SMOLLM2 = "qwen2.5-coder-0.5b", "gemma3-270m", "smollm2-135m"  # golden ids
@@ -426,3 +433,105 @@ def test_synthetic_bpe_clean_spaces(tmp_path):
         assert gpt2.decode(gpt2.encode(text, False, False)) == cleaned.encode(), text
         assert qwen2.decode(qwen2.encode(text, False, False)) == text.encode(), text
         assert smollm.decode(smollm.encode(text, False, False)) == text.encode(), text
+
+
+@pytest.mark.parametrize("pre, text, pieces", [
+    ("deepseek-coder", "ab12 cd!?\n", ["ab", "1", "2", " cd", "!?", "\n"]),
+    ("deepseek-llm", "Hi  \n x", ["Hi", "  ", "\n", " x"]),     # \s+$ at the end of the piece, not before \n
+    ("falcon", "a`b 1234", ["a", "`", "b", " ", "123", "4"]),
+    ("command-r", "v1.25", ["v", "1", ".", "2", "5"]),
+    ("qwen35", "café\u0301!", ["café\u0301", "!"]),                    # marks stay with the letters
+    ("gemma4", "a b\n\nc", ["a b", "\n\n", "c"]),
+    ("superbpe", "1234567", ["1", "234", "567"]),                    # zero-width matches leave no empty piece
+    ("afmoe", "ab1234x12", ["ab", "1", "234", "x", "12"]),
+    ("tiny_aya", "12345", ["12", "345"]),
+    ("youtu", "aB", ["aB"]),                  # \p{Lu} means any letter, as in llama.cpp ("a" matches it)
+])
+def test_pre_tokenizer_splits_more(pre, text, pieces):
+    assert PreTokenizer(PRE_TOKENIZERS[pre].regexes).split(text) == pieces
+
+
+def test_llama_regex_semantics():
+    assert llama_regex_to_python(r"\s+$") == r"\s+\Z"
+    assert llama_regex_to_python(r"(?=(\d{3})+(?!\d))") == r"(?=([0-9]{3})+(?![0-9]))"
+    assert llama_regex_to_python(r"[\d\$]x") == r"[0-9\$]x"
+    assert llama_regex_to_python(r"[\p{Lu}\p{M}]\p{Ll}") == r"[\p{L}\p{M}]\p{L}"
+    assert llama_regex_to_python("[Ａ-Ｚ]") == "[Ａ-Ｚ]"
+    # llama.cpp's digit-group splitter: the text before a run of digits joins its first group
+    assert PreTokenizer((r"\p{AFMoE_digits}",)).split("ab1234x12 9") == ["ab1", "234", "x12", " 9"]
+    # U+1C89 (Cyrillic TJE, Unicode 16) is undefined for llama.cpp: not a letter when splitting
+    assert llama_cpp_categories("a\u1c89b") == "a\ufdd0b" and llama_cpp_categories("abc") == "abc"
+    assert PreTokenizer(PRE_TOKENIZERS["gpt-2"].regexes).split(" \u1c89x") == [" \u1c89", "x"]
+
+
+def test_unknown_pre_tokenizer_is_one_line_listing_the_known(tmp_path):
+    with pytest.raises(GGUFError) as err:
+        _bpe(tmp_path, "qwen9")
+    message = str(err.value)
+    assert "\n" not in message and "'qwen9' is not a supported pre-tokenizer" in message
+    assert all(name in message for name in ("smollm", "deepseek-llm", "command-r", "qwen35", "gemma4"))
+
+
+def _wpm_fields(**extra) -> dict:
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "▁hello", "▁he", "llo", "▁world", "▁,", "▁cafe", "▁中", "▁a"]
+    return {
+        K.MODEL: ("bert", VT.STRING, None),
+        K.LIST: (tokens, VT.ARRAY, VT.STRING),
+        K.TOKEN_TYPE: ([3, 1, 3, 3] + [1] * (len(tokens) - 4), VT.ARRAY, VT.INT32),
+        K.UNK_ID: (1, VT.UINT32, None), K.BOS_ID: (2, VT.UINT32, None), K.SEP_ID: (3, VT.UINT32, None),
+        **extra,
+    }
+
+
+def test_tiny_wpm(tmp_path):
+    """WordPiece as llama.cpp: lowercase, accents stripped, punctuation and CJK alone, longest
+    match first, a word nothing covers is one [UNK]; BOS (CLS) and SEP with add_special."""
+    tok = Tokenizer.from_gguf(_write_gguf(tmp_path / "wpm.gguf", _wpm_fields()))
+    assert tok.kind == "wpm"
+    assert tok.encode("Hello, WORLD", False, False) == [4, 8, 7]
+    # "▁he" then no token for "hello" (only "llo"): the whole word is [UNK]; "Café" -> "cafe"
+    assert tok.encode("hehello  Café中a", False, False) == [1, 9, 10, 11]
+    assert tok.encode("hello", True, False) == [2, 4, 3]
+    assert tok.encode("\x00hel\tlo", False, False) == [1, 1]
+    assert tok.decode([4, 8, 7]) == b" hello, world"   # clean_spaces, no space prefix removed (llama.cpp)
+    keep_case = Tokenizer.from_gguf(_write_gguf(tmp_path / "wpm2.gguf", _wpm_fields(
+        **{"tokenizer.ggml.normalizer.lowercase": (False, VT.BOOL, None)})))
+    assert keep_case.encode("Hello hello", False, False) == [1, 4]
+
+
+def test_tiny_gemma4_style_bpe(tmp_path):
+    """The gemma4 tokenizer model: BPE on raw text with ▁ for spaces, <0xXX> byte fallback, a
+    newline run that is a token kept whole, add_bos forced on."""
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "▁", "a", "b", "ab", "▁ab", "\n", "\n\n", "<0xC3>", "<0xA9>"]
+    fields = {
+        K.MODEL: ("gemma4", VT.STRING, None),
+        K.LIST: (tokens, VT.ARRAY, VT.STRING),
+        K.TOKEN_TYPE: ([3, 3, 3, 2] + [1] * 7 + [6, 6], VT.ARRAY, VT.INT32),
+        K.MERGES: (["a b", "▁ ab"], VT.ARRAY, VT.STRING),
+        K.BOS_ID: (2, VT.UINT32, None), K.EOS_ID: (1, VT.UINT32, None), K.ADD_BOS: (False, VT.BOOL, None),
+    }
+    tok = Tokenizer.from_gguf(_write_gguf(tmp_path / "g4.gguf", fields))
+    assert (tok.kind, tok.add_bos) == ("bpe", True)
+    assert tok.encode("ab ab\n\né", True, False) == [2, 7, 8, 10, 11, 12]
+    assert tok.decode([7, 8, 10, 11, 12]) == "ab ab\n\né".encode()
+
+
+def test_tiny_ugm(tmp_path):
+    """Unigram as llama.cpp: Viterbi over scores (user-defined tokens score 0), one unknown
+    token for a run of uncovered code points, EOS added by default, no BOS."""
+    tokens = ["<pad>", "</s>", "<unk>", "▁", "a", "b", "ab", "▁ab", "<x>"]
+    fields = {
+        K.MODEL: ("t5", VT.STRING, None),
+        K.LIST: (tokens, VT.ARRAY, VT.STRING),
+        K.SCORES: ([0.0, 0.0, 0.0, -2.0, -3.0, -3.0, -4.5, -5.5, -9.0], VT.ARRAY, VT.FLOAT32),
+        K.TOKEN_TYPE: ([3, 3, 2, 1, 1, 1, 1, 1, 4], VT.ARRAY, VT.INT32),
+        K.ADD_PREFIX: (True, VT.BOOL, None),
+    }
+    tok = Tokenizer.from_gguf(_write_gguf(tmp_path / "ugm.gguf", fields))
+    assert (tok.kind, tok.add_bos, tok.add_eos) == ("ugm", False, True)
+    # "▁ab" -5.5 beats "▁"+"ab" -6.5 and "▁"+"a"+"b" -8; then "ab" -4.5 beats "a"+"b" -6
+    assert tok.encode("ab ab", add_special=True, parse_special=False) == [7, 7, 1]
+    assert tok.encode("aab", False, False) == [3, 4, 6]   # "▁" + "a" + "ab"
+    # "éé" has no token: one <unk> for both; "<x>" is user-defined, matched with score 0
+    assert tok.encode("ééa<x>", False, False) == [3, 2, 4, 8]
+    assert tok.decode([7, 7]) == b"ab ab"

@@ -18,22 +18,30 @@ from edge.gguf_file import GGUFFile
 from edge.tokenizer.bpe import BPEModel
 from edge.tokenizer.pretokenize import UNICODE_TO_BYTE, PreTokenizer
 from edge.tokenizer.spm import SPMModel
+from edge.tokenizer.ugm import UGMModel
 from edge.tokenizer.vocab import TokenAttr, TokenizerError, Vocab, read_vocab
+from edge.tokenizer.wpm import WhitespaceSegments, WPMModel
 
 _ESCAPED_SPACE = "\u2581".encode()  # SentencePiece's visible space, U+2581
 # plain ints: attribute tests run per token
 _RENDERED_AS_TEXT = int(TokenAttr.UNKNOWN | TokenAttr.CONTROL | TokenAttr.USER_DEFINED)
 _SPECIAL = int(TokenAttr.UNKNOWN | TokenAttr.CONTROL)  # rendered only when asked; matched only when parsing
 _NORMAL, _BYTE = int(TokenAttr.NORMAL), int(TokenAttr.BYTE)
+_LSTRIP, _RSTRIP = int(TokenAttr.LSTRIP), int(TokenAttr.RSTRIP)
+_STRIP = _LSTRIP | _RSTRIP
+_C_SPACE = b" \t\n\v\f\r"
 
 
 class Tokenizer:
-    """A GGUF model's tokenizer (``tokenizer.ggml.model`` "llama" = SentencePiece, "gpt2" = byte-level BPE).
+    """A GGUF model's tokenizer: ``tokenizer.ggml.model`` "llama" (SentencePiece), "gpt2"
+    (byte-level BPE), "gemma4" (BPE over text with U+2581 for spaces), "bert" (WordPiece) or
+    "t5" (Unigram).
 
     Build with :meth:`from_gguf`. Token ids are ints in ``[0, n_vocab)``.
 
     Attributes:
-        model: "llama" or "gpt2".
+        model: ``tokenizer.ggml.model``.
+        kind: llama.cpp's vocab type, "spm", "bpe", "wpm" or "ugm".
         n_vocab: number of tokens.
         bos_id, eos_id, unk_id, pad_id: special token ids, or None.
         add_bos, add_eos: whether ``encode(..., add_special=True)`` adds BOS / EOS.
@@ -44,12 +52,14 @@ class Tokenizer:
 
     def __init__(self, vocab: Vocab):
         self.model = vocab.model
+        self.kind = vocab.kind
         self._texts = vocab.texts
         self._attrs = vocab.attrs
         self.n_vocab = len(vocab.texts)
         self.token_types = vocab.token_types
         self.bos_id, self.eos_id = vocab.ids["bos"], vocab.ids["eos"]
         self.unk_id, self.pad_id = vocab.ids["unk"], vocab.ids["pad"]
+        self.sep_id = vocab.ids["sep"]
         self.add_bos, self.add_eos = vocab.add_bos, vocab.add_eos
         self.add_space_prefix = vocab.add_space_prefix
         self._clean_spaces = vocab.clean_spaces
@@ -65,11 +75,20 @@ class Tokenizer:
         self._matchers: dict[bool, _SpecialMatcher] = {}   # by parse_special, built on first use
 
         token_to_id = vocab.token_to_id
-        if self.model == "llama":
+        self._escape_spaces = self.kind in ("spm", "ugm") or bool(vocab.pre and vocab.pre.escape_whitespaces)
+        if self.kind == "spm":
             self._spm = SPMModel(token_to_id, vocab.scores, self.unk_id)
+        elif self.kind == "ugm":
+            self._ugm = UGMModel(vocab.texts, vocab.scores, vocab.attrs, self.unk_id, vocab.charsmap,
+                                 vocab.add_space_prefix, vocab.remove_extra_whitespaces)
+        elif self.kind == "wpm":
+            self._wpm = WPMModel(token_to_id, self.unk_id, vocab.lowercase, vocab.strip_accents)
         else:
-            self._bpe = BPEModel(token_to_id, vocab.merges, PreTokenizer(vocab.pre.regexes),
-                                 vocab.pre.ignore_merges)
+            pre = vocab.pre
+            self._bpe = BPEModel(token_to_id, vocab.merges, PreTokenizer(pre.regexes), pre.ignore_merges,
+                                 pre.byte_encode, pre.newline_tokens)
+            # llm_tokenizer_whitespace_session: BPE per whitespace-free segment, lowercased
+            self._segments = WhitespaceSegments(vocab.lowercase) if self.model == "whitespace" else None
 
     @classmethod
     def from_gguf(cls, gf: GGUFFile) -> Tokenizer:
@@ -125,16 +144,37 @@ class Tokenizer:
         protected = _byte_spans(text, protect)
         fragments = self._partition(raw, parse_special, protected) if raw else []
         out: list[int] = []
-        if add_special and self.add_bos:
-            out.append(self.bos_id)
-        if self.model == "llama":
-            self._encode_spm(fragments, out)
-        else:
+        if self.kind == "wpm":  # llama.cpp: BOS (CLS) and SEP whenever add_special, whatever add_bos says
+            if add_special:
+                out.append(self.bos_id)
             for fragment in fragments:
                 if isinstance(fragment, int):
                     out.append(fragment)
                 else:
-                    self._bpe.tokenize(fragment, out)
+                    self._wpm.tokenize(fragment, out)
+            if add_special:
+                out.append(self.sep_id)
+            return out
+        if add_special and self.add_bos:
+            out.append(self.bos_id)
+        if self.kind == "spm":
+            self._encode_spm(fragments, out)
+        elif self.kind == "ugm":
+            for fragment in fragments:
+                if isinstance(fragment, int):
+                    out.append(fragment)
+                else:
+                    self._ugm.tokenize(fragment, out)
+        else:
+            for fragment in fragments:
+                if isinstance(fragment, int):
+                    out.append(fragment)
+                elif self._segments is not None:
+                    for segment in self._segments.split(fragment):
+                        self._bpe.tokenize(segment, out)
+                else:
+                    self._bpe.tokenize(fragment.replace(b" ", _ESCAPED_SPACE) if self._escape_spaces else fragment,
+                                       out)
         if add_special and self.add_eos:
             out.append(self.eos_id)
         return out
@@ -161,6 +201,8 @@ class Tokenizer:
         taken when none of its bytes is taken yet and it overlaps no guarding span. One regex
         pass finds every occurrence of every candidate token, so the work grows with the text
         and the number of occurrences, not with their product or with the vocabulary.
+        A token with LSTRIP (RSTRIP) removes the ASCII whitespace (C ``isspace``) right before
+        (after) an occurrence it takes, up to the fragment's edge.
         """
         specials = self._specials_all if parse_special else self._specials_user
         matcher = self._matchers.get(parse_special)
@@ -183,14 +225,28 @@ class Tokenizer:
                     continue
                 taken[j:k] = mark
                 found.append((j, k, tid))
+                strip = self._attrs[tid] & _STRIP
+                if strip & _LSTRIP:
+                    i = j
+                    while i > 0 and not taken[i - 1] and raw[i - 1] in _C_SPACE:
+                        i -= 1
+                    taken[i:j] = b"\x01" * (j - i)
+                    found.append((i, j, -1))
+                if strip & _RSTRIP:
+                    i = k
+                    while i < len(raw) and not taken[i] and raw[i] in _C_SPACE:
+                        i += 1
+                    taken[k:i] = b"\x01" * (i - k)
+                    found.append((k, i, -1))
         found.sort()
         out: list[bytes | int] = []
         pos = 0
         for j, k, tid in found:
             if j > pos:
                 out.append(raw[pos:j])
-            out.append(tid)
-            pos = k
+            if tid >= 0:
+                out.append(tid)
+            pos = max(pos, k)
         if pos < len(raw):
             out.append(raw[pos:])
         return out
@@ -220,7 +276,7 @@ class Tokenizer:
         if attr & _RENDERED_AS_TEXT:
             return raw
         if attr & _NORMAL:
-            if self.model == "llama":
+            if self._escape_spaces or self.kind == "wpm":
                 return raw.replace(_ESCAPED_SPACE, b" ")
             return _byte_level_to_bytes(text)
         if attr & _BYTE:

@@ -10,7 +10,10 @@ end-of-generation set is eos + eot + eom + FIM pad/repo/sep + every token whose 
 Deliberate differences from llama.cpp: a special token id outside the vocab is an error (llama.cpp
 warns and keeps its default); where llama.cpp's choice among several candidate tokens depends
 on hash-map order (auto-detected eot/FIM ids) we take the lowest id; the name-based attribute
-hacks for phi-3, jina, modern-bert, gpt-oss and gemma 4 are not reproduced.
+hacks are reproduced (gpt-oss' always-rendered tokens, "<|end|>" of o200k_harmony/solar-open
+and "</s>" of gemma 4/plamo leaving the end-of-generation set, LSTRIP/RSTRIP for phi-3, jina,
+nomic-bert-moe and modern-bert), except that a token they name which is missing is skipped
+(llama.cpp throws for phi-3's "</s>").
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import numpy as np
 from gguf import GGUFValueType, Keys, TokenType
 
 from edge.gguf_file import GGUFError, GGUFFile
-from edge.tokenizer.pretokenize import PRE_TOKENIZERS, PreTokenizerSpec
+from edge.tokenizer.pretypes import PRE_TOKENIZERS, PreTokenizerSpec
 
 K = Keys.Tokenizer
 
@@ -40,6 +43,10 @@ class TokenAttr(enum.IntFlag):
     CONTROL = 1 << 3
     USER_DEFINED = 1 << 4
     BYTE = 1 << 5
+    NORMALIZED = 1 << 6
+    LSTRIP = 1 << 7        # a match eats the whitespace before it (tokenizer_st_partition)
+    RSTRIP = 1 << 8        # ... and after it
+    SINGLE_WORD = 1 << 9
 
 
 # GGUF token type (gguf.TokenType; 0 = undefined) -> attribute; other values -> UNDEFINED
@@ -66,16 +73,26 @@ EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<
              "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
              "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
              "<｜end▁of▁sentence｜>", "[e~[")
+ALWAYS_RENDERED_TEXTS = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 
 # special id fields, the metadata keys that set them (later keys win), and the default per model
 _ID_KEYS = {
     "bos": (K.BOS_ID,), "eos": (K.EOS_ID,), "eot": (K.EOT_ID,), "eom": (K.EOM_ID,), "unk": (K.UNK_ID,),
     "pad": (K.PAD_ID,), "fim_pre": (K.FIM_PRE_ID, K.PREFIX_ID), "fim_suf": (K.FIM_SUF_ID, K.SUFFIX_ID),
     "fim_mid": (K.FIM_MID_ID, K.MIDDLE_ID), "fim_pad": (K.FIM_PAD_ID,), "fim_rep": (K.FIM_REP_ID,),
-    "fim_sep": (K.FIM_SEP_ID,),
+    "fim_sep": (K.FIM_SEP_ID,), "sep": (K.SEP_ID,), "mask": (K.MASK_ID,),
 }
-_DEFAULT_IDS = {"llama": {"bos": 1, "eos": 2, "unk": 0}, "gpt2": {"bos": 11, "eos": 11}}
-MODELS = {"llama": "SentencePiece (SPM)", "gpt2": "byte-level BPE"}
+_DEFAULT_IDS = {"llama": {"bos": 1, "eos": 2, "unk": 0}, "gpt2": {"bos": 11, "eos": 11},
+                "whitespace": {"bos": 11, "eos": 11}, "gemma4": {},
+                "bert": {"bos": 101, "unk": 100, "sep": 102, "pad": 0, "mask": 103},
+                "t5": {"eos": 1, "unk": 2, "pad": 0}}
+MODELS = {"llama": "SentencePiece (SPM)", "gpt2": "byte-level BPE", "gemma4": "SentencePiece-style BPE",
+          "whitespace": "BPE per whitespace-separated word",
+          "bert": "WordPiece (WPM)", "t5": "Unigram (UGM)"}
+# tokenizer.ggml.model -> llama.cpp's vocab type
+KINDS = {"llama": "spm", "gpt2": "bpe", "gemma4": "bpe", "whitespace": "bpe", "bert": "wpm", "t5": "ugm"}
+NORMALIZER_LOWERCASE = "tokenizer.ggml.normalizer.lowercase"
+NORMALIZER_STRIP_ACCENTS = "tokenizer.ggml.normalizer.strip_accents"
 
 
 @dataclass
@@ -83,7 +100,9 @@ class Vocab:
     """Everything the tokenizer needs, read and checked from GGUF metadata.
 
     Attributes:
-        model: ``tokenizer.ggml.model``, "llama" (SPM) or "gpt2" (byte-level BPE).
+        model: ``tokenizer.ggml.model``: "llama", "gpt2", "gemma4", "whitespace", "bert" or "t5".
+        kind: llama.cpp's vocab type: "spm" (llama), "bpe" (gpt2, gemma4), "wpm" (bert) or
+            "ugm" (t5).
         texts: token texts as stored (str, utf-8 with surrogateescape); empty ones renamed
             ``[EMPTY_<id>]`` as llama.cpp does.
         token_to_id: text -> id.
@@ -91,13 +110,18 @@ class Vocab:
         attrs: per-token :class:`TokenAttr` bits as ints, after llama.cpp's fix-ups.
         scores: per-token float score (0.0 where ``tokenizer.ggml.scores`` is absent).
         merges: BPE merges ("left right"), empty for SPM.
-        pre: the BPE pre-tokenizer spec (None for SPM).
-        ids: special token ids by field name (bos, eos, eot, eom, unk, pad, fim_*), None if unset.
+        pre: the BPE pre-tokenizer spec (None for SPM and WPM).
+        ids: special token ids by field name (bos, eos, eot, eom, unk, pad, fim_*, sep, mask),
+            None if unset.
         eog_ids: end-of-generation token ids.
         add_bos, add_eos, add_space_prefix, clean_spaces: llama.cpp tokenizer flags.
+        lowercase, strip_accents: WPM's BertNormalizer options (``tokenizer.ggml.normalizer.*``).
+        remove_extra_whitespaces, charsmap: UGM's normalizer options (the precompiled charsmap
+            bytes, or None).
     """
 
     model: str
+    kind: str
     texts: list[str]
     token_to_id: dict[str, int]
     token_types: np.ndarray
@@ -111,6 +135,10 @@ class Vocab:
     add_eos: bool
     add_space_prefix: bool
     clean_spaces: bool
+    lowercase: bool = True
+    strip_accents: bool = True
+    remove_extra_whitespaces: bool = False
+    charsmap: bytes | None = None
 
 
 def _fail(gf: GGUFFile, message: str) -> GGUFError:
@@ -121,7 +149,7 @@ def read_vocab(gf: GGUFFile) -> Vocab:
     """Read and validate the tokenizer metadata of ``gf``.
 
     Raises:
-        GGUFError: naming the key, when ``tokenizer.ggml.model`` is missing or not "llama"/"gpt2",
+        GGUFError: naming the key, when ``tokenizer.ggml.model`` is missing or not one of :data:`MODELS`,
             ``tokenizer.ggml.tokens`` is missing, empty, not strings or has duplicates, scores or
             token types have the wrong type or length, merges are missing for "gpt2", the
             pre-tokenizer is unknown, a special token id is outside the vocab, or BOS/EOS is to
@@ -144,19 +172,34 @@ def read_vocab(gf: GGUFFile) -> Vocab:
     known = (types >= 0) & (types < len(_TYPE_TO_ATTR))
     attrs = np.where(known, _TYPE_TO_ATTR[np.where(known, types, 0)], 0)
 
-    merges, pre = ([], None) if model == "llama" else _read_bpe(gf)
-    ids = _special_ids(gf, model, n)
+    kind = KINDS[model]
+    merges, pre = _read_bpe(gf, model) if kind == "bpe" else ([], None)
+    ids = _special_ids(gf, model, n, default_bos=pre.default_bos if pre else True)
     # llama.cpp's defaults by tokenizer type, then the metadata flags
-    add_space_prefix = gf.get_bool(K.ADD_PREFIX, model == "llama")
-    add_bos = gf.get_bool(K.ADD_BOS, pre.add_bos if pre else True)
-    add_eos = gf.get_bool(K.ADD_EOS, False)
+    add_space_prefix = gf.get_bool(K.ADD_PREFIX, kind == "spm")
+    add_bos = gf.get_bool(K.ADD_BOS, pre.add_bos if pre else kind != "ugm") or bool(pre and pre.force_add_bos)
+    add_eos = gf.get_bool(K.ADD_EOS, kind == "ugm")
+    remove_extra_ws = gf.get_bool(K.REMOVE_EXTRA_WS, False)
+    charsmap = None
+    if kind == "ugm":
+        blob = gf.get_array(K.PRECOMPILED_CHARSMAP, (GGUFValueType.UINT8, GGUFValueType.INT8), required=False)
+        charsmap = None if blob is None or not len(blob) else np.asarray(blob).tobytes()
+    lowercase = gf.get_bool(NORMALIZER_LOWERCASE, pre.lowercase if pre else True)
+    strip_accents = gf.get_bool(NORMALIZER_STRIP_ACCENTS, lowercase)
+    if kind == "wpm":  # llama.cpp adds BOS and SEP around WPM text whatever add_bos says
+        for field, key in (("bos", K.BOS_ID), ("sep", K.SEP_ID)):
+            if ids[field] is None:
+                raise _fail(gf, f"{key} is not set (a WordPiece vocab needs it)")
     for flag, key, field, id_key in ((add_bos, K.ADD_BOS, "bos", K.BOS_ID), (add_eos, K.ADD_EOS, "eos", K.EOS_ID)):
         if flag and ids[field] is None:
             raise _fail(gf, f"{key} is true, but {id_key} is not set")
 
     eog_ids = _fix_attrs_by_text(token_to_id, texts, attrs, ids)
-    return Vocab(model, texts, token_to_id, types, attrs.tolist(), scores_list, merges, pre, ids, eog_ids,
-                 add_bos, add_eos, add_space_prefix, clean_spaces=bool(pre and pre.clean_spaces))
+    _strip_attrs(gf, token_to_id, attrs)
+    return Vocab(model, kind, texts, token_to_id, types, attrs.tolist(), scores_list, merges, pre, ids, eog_ids,
+                 add_bos, add_eos, add_space_prefix, clean_spaces=kind == "wpm" or bool(pre and pre.clean_spaces),
+                 lowercase=lowercase, strip_accents=strip_accents, remove_extra_whitespaces=remove_extra_ws,
+                 charsmap=charsmap)
 
 
 def _read_tokens(gf: GGUFFile) -> tuple[list[str], dict[str, int]]:
@@ -174,20 +217,21 @@ def _read_tokens(gf: GGUFFile) -> tuple[list[str], dict[str, int]]:
     return texts, token_to_id
 
 
-def _read_bpe(gf: GGUFFile) -> tuple[list[str], PreTokenizerSpec]:
-    merges = gf.get_array(K.MERGES, (GGUFValueType.STRING,))
-    # llama.cpp: "missing pre-tokenizer type, using: 'default'"
-    name = gf.get_str(K.PRE, "default")
+def _read_bpe(gf: GGUFFile, model: str) -> tuple[list[str], PreTokenizerSpec]:
+    # llama.cpp: "missing pre-tokenizer type, using: 'default'"; the gemma4 model is always "gemma4"
+    name = "gemma4" if model == "gemma4" else gf.get_str(K.PRE, "default")
     if name not in PRE_TOKENIZERS:
         raise _fail(gf, f"{K.PRE} {name!r} is not a supported pre-tokenizer "
                         f"(supported: {', '.join(sorted(PRE_TOKENIZERS))})")
-    return merges, PRE_TOKENIZERS[name]
+    # Kimi K2 may come without merges (llama.cpp then merges nothing)
+    merges = gf.get_array(K.MERGES, (GGUFValueType.STRING,), required=name != "kimi-k2")
+    return [] if merges is None else merges, PRE_TOKENIZERS[name]
 
 
-def _special_ids(gf: GGUFFile, model: str, n: int) -> dict[str, int | None]:
+def _special_ids(gf: GGUFFile, model: str, n: int, default_bos: bool) -> dict[str, int | None]:
     ids: dict[str, int | None] = {}
     for field, keys in _ID_KEYS.items():
-        tid = _DEFAULT_IDS[model].get(field)
+        tid = _DEFAULT_IDS[model].get(field) if field != "bos" or default_bos else None
         if tid is not None and tid >= n:
             tid = None  # default outside a small vocab: unset, as llama.cpp does
         for key in keys:
@@ -226,4 +270,43 @@ def _fix_attrs_by_text(token_to_id: dict[str, int], texts: list[str], attrs: np.
     for tid in found(EOG_TEXTS):
         eog.add(tid)
         attrs[tid] |= control
+    # gpt-oss: these are always rendered
+    for tid in found(ALWAYS_RENDERED_TEXTS):
+        attrs[tid] = int(TokenAttr.USER_DEFINED)
+    eog_texts = {texts[i]: i for i in sorted(eog, reverse=True)}   # the lowest id per text
+    # o200k_harmony and solar-open: "<|end|>" ends a message, not generation
+    has_call = "<|call|>" in eog_texts or "<|calls|>" in eog_texts
+    if "<|end|>" in eog_texts and has_call and ("<|return|>" in eog_texts or "<|flush|>" in eog_texts):
+        eog.discard(eog_texts["<|end|>"])
+        attrs[eog_texts["<|end|>"]] = int(TokenAttr.USER_DEFINED)
+    # gemma4 and plamo: "</s>" is a normal token
+    if "</s>" in eog_texts and ("<|tool_response>" in eog_texts or "<|plamo:eos|>" in eog_texts):
+        eog.discard(eog_texts["</s>"])
+        attrs[eog_texts["</s>"]] = int(TokenAttr.NORMAL)
     return frozenset(eog)
+
+
+def _strip_attrs(gf: GGUFFile, token_to_id: dict[str, int], attrs: np.ndarray) -> None:
+    """llama.cpp's per-model LSTRIP/RSTRIP attributes ("set attributes by model/tokenizer/
+    architecture name" in ``llama_vocab::impl::load``), chosen by general.name (lowercased),
+    tokenizer.ggml.pre and general.architecture as there."""
+    name = (gf.get_str("general.name", "") or "").lower()
+    pre = gf.get_str(K.PRE, "")
+    arch = gf.get_str("general.architecture", "")
+
+    def set_attr(text: str, attr: TokenAttr, on: bool) -> None:
+        tid = token_to_id.get(text)
+        if tid is not None:
+            attrs[tid] = attrs[tid] | int(attr) if on else attrs[tid] & ~int(attr)
+
+    if any(p in pre for p in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or \
+            any(a in arch for a in ("nomic-bert-moe", "jina-bert-v3")):
+        set_attr("<mask>", TokenAttr.LSTRIP, True)
+    elif "phi-3" in name or "phi3" in name:
+        special = np.flatnonzero(attrs & int(TokenAttr.CONTROL | TokenAttr.USER_DEFINED | TokenAttr.UNKNOWN))
+        attrs[special] |= int(TokenAttr.RSTRIP)
+        set_attr("</s>", TokenAttr.RSTRIP, True)
+        for text in ("<unk>", "<s>", "<|endoftext|>"):
+            set_attr(text, TokenAttr.RSTRIP, False)
+    elif "modern-bert" in name:
+        set_attr("[MASK]", TokenAttr.LSTRIP, True)
