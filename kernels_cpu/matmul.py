@@ -41,6 +41,8 @@ On CPUs with AVX-512 VNNI (simd.HAS_VNNI) some tiles come from other generators,
 same float operations: Q4_K (repacked) and Q6_K (tiled) from kernels_cpu.matmul_rows (one
 weight row per lane), Q5_0 / Q8_0 and Q6_K on the VEC_DOT path from kernels_cpu.matmul_vnni
 (vpdpbusd / vpmaddubsw + vpdpwssd straight into ggml's 8 lanes); those types take int8 quants.
+On AVX2 CPUs without VNNI (simd.HAS_AVX2_INT8), Q4_0 / Q5_0 / Q8_0 on the VEC_DOT path come from
+kernels_cpu.matmul_avx2 (vpmaddubsw + vpmaddwd into the same 8 lanes); Q5_0 / Q8_0 take int8 quants.
 
 Not reproduced: F32/F16/BF16 weights (tinyBLAS / ggml_vec_dot_f16 orders); they agree to
 float32 rounding.

@@ -24,7 +24,7 @@ from kernels_cpu.ggml_types import QUANTIZED_TYPES, TYPES, kernels
 from kernels_cpu.matmul_rows import Q0_ROWS
 from kernels_cpu.matmul_tiles import GEMM, GEMV, TILED, VEC_DOT
 from kernels_cpu.matmul_tiling import ND_Q6_K, NR, NR_Q0, NR_ROWS, NT_WIDE, _blocks, _rows, _tiled
-from kernels_cpu.simd import HAS_VNNI, f32_from_bits
+from kernels_cpu.simd import HAS_AVX2_INT8, HAS_VNNI, f32_from_bits
 
 T_ = GGMLQuantizationType
 
@@ -278,7 +278,8 @@ def matmul_q8_0_q8_0_bi(w, xqs, xd, out):
     _tiled(_Q8_0, GEMV, NR_ROWS, w, xqs, xd, _block_sums_32(xqs, _Q8_0_NEG_OFFSET), out, NT_WIDE)
 
 
-ROWS_TYPES = (T_.Q5_0, T_.Q8_0, T_.Q4_K, T_.Q6_K) if HAS_VNNI else ()  # VNNI kernels: int8 quants
+# types whose kernels take int8 activation quants: the VNNI kernels, the AVX2 vpmaddubsw tiles
+ROWS_TYPES = (T_.Q5_0, T_.Q8_0, T_.Q4_K, T_.Q6_K) if HAS_VNNI else (T_.Q5_0, T_.Q8_0) if HAS_AVX2_INT8 else ()
 
 _REPACKED_TYPES = tuple(t for t in QUANTIZED_TYPES if TYPES[t].repacked)
 QUANT_KERNELS = kernels(globals(), "matmul", types=QUANTIZED_TYPES)  # llama.cpp's plain CPU buffer

@@ -192,6 +192,8 @@ def target_features() -> frozenset:
 # AVX-512 VNNI on 256- and 512-bit vectors (EVEX vpdpbusd / vpdpwssd ymm need avx512vl too,
 # vpmaddubsw zmm avx512bw)
 HAS_VNNI = {"+avx512vnni", "+avx512vl", "+avx512bw"} <= target_features()
+# AVX2 without VNNI: 8-bit products through vpmaddubsw ymm (kernels_cpu.matmul_avx2)
+HAS_AVX2_INT8 = "+avx2" in target_features() and not HAS_VNNI
 
 
 def _x86_call(b: ir.IRBuilder, name: str, args, ret: ir.Type | None = None):
@@ -238,6 +240,22 @@ def madd_u8_s8(b: ir.IRBuilder, u8, s8):
     (x86 vpmaddubsw, AVX-512 BW). The sum saturates to int16: exact while |sum| <= 32767, e.g.
     u8 <= 127 or |s8| <= 127 with u8 <= 128 (2 * 127 * 128 = 32512)."""
     return _x86_call(b, "llvm.x86.avx512.pmaddubs.w.512", [u8, s8], vec(I16, 32))
+
+
+def madd_u8_s8_256(b: ir.IRBuilder, u8, s8):
+    """<32 x i8> u8 (unsigned), s8 (signed) -> <16 x i16>: lane i = u8[2i]*s8[2i] + u8[2i+1]*s8[2i+1]
+    (x86 vpmaddubsw ymm, AVX2), saturated to int16 as madd_u8_s8."""
+    return _x86_call(b, "llvm.x86.avx2.pmadd.ub.sw", [u8, s8], vec(I16, 16))
+
+
+def sum_pairs_i16_256(b: ir.IRBuilder, v):
+    """<16 x i16> -> <8 x i32>: lane j = v[2j] + v[2j+1] (exact; x86 vpmaddwd ymm with ones, AVX2)."""
+    return _x86_call(b, "llvm.x86.avx2.pmadd.wd", [v, ir.Constant(vec(I16, 16), [1] * 16)], vec(I32, 8))
+
+
+def sign_i8_256(b: ir.IRBuilder, x, s):
+    """<32 x i8>: x[i] * sign(s[i]), 0 where s[i] == 0 (x86 vpsignb ymm, AVX2; -128 stays -128)."""
+    return _x86_call(b, "llvm.x86.avx2.psign.b", [x, s])
 
 
 def tile_function(module: ir.Module, name: str, nr: int, nt: int, accumulators: dict, body, finish,

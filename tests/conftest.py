@@ -218,8 +218,9 @@ class GemmaQuantLab:
     - kld_base(): (PerplexityResult, path) of the F16 source on the perplexity golden's text at
       its n_ctx (256), with the base log-probs saved (llama-perplexity --kl-divergence-base; 0.5 MB
       per scored token);
-    - kld(ftype, imatrix=False): KLDivergenceResult of quantized(ftype, imatrix) against
-      kld_base() (it also gives the quantization's perplexity on the same tokens).
+    - kld(ftype, imatrix=False, max_chunks=-1): KLDivergenceResult of quantized(ftype, imatrix)
+      against kld_base() (it also gives the quantization's perplexity on the same tokens), over
+      all 13 chunks or the first ``max_chunks`` (the comparisons that do not need them all).
     """
 
     def __init__(self, f16_path: Path, folder: Path):
@@ -267,19 +268,19 @@ class GemmaQuantLab:
             return perplexity(Engine(self.f16_path, n_ctx=n_ctx), text, n_ctx, save_base=path), path
         return self._once("kld_base", make)
 
-    def kld(self, ftype: str, imatrix: bool = False):
+    def kld(self, ftype: str, imatrix: bool = False, max_chunks: int = -1):
         def make():
             from edge.engine import Engine
             from edge.kl_divergence import kl_divergence
             from edge.logits_file import BaseLogits
 
             base = BaseLogits(self.kld_base()[1])
-            res = kl_divergence(Engine(self.quantized(ftype, imatrix), n_ctx=base.n_ctx), base)
+            res = kl_divergence(Engine(self.quantized(ftype, imatrix), n_ctx=base.n_ctx), base, max_chunks)
             s = res.summary()
-            print(f"{ftype}{' imatrix' if imatrix else ''} vs F16: mean KLD {s['kld'][0]:.6f} ± {s['kld'][1]:.6f}, "
-                  f"same top {100 * s['same_top'][0]:.3f} %, PPL {s['ppl'][0]:.4f} (F16 {s['ppl_base'][0]:.4f})")
+            print(f"{ftype}{' imatrix' if imatrix else ''} vs F16 ({res.n_chunks} chunks): "
+                  f"mean KLD {s['kld'][0]:.6f} ± {s['kld'][1]:.6f}, same top {100 * s['same_top'][0]:.3f} %, PPL {s['ppl'][0]:.4f} (F16 {s['ppl_base'][0]:.4f})")
             return res
-        return self._once(("kld", ftype, imatrix), make)
+        return self._once(("kld", ftype, imatrix, max_chunks), make)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,119 @@
+"""Q4_0 / Q5_0 / Q8_0 (vec_dot) matmul tiles for CPUs with AVX2 and without AVX-512 VNNI: 8-bit
+products through ``vpmaddubsw``, one weight row per 256-bit vector.
+
+They reproduce the generic tiles of path VEC_DOT (kernels_cpu.matmul_tiles) for these types,
+whose float part is 8 lanes per output: lane j holds the integer sum of values 4j..4j+3 of the
+32-value block, acc = fma(d_w * d_x, float(lane), acc) per block, result hsum_float_8. The
+generic tile forms the lanes from int16 values (``vpmaddwd`` of widened weights and quants, then
+a merge of lanes); here ``vpmaddubsw`` (u8 x s8 pair sums to int16) and ``vpmaddwd`` with ones
+give the same exact integers already in ggml's 8-lane layout, and the float operations are the
+same, so the results are bit-identical to the generic tiles'. The integer sequence is llama.cpp's
+own AVX2 one (mul_sum_i8_pairs_float in ggml_vec_dot_q{4,5,8}_0_q8_0 and llamafile's
+tinyBLAS_Q0_AVX).
+
+``vpmaddubsw`` saturates its pair sums to int16, so the operands are kept where it is exact:
+
+* Q8_0 (codes -128..127): llama.cpp's sign trick, |w| (u8, at most 128) times x * sign(w)
+  (``vpsignb``; |x| <= 127), pair sums at most 2 * 128 * 127 = 32512.
+* Q4_0 / Q5_0: the unsigned codes q (0..15, 0..31) times x, at most 2 * 31 * 127 = 7874, and the
+  offset (8, 16) times the sum of x's 4 values subtracted, computed once per activation block.
+
+Activation quants must lie in [-127, 127], as quantize_row_q8_0 makes them (d = amax / 127; a
+-128 would not be negated by ``vpsignb`` in the Q8_0 tile).
+
+numba's on-disk cache keys matmul's kernels on matmul_kernels.py only: after editing this module,
+clear kernels_cpu/__pycache__/matmul_kernels.*.nbi / .nbc.
+"""
+from __future__ import annotations
+
+from gguf import GGMLQuantizationType as T
+from llvmlite import ir
+
+from kernels_cpu.ggml_types import TYPES
+from kernels_cpu.simd import (F32, I8, I16, I32, I64, bit_lanes, concat, fmuladd, load, load_half, madd_u8_s8_256,
+                              shuffle, sign_i8_256, splat, sum_pairs_i16_256, tile_function, vec)
+
+V32I8, V8I32, V8F32 = vec(I8, 32), vec(I32, 8), vec(F32, 8)
+AVX2_TYPES = ("Q4_0", "Q5_0", "Q8_0")
+_OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 0}  # subtracted from the unsigned codes
+
+
+def _bytes(value: int):
+    return ir.Constant(V32I8, [value] * 32)
+
+
+def _sum4(b, u8, s8):
+    """<8 x i32>: lane j = sum of u8[k] * s8[k] for k = 4j..4j+3 (vpmaddubsw, then vpmaddwd with ones)."""
+    return sum_pairs_i16_256(b, madd_u8_s8_256(b, u8, s8))
+
+
+def _codes(b, name: str, p):
+    """<32 x i8> codes of the block at i8* p: Q8_0 its signed quants, Q4_0 / Q5_0 the unsigned
+    q (value + offset), low nibbles first."""
+    at = TYPES[T[name]].offset("qs")
+    if name == "Q8_0":
+        return load(b, p, at, V32I8)
+    qs = load(b, p, at, vec(I8, 16))
+    low = concat(b, b.and_(qs, ir.Constant(vec(I8, 16), [0x0F] * 16)), b.lshr(qs, ir.Constant(vec(I8, 16), [4] * 16)))
+    if name == "Q4_0":
+        return low
+    qh = bit_lanes(b, load(b, p, TYPES[T.Q5_0].offset("qh"), I32))  # bit 4 of value j = bit j of qh
+    return b.or_(low, b.select(qh, _bytes(16), _bytes(0)))
+
+
+def _quants(b, xq, offset, x16: bool):
+    """<32 x i8> activation quants at value ``offset`` of a row (int16 quants narrowed)."""
+    if x16:
+        return b.trunc(load(b, xq, b.mul(offset, ir.Constant(I64, 2)), vec(I16, 32)), V32I8)
+    return load(b, xq, offset, V32I8)
+
+
+def _block(b, name: str, rows, blk, accs, x16: bool):
+    """One 32-value block of every (weight row r, activation row t): accumulator r * nt + t."""
+    block_bytes, offset = TYPES[T[name]].type_size, _OFFSET[name]
+    at_x = b.mul(blk, ir.Constant(I64, 32))
+    xs, dxs, starts = [], [], []
+    for xq, xd in zip(rows["xq"], rows["xd"]):
+        xs.append(_quants(b, xq, at_x, x16))
+        dxs.append(load(b, xd, b.mul(blk, ir.Constant(I64, 4)), F32))
+        if offset:  # -offset * (sum of x's values 4j..4j+3)
+            starts.append(b.sub(ir.Constant(V8I32, [0] * 8), _sum4(b, _bytes(offset), xs[-1])))
+    acc = list(accs["acc"])
+    nt = len(xs)
+    for r, w in enumerate(rows["w"]):
+        p = b.gep(w, [b.mul(blk, ir.Constant(I64, block_bytes))])
+        codes = _codes(b, name, p)
+        dw = load_half(b, p, 0)
+        if name == "Q8_0":
+            magnitude = sign_i8_256(b, codes, codes)  # |w|: -128 -> 0x80, 128 as unsigned
+        for t in range(nt):
+            if name == "Q8_0":
+                lanes = _sum4(b, magnitude, sign_i8_256(b, xs[t], codes))
+            else:
+                lanes = b.add(_sum4(b, codes, xs[t]), starts[t])
+            scale = splat(b, b.fmul(dxs[t], dw), 8)
+            acc[r * nt + t] = fmuladd(b, scale, b.sitofp(lanes, V8F32), acc[r * nt + t])
+    return {"acc": acc}
+
+
+def build_avx2_tile(module: ir.Module, ggml_type_name: str, nr: int, nt: int, name: str, x16: bool) -> ir.Function:
+    """Define ``void name(w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride,
+    out_r_stride, nb)`` as kernels_cpu.matmul_tiles.build_tile does for path VEC_DOT, for ``nr``
+    weight rows x ``nt`` activation rows of Q4_0, Q5_0 or Q8_0; activation quants int8 (or int16
+    when ``x16``)."""
+    assert ggml_type_name in AVX2_TYPES, ggml_type_name
+
+    def body(b, rows, blk, accs):
+        return _block(b, ggml_type_name, rows, blk, accs, x16)
+
+    def finish(b, new):
+        """hsum_float_8 = ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))."""
+        out = {}
+        for i, v in enumerate(new["acc"]):
+            for step in (4, 2, 1):  # lane j + lane j ^ step
+                v = b.fadd(v, shuffle(b, v, [lane ^ step for lane in range(8)]))
+            out[divmod(i, nt)] = b.extract_element(v, ir.Constant(I32, 0))
+        return out
+
+    zeros = [ir.Constant(V8F32, [0.0] * 8)] * (nr * nt)
+    return tile_function(module, name, nr, nt, {"acc": zeros}, body, finish, TYPES[T[ggml_type_name]].type_size)
