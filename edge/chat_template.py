@@ -140,7 +140,8 @@ class ChatTemplate:
 
     @classmethod
     def from_gguf(cls, gf: GGUFFile) -> "ChatTemplate | None":
-        """The template of a GGUF file, or None when it has no ``tokenizer.chat_template``.
+        """The template of a GGUF file, or None when it has no ``tokenizer.chat_template`` (or
+        an empty one, which would render every conversation as "").
 
         bos_token/eos_token are the vocabulary entries ``tokenizer.ggml.tokens[bos/eos id]``
         ("" when the id key is absent).
@@ -154,6 +155,8 @@ class ChatTemplate:
             return None
         if not isinstance(source, str):
             raise GGUFError(f"{CHAT_TEMPLATE_KEY} must be a string, got {type(source).__name__}")
+        if not source.strip():
+            return None          # an empty template renders nothing: the model has none
         tokens = gf.get(TOKENS_KEY, [])
         return cls(source, _token_text(tokens, gf.get(BOS_ID_KEY), BOS_ID_KEY),
                    _token_text(tokens, gf.get(EOS_ID_KEY), EOS_ID_KEY))

@@ -147,10 +147,10 @@ def stem(ref: HubRef, tag: str) -> str:
 def local_path(ref: HubRef, models: Path, any_one: bool = True) -> Path | None:
     """The stored file for ``ref``, if it is there (no network): the tag's file; with no tag,
     the Q4_K_M one, else (with ``any_one``) the repo's only stored file."""
-    if ref.tag is not None:
-        path = models / f"{stem(ref, ref.tag)}.gguf"
-        return path if path.is_file() else None
     stored = sorted(models.glob(f"{PREFIX}--{ref.user}--{ref.repo}--*.gguf"))
+    if ref.tag is not None:   # tags compare without case: a stem-tag (no quant label) keeps its case
+        found = [p for p in stored if p.stem.split("--")[-1].upper() == ref.tag.upper()]
+        return found[0] if found else None
     default = models / f"{stem(ref, DEFAULT_QUANT)}.gguf"
     if default in stored:
         return default

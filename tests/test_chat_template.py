@@ -158,6 +158,8 @@ def test_from_gguf_token_text(tmp_path):
     assert ChatTemplate.from_gguf(gf).render(USER_HI) == "[|]"
     gf = _write_gguf(tmp_path / "v.gguf", ["<s>", "</s>"], 0, 1, None)
     assert ChatTemplate.from_gguf(gf) is None
+    for i, empty in enumerate(("", " \n")):      # renders every conversation as "": no template
+        assert ChatTemplate.from_gguf(_write_gguf(tmp_path / f"e{i}.gguf", ["<s>", "</s>"], 0, 1, empty)) is None
 
 
 def test_from_gguf_bad_token_id(tmp_path):

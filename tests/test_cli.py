@@ -23,3 +23,22 @@ def test_unknown_command_is_the_top_level_usage_error(capsys):
         main(["bogus"])
     assert exc.value.code == 2
     assert "edge: error: argument COMMAND: invalid choice: 'bogus'" in capsys.readouterr().err
+
+
+def test_serve_exits_when_the_model_fails_to_load(tmp_path):
+    """A model that does not load (here an architecture edge lacks) ends `edge serve` with one
+    error line and exit 1, as `edge run` does, instead of a server answering 503 for ever."""
+    import subprocess
+    import sys
+
+    from edge.models import ARCHITECTURES
+    from tests.tiny_models import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "mixtral.gguf", arch="mixtral")
+    proc = subprocess.run([sys.executable, "-m", "edge.cli", "serve", "-m", str(path), "--unix-socket", str(tmp_path / "s")],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 1, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert errors == [f"edge serve: error: {path}: architecture 'mixtral' is not supported "
+                      f"(supported: {', '.join(sorted(ARCHITECTURES))})"]
+    assert "Traceback" not in proc.stderr

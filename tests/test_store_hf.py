@@ -42,6 +42,7 @@ def hub(monkeypatch, tmp_path, payloads):
     h.add_repo(REPO, {"README.md": b"# tiny\n", "tiny-Q4_K_M.gguf": payloads["big"],
                       "tiny-Q8_0.gguf": payloads["tiny"], "mmproj-tiny-F16.gguf": b"m" * 2000})
     h.add_repo("alice/one-file", {"SmolThing.Q4_1.gguf": payloads["tiny"]})
+    h.add_repo("alice/no-label", {"only-model.gguf": payloads["tiny"]})
     h.add_repo("alice/gated", {"g-Q4_K_M.gguf": payloads["tiny"]}, gated=True)
     for name, value in (("HF_ENDPOINT", h.url), ("EDGE_HOME", str(tmp_path / "edge")), ("HF_HOME", str(tmp_path / "hf"))):
         monkeypatch.setenv(name, value)
@@ -141,6 +142,17 @@ def test_only_gguf_of_a_repo_and_url(hub, payloads):
     path = store.pull(url, progress=False)
     assert path.name == "hf.co--alice--Tiny-GGUF--Q8_0.gguf" and path.read_bytes() == payloads["tiny"]
     assert store.resolve_model(url, pull_missing=False) == path
+
+
+def test_a_file_without_a_quant_label_is_found_by_its_listed_name(hub, payloads):
+    """A repo's only .gguf with no quant label in its name is stored under its stem, listed as
+    hf.co/USER/REPO:stem, and that name (any case) finds it without the Hub."""
+    path = store.pull("hf.co/alice/no-label", progress=False)
+    assert path.name == "hf.co--alice--no-label--only-model.gguf"
+    assert [m["name"] for m in store.list_models()] == ["hf.co/alice/no-label:only-model"]
+    hub.close()
+    for name in ("hf.co/alice/no-label:only-model", "hf.co/alice/no-label:ONLY-MODEL", path.stem):
+        assert store.resolve_model(name, pull_missing=False) == path, name
 
 
 def test_a_dropped_connection_resumes_with_a_range_request(hub, payloads):

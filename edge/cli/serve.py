@@ -93,6 +93,15 @@ def cmd_serve(args) -> int:
                 os._exit(128 + signal.SIGINT)
             super().handle_exit(sig, frame)
 
+    failed: list[str] = []
+
+    def load_failed(message: str) -> None:
+        """The model did not load: say so in one line and stop, as `edge run` and llama-server do."""
+        failed.append(message)
+        print(f"edge serve: error: {message}", file=sys.stderr, flush=True)
+        server.should_exit = True
+
+    config.on_load_error = load_failed
     server = _Server(uvicorn.Config(create_app(config), log_level="warning", access_log=False, http=protocol,
                                     timeout_graceful_shutdown=None))
     try:
@@ -104,7 +113,7 @@ def cmd_serve(args) -> int:
         if args.unix_socket:
             with contextlib.suppress(OSError):
                 os.unlink(args.unix_socket)
-    return 0
+    return 1 if failed else 0
 
 
 def _listen_socket(host: str, port: int, unix_path: str | None):

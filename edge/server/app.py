@@ -23,6 +23,7 @@ import math
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import generate_latest
@@ -109,8 +110,10 @@ class ServerState:
             _warm_up(scheduler)
             self.scheduler, self.engine = scheduler, engine
             self.max_piece_bytes()
-        except Exception as e:   # reported by /health and every request
+        except Exception as e:   # reported by /health and every request, and to on_load_error
             self.load_error = f"{type(e).__name__}: {e}"
+            if self.config.on_load_error is not None:
+                self.config.on_load_error(str(e))
 
     def max_piece_bytes(self) -> int:
         """Bytes of the vocabulary's longest token (computed once)."""
