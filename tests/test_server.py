@@ -404,6 +404,8 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages",
      "unsupported_content"),
     ("/v1/chat/completions", {"messages": HI, "model": "gpt-4o"}, "model", "model_not_found"),   # 404
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages",
+     "invalid_value"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages.0.content",
      "invalid_value"),
     ("/v1/chat/completions", {"messages": [{"role": "system", "content": "be brief"}, {"role": "user"}]},
@@ -458,6 +460,14 @@ def test_bad_request_then_good_one(server, route, body, param, code):
     assert_error(status, json.loads(raw), 404 if code == "model_not_found" else 400, param=param, code=code)
     status, good = server.post("/v1/completions", {"prompt": [9707], "max_tokens": 1})
     assert status == 200 and good["usage"]["completion_tokens"] == 1
+
+
+def test_model_names_a_request_may_use(server, qwen_path):
+    """The model's id, its file name and the registry's alias all name it (as `-m` takes them)."""
+    status, models = server.get("/v1/models")
+    for name in (models["data"][0]["id"], qwen_path.name, "qwen2.5-coder-0.5b"):
+        status, body = server.post("/v1/completions", {"model": name, "prompt": [9707], "max_tokens": 1})
+        assert status == 200 and body["usage"]["completion_tokens"] == 1, (name, body)
 
 
 def test_unknown_fields_ignored(server):

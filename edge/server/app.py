@@ -131,9 +131,14 @@ class ServerState:
 
     def model_names(self) -> set[str]:
         """Names a request's ``model`` may use: the GGUF's general.name, the -m argument, the
-        file's name and stem."""
+        file's name and stem, and the registry's aliases of that stem (as `-m` takes them)."""
         from pathlib import Path
-        names = {self.engine.name, Path(self.engine.path).name, Path(self.engine.path).stem}
+
+        from edge.store import find_entry
+        stem = Path(self.engine.path).stem
+        entry = find_entry(stem)
+        names = {self.engine.name, Path(self.engine.path).name, stem,
+                 *((entry.name, *entry.aliases) if entry is not None and entry.name == stem else ())}
         if self.config.model:
             names |= {self.config.model, Path(self.config.model).name, Path(self.config.model).stem}
         return {n for n in names if n}

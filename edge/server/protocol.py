@@ -172,9 +172,12 @@ class Message(_Body):
             return self.content or ""
         out = []
         for part in self.content:
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise APIError(400, f"content parts of type {part.type!r} are not supported (text only)",
                                param="messages", code="unsupported_content")
+            if part.text is None:
+                raise APIError(400, "a content part of type 'text' needs its 'text'", param="messages",
+                               code="invalid_value")
             out.append(part.text)
         return "".join(out)
 
