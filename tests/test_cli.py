@@ -42,3 +42,19 @@ def test_serve_exits_when_the_model_fails_to_load(tmp_path):
     assert errors == [f"edge serve: error: {path}: architecture 'mixtral' is not supported "
                       f"(supported: {', '.join(sorted(ARCHITECTURES))})"]
     assert "Traceback" not in proc.stderr
+
+
+def test_server_state_reports_a_load_failure_once(tmp_path):
+    """ServerState.load keeps the error for /health and hands it to on_load_error (once); a
+    config without the callback only keeps it."""
+    from edge.server.app import ServerConfig, ServerState
+
+    missing = str(tmp_path / "none.gguf")
+    got: list[str] = []
+    state = ServerState(ServerConfig(model=missing, on_load_error=got.append))
+    state.load()
+    assert len(got) == 1 and got[0].startswith(f"no model file or known model named {missing!r}")
+    assert state.load_error == f"StoreError: {got[0]}" and state.scheduler is None
+    state = ServerState(ServerConfig(model=missing))
+    state.load()
+    assert state.load_error == f"StoreError: {got[0]}"

@@ -65,6 +65,7 @@ class ServerConfig:
     kv_storage: str = "file"
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
+    on_load_error: Callable[[str], None] | None = None   # called (on the load thread) with the error
 
 
 def _warm_up(scheduler: Scheduler) -> None:
