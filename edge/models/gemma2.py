@@ -21,17 +21,15 @@ A soft-capping value of 0 is refused (llama.cpp divides by it).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-import numpy as np
 from gguf import Keys
 
-from edge.gguf_file import GGUFError, GGUFFile
+from edge.gguf_file import GGUFFile
+from edge.models.gemma3 import Gemma3, Gemma3Args, Gemma3Block, query_scale
 from edge.models.hparams import UINT32_MAX, read_float, read_int, read_swa_layers
-from edge.models.layers import (ATTENTION_TENSORS, GATED_FFN_TENSORS, Batch, Block, ffn_geglu, heads, project_qkv,
-                                rms_norm)
+from edge.models.layers import ATTENTION_TENSORS, GATED_FFN_TENSORS
 from edge.models.rope import Rope
-from edge.models.gemma3 import Gemma3, Gemma3Args
 from edge.models.transformer import EMBEDDING_AND_OUTPUT
 from edge.models.weights import tensor
 
@@ -41,26 +39,14 @@ DEFAULT_WINDOW = 4096    # llama.cpp: hparams.n_swa = 4096, "default value of ge
 N_LAYER_27B = 46
 
 
-@dataclass
-class Gemma2Args(Gemma3Args):
-    """Gemma3Args (embed_scale, query_scale, final_logit_softcap) plus the attention scores'
-    soft-capping ``attn_softcap``."""
-
-    attn_softcap: float = 50.0
-
-
-def read_args(gf: GGUFFile) -> Gemma2Args:
-    """The hyperparameters (edge.models.hparams: every key checked). Raises GGUFError."""
-    args = Gemma2Args.common_from_gguf(gf, ARCH, rope_neox=True, partial_rope=True)
+def read_args(gf: GGUFFile) -> Gemma3Args:
+    """The hyperparameters (edge.models.hparams: every key checked), in Gemma3Args with
+    ``attn_softcap``. Raises GGUFError."""
+    args = Gemma3Args.common_from_gguf(gf, ARCH, rope_neox=True, partial_rope=True)
     key = args.key
     window = read_int(gf, key(Keys.Attention.SLIDING_WINDOW), default=DEFAULT_WINDOW, lo=0, hi=UINT32_MAX)
-    # float32 as llama.cpp: 1.0f / std::sqrt(float(n)), n an integer quotient for the 27B model
-    n = args.n_embd // args.n_head if args.n_layer == N_LAYER_27B else args.head_dim
-    if n == 0:
-        raise GGUFError(f"{gf.path}: {key(Keys.Attention.HEAD_COUNT)} = {args.n_head} is more than "
-                        f"{key(Keys.LLM.EMBEDDING_LENGTH)} = {args.n_embd}")
     return replace(
-        args, embed_scale=math.sqrt(args.n_embd), query_scale=float(np.float32(1) / np.sqrt(np.float32(n))),
+        args, embed_scale=math.sqrt(args.n_embd), query_scale=query_scale(gf, args, N_LAYER_27B),
         sliding_window=window, swa_layers=read_swa_layers(gf, ARCH, args.n_layer, window, SWA_PATTERN),
         rope_freq_base_swa=read_float(gf, key(Keys.Rope.FREQ_BASE_SWA), default=args.rope_freq_base,
                                       lo=0.0, strict=True),
@@ -71,37 +57,9 @@ def read_args(gf: GGUFFile) -> Gemma2Args:
     )
 
 
-class Gemma2Block(Block):
-    """One layer of llm_build_gemma2_iswa (module docstring); local (sliding-window) layers
-    have their own RoPE."""
-
-    def __init__(self, w: dict, a: Gemma2Args, il: int, rope: Rope):
-        super().__init__(w, a, il)
-        self.rope = rope
-        self.kq_scale = np.float32(1.0)                                    # q is scaled instead
-        self.softcap = a.attn_softcap
-
-    def __call__(self, x: np.ndarray, b: Batch) -> np.ndarray | None:
-        a = self.args
-        h = rms_norm(x, self.attn_norm, a.rms_eps, b.buf("h", x.shape))
-        q, k, v = project_qkv(h, self.attn_q, self.attn_k, self.attn_v, b)
-        q, k, v = heads(q, a.n_head), heads(k, a.n_head_kv), heads(v, a.n_head_kv)
-        self.rope(q, b)
-        self.rope(k, b)
-        q *= np.float32(a.query_scale)
-        o = self.attend(q, k, v, b)                                        # [rows, n_embd]
-        if o is None:
-            return None                                                    # only K/V were wanted
-        x = b.keep(x)
-        x += rms_norm(o, self.post_attention_norm, a.rms_eps, o)
-        h = rms_norm(x, self.ffn_norm, a.rms_eps, b.buf("h", x.shape))
-        d = ffn_geglu(h, self.ffn_gate, self.ffn_up, self.ffn_down, b)
-        x += rms_norm(d, self.post_ffw_norm, a.rms_eps, d)
-        return x
-
-
 class Gemma2(Gemma3):
-    """Gemma3's embeddings and logits (scaled, soft-capped) around Gemma2Block."""
+    """Gemma3's embeddings, logits (scaled, soft-capped) and block (edge.models.gemma3.Gemma3Block,
+    here without q/k norms and with the attention scores soft-capped)."""
 
     TENSORS = EMBEDDING_AND_OUTPUT
     LAYER_TENSORS = [
@@ -115,7 +73,7 @@ class Gemma2(Gemma3):
         a = self.args
         glob = Rope(a.n_rot, a.rope_freq_base, a.rope_freq_scale, neox=True, attn_factor=a.rope_attn_factor)
         local = Rope(a.n_rot, a.rope_freq_base_swa, a.rope_freq_scale_swa, neox=True, attn_factor=a.rope_attn_factor)
-        return [Gemma2Block(w, a, il, local if a.swa_layers[il] else glob) for il, w in enumerate(layers)]
+        return [Gemma3Block(w, a, il, local if a.swa_layers[il] else glob) for il, w in enumerate(layers)]
 
 
 def load(gf: GGUFFile) -> Gemma2:

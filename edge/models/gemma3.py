@@ -43,21 +43,27 @@ class Gemma3Args(ModelArgs):
     embed_scale: float = 1.0
     query_scale: float = 1.0
     final_logit_softcap: float = 0.0
+    attn_softcap: float = 0.0      # soft-capping of the attention scores (Gemma 2); 0: none
+
+
+def query_scale(gf: GGUFFile, args: ModelArgs, n_layer_27b: int) -> float:
+    """llama.cpp's f_attention_scale of Gemma 2/3, float32 ``1.0f / std::sqrt(float(n))``: n is
+    head_dim, or the integer quotient n_embd / n_head for the 27B model (``n_layer_27b``
+    layers). Raises GGUFError when that quotient is 0."""
+    n = args.n_embd // args.n_head if args.n_layer == n_layer_27b else args.head_dim
+    if n == 0:
+        raise GGUFError(f"{gf.path}: {args.key(Keys.Attention.HEAD_COUNT)} = {args.n_head} is more than "
+                        f"{args.key(Keys.LLM.EMBEDDING_LENGTH)} = {args.n_embd}")
+    return float(np.float32(1) / np.sqrt(np.float32(n)))
 
 
 def read_args(gf: GGUFFile) -> Gemma3Args:
     """The hyperparameters (edge.models.hparams: every key checked). Raises GGUFError."""
     args = Gemma3Args.common_from_gguf(gf, ARCH, rope_neox=True, partial_rope=True)
     window = read_int(gf, Keys.Attention.SLIDING_WINDOW.format(arch=ARCH), default=0, lo=0, hi=UINT32_MAX)
-    n_embd, n_head = args.n_embd, args.n_head
-    # float32 as llama.cpp: 1.0f / std::sqrt(float(n)), n an integer quotient for the 27B model
-    n = n_embd // n_head if args.n_layer == N_LAYER_27B else args.head_dim
-    if n == 0:
-        raise GGUFError(f"{gf.path}: {args.key(Keys.Attention.HEAD_COUNT)} = {n_head} is more than "
-                        f"{args.key(Keys.LLM.EMBEDDING_LENGTH)} = {n_embd}")
-    scale = float(np.float32(1) / np.sqrt(np.float32(n)))
     return replace(
-        args, embed_scale=math.sqrt(n_embd), query_scale=scale, sliding_window=window,
+        args, embed_scale=math.sqrt(args.n_embd), query_scale=query_scale(gf, args, N_LAYER_27B),
+        sliding_window=window,
         swa_layers=read_swa_layers(gf, ARCH, args.n_layer, window, SWA_PATTERN),
         rope_freq_base_swa=read_float(gf, Keys.Rope.FREQ_BASE_SWA.format(arch=ARCH), default=10000.0,
                                       lo=0.0, strict=True),
@@ -67,20 +73,23 @@ def read_args(gf: GGUFFile) -> Gemma3Args:
 
 class Gemma3Block(Block):
     """One layer of llm_build_gemma3_iswa (module docstring); local (sliding-window) layers
-    have their own RoPE."""
+    have their own RoPE. Without attn_q_norm/attn_k_norm and with ``attn_softcap`` it is the
+    layer of llm_build_gemma2_iswa (edge.models.gemma2)."""
 
     def __init__(self, w: dict, a: Gemma3Args, il: int, rope: Rope):
-        super().__init__(w, a, il)
+        super().__init__({"attn_q_norm": None, "attn_k_norm": None, **w}, a, il)
         self.rope = rope
         self.kq_scale = np.float32(1.0)                                    # q is scaled instead
+        self.softcap = a.attn_softcap
 
     def __call__(self, x: np.ndarray, b: Batch) -> np.ndarray | None:
         a = self.args
         h = rms_norm(x, self.attn_norm, a.rms_eps, b.buf("h", x.shape))
         q, k, v = project_qkv(h, self.attn_q, self.attn_k, self.attn_v, b)
         q, k, v = heads(q, a.n_head), heads(k, a.n_head_kv), heads(v, a.n_head_kv)
-        rms_norm_heads(q, self.attn_q_norm, a.rms_eps)
-        rms_norm_heads(k, self.attn_k_norm, a.rms_eps)
+        if self.attn_q_norm is not None:
+            rms_norm_heads(q, self.attn_q_norm, a.rms_eps)
+            rms_norm_heads(k, self.attn_k_norm, a.rms_eps)
         self.rope(q, b)
         self.rope(k, b)
         q *= np.float32(a.query_scale)
