@@ -3,6 +3,7 @@
 ``quantize_rows(ggml_type, x, quant_weights=None)`` mirrors ggml.c ``ggml_quantize_chunk``.
 Without an imatrix (``imatrix=NULL``): ggml-quants.c ``quantize_row_<type>_ref`` for Q8_0, Q4_0,
 Q4_1, Q5_0, Q5_1 (quant.legacy_quants), Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (quant.k_quants),
+``quantize_iq4_nl`` / ``quantize_iq4_xs`` with and without weights (quant.iq4_quants),
 ``ggml_fp32_to_fp16_row`` (F16), ``ggml_fp32_to_bf16_row_ref`` (BF16) and a copy (F32); with one
 (quant_weights), the weighted ``quantize_row_<type>_impl`` (quant.imatrix_quants). As built in
 ggml-org/llama.cpp@0c1e57098 (llama-cpp-python 0.3.36, the build that made the goldens); the
@@ -19,8 +20,9 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from kernels_cpu.ggml_types import TYPES
+from kernels_cpu.ggml_types import sizes
 from quant import imatrix_quants as w
+from quant import iq4_quants as iq4
 from quant import k_quants as k
 from quant import legacy_quants as q
 from quant.errors import QuantizeError
@@ -35,6 +37,8 @@ QUANTIZERS = {
     T.Q2_K: (k.quantize_q2_k, w.quantize_q2_k_imatrix), T.Q3_K: (k.quantize_q3_k, w.quantize_q3_k_imatrix),
     T.Q4_K: (k.quantize_q4_k, w.quantize_q4_k_imatrix), T.Q5_K: (k.quantize_q5_k, w.quantize_q5_k_imatrix),
     T.Q6_K: (k.quantize_q6_k, w.quantize_q6_k_imatrix),
+    T.IQ4_NL: (iq4.quantize_iq4_nl, iq4.quantize_iq4_nl_imatrix),
+    T.IQ4_XS: (iq4.quantize_iq4_xs, iq4.quantize_iq4_xs_imatrix),
 }
 SUPPORTED_TYPES = (T.F32, *QUANTIZERS)  # F32: a copy
 # the types whose quantization uses imatrix weights -> kernel(x f32[R, K], out u8[R, row bytes], qw f32[K])
@@ -63,9 +67,10 @@ def quantize_rows(ggml_type, x: np.ndarray, quant_weights: np.ndarray | None = N
     (quant.imatrix_quants) for Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, while
     F32, F16, BF16 and Q8_0 ignore them as ggml does.
     ggml_type: a gguf.GGMLQuantizationType (or its int id) in SUPPORTED_TYPES: F32, F16, BF16,
-    Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K.
+    Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS (quant.iq4_quants,
+    the imatrix-capable quantize_iq4_nl / quantize_iq4_xs, weighted when quant_weights are given).
     Shapes: x float32[R, K], C-contiguous, K a multiple of the type's block size (32 for
-    Q4_0..Q8_0, 256 for the K-quants, 1 for F32/F16/BF16) -> uint8[R, K / block * type_size],
+    Q4_0..Q8_0 and IQ4_NL, 256 for the K-quants and IQ4_XS, 1 for F32/F16/BF16) -> uint8[R, K / block * type_size],
     a new array; row r holds the bytes of row r as they appear in a GGUF tensor.
     quant_weights: None, or float32[K], one importance weight per column (the imatrix entry
     in_sum2 / counts of this tensor), the same for every row.
@@ -80,7 +85,7 @@ def quantize_rows(ggml_type, x: np.ndarray, quant_weights: np.ndarray | None = N
     if x.ndim != 2 or not x.flags.c_contiguous:
         raise QuantizeError(f"x must be a C-contiguous 2-D array [rows, K], got shape {x.shape}"
                             f"{'' if x.flags.c_contiguous else ' (not C-contiguous)'}")
-    block_size, type_size = TYPES[t].block_size, TYPES[t].type_size
+    block_size, type_size = sizes(t)
     n_rows, k = x.shape
     if k % block_size:
         raise QuantizeError(f"{t.name}: row length K={k} is not a multiple of the {t.name} "

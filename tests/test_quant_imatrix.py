@@ -17,7 +17,7 @@ from tests.test_quant_blocks import ORACLE_SCRIPT
 
 K = 512
 F32 = np.float32
-WEIGHTED = list(WEIGHTED_KERNELS)
+WEIGHTED = [t for t in WEIGHTED_KERNELS if t not in (T.IQ4_NL, T.IQ4_XS)]  # IQ4: tests/test_iq4_quants.py
 
 
 def _rows(seed: int) -> np.ndarray:
