@@ -1,11 +1,14 @@
 """Which GGML type each tensor gets when a GGUF file is quantized: llama-quantize's choice.
 
 Mirrors llama.cpp 0c1e57098 (the build of llama-cpp-python 0.3.36 that made the goldens),
-``src/llama-quant.cpp`` without an imatrix: ``tensor_allows_quantization``,
-``llama_tensor_get_type`` and ``llama_tensor_get_type_impl`` (the "mixture" rules of the
-K-quant ftypes), ``tensor_type_fallback`` (row lengths that a type's block does not divide),
-and the tensor order of ``llama_model_loader::weights_map``. Only the ftypes listed in
-:data:`FILE_TYPES` are supported (no IQ, TQ or MXFP4 mixes, no ``--tensor-type`` overrides).
+``src/llama-quant.cpp``: ``tensor_allows_quantization``, ``llama_tensor_get_type`` and
+``llama_tensor_get_type_impl`` (the "mixture" rules of the K-quant, IQ, TQ and MXFP4 ftypes,
+with and without an imatrix), ``tensor_type_fallback`` (row lengths that a type's block does not
+divide, e.g. IQ4_XS -> IQ4_NL), ``tensor_requires_imatrix`` (:func:`check_writable`) and the
+tensor order of ``llama_model_loader::weights_map``. The ftypes are those of :data:`FILE_TYPES`
+(no ``--tensor-type`` overrides); every one is planned (``--dry-run``), and written when
+quant.quantize has a quantizer for each of its tensor types (:func:`check_writable` names the
+missing ones: the IQ1/IQ2/IQ3, TQ and MXFP4 types today).
 
 One deliberate difference: where llama.cpp would write a tensor whose row length its type's
 block does not divide (``--token-embedding-type`` / ``--output-tensor-type`` are applied without
@@ -15,7 +18,7 @@ before anything is written.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -31,7 +34,9 @@ _FLOAT_TYPES = frozenset((T.F32, T.F16, T.BF16, T.F64, T.I8, T.I16, T.I32, T.I64
 _INT_VALUE_TYPES = (GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
                     GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64)
 # tensor_type_fallback for the types edge writes: K-quants on rows that 256 does not divide
-_FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
+_FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0,
+             T.TQ1_0: T.Q4_0, T.TQ2_0: T.Q4_0,
+             **{t: T.IQ4_NL for t in (T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ4_XS)}}
 
 
 @dataclass(frozen=True)
@@ -50,15 +55,20 @@ FILE_TYPES: dict[str, FileType] = {
         ("F16", T.F16), ("BF16", T.BF16), ("Q8_0", T.Q8_0), ("Q4_0", T.Q4_0), ("Q4_1", T.Q4_1),
         ("Q5_0", T.Q5_0), ("Q5_1", T.Q5_1), ("Q2_K", T.Q2_K), ("Q3_K_S", T.Q3_K), ("Q3_K_M", T.Q3_K),
         ("Q3_K_L", T.Q3_K), ("Q4_K_S", T.Q4_K), ("Q4_K_M", T.Q4_K), ("Q5_K_S", T.Q5_K),
-        ("Q5_K_M", T.Q5_K), ("Q6_K", T.Q6_K))
+        ("Q5_K_M", T.Q5_K), ("Q6_K", T.Q6_K),
+        # llama-quantize's IQ, TQ and MXFP4 mixes and Q2_K_S: planned; written when edge has the
+        # quantizers of all their types (see check_writable)
+        ("Q2_K_S", T.Q2_K), ("IQ2_XXS", T.IQ2_XXS), ("IQ2_XS", T.IQ2_XS), ("IQ2_S", T.IQ2_XS), ("IQ2_M", T.IQ2_S),
+        ("IQ1_S", T.IQ1_S), ("IQ1_M", T.IQ1_M), ("TQ1_0", T.TQ1_0), ("TQ2_0", T.TQ2_0), ("IQ3_XXS", T.IQ3_XXS),
+        ("IQ3_XS", T.IQ3_S), ("IQ3_S", T.IQ3_S), ("IQ3_M", T.IQ3_S), ("IQ4_NL", T.IQ4_NL), ("IQ4_XS", T.IQ4_XS),
+        ("MXFP4_MOE", T.MXFP4))
 }
 
 
 # llama-quantize's QUANT_OPTIONS aliases (tools/quantize/quantize.cpp)
 FILE_TYPE_ALIASES = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}
 # llama-quantize's other types, which edge does not write (named in the error)
-NOT_SUPPORTED = ("Q1_0", "Q2_0", "MXFP4_MOE", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M", "TQ1_0",
-                 "TQ2_0", "Q2_K_S", "IQ3_XXS", "IQ3_S", "IQ3_M", "IQ3_XS", "IQ4_NL", "IQ4_XS", "F32", "COPY")
+NOT_SUPPORTED = ("Q1_0", "Q2_0", "F32", "COPY")
 
 
 def parse_file_type(text: str) -> FileType:
@@ -82,7 +92,8 @@ def parse_tensor_type(text: str, flag: str) -> GGMLQuantizationType:
     Raises QuantizeError naming the flag and the types edge can write."""
     from quant.quantize import SUPPORTED_TYPES  # the quantizers (numba), loaded only when a type is named
 
-    tensor_types = [t for t in TYPES if t in SUPPORTED_TYPES]  # the types edge writes, in the table's order
+    # the types edge writes, in the table's order, then those the table lacks
+    tensor_types = [t for t in TYPES if t in SUPPORTED_TYPES] + [t for t in SUPPORTED_TYPES if t not in TYPES]
     t = next((t for t in tensor_types if t.name == text.strip().upper()), None)
     if t is None:
         raise QuantizeError(f"{flag}: unknown or unsupported GGML type {text!r}; choose one of: "
@@ -305,43 +316,88 @@ class _State:
         self.tied = Category.OUTPUT not in cats            # no output.weight: it is token_embd
         self.n_attention_wv = sum(c in _ATTN_V_LIKE for c in cats)
         self.i_attention_wv = 0
-        self.i_ffn_down = 0
+        self.i_ffn_down = self.i_ffn_gate = self.i_ffn_up = 0
 
 
 def _use_more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def _ffn_down_layer(name: str, i_ffn_down: int, model: ModelParams) -> int:
-    """llama.cpp's layer_info: the running ffn_down count, or with experts the name's layer."""
+# ftype groups of llama_tensor_get_type_impl
+_IQ_LOW = ("IQ2_XXS", "IQ2_XS", "IQ1_S", "IQ2_S", "IQ2_M", "IQ1_M")     # the 1-2 bit IQ mixes' own branch
+_IQ_OUTPUT_Q5_K = ("IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ2_S", "IQ2_M", "IQ1_M")
+_MOE8_ATTN_OUTPUT_Q5_K = ("Q2_K", "IQ3_XS", "IQ3_XXS", "Q3_K_S", "Q3_K_M", "IQ4_NL", "Q4_K_S", "Q4_K_M", "IQ3_S",
+                          "IQ3_M", "IQ4_XS")
+
+
+def _layer_of(name: str, i: int, model: ModelParams) -> int:
+    """llama.cpp's layer_info: the running count ``i``, or with experts the name's layer."""
     if model.n_expert <= 1:
-        return i_ffn_down
+        return i
     i = layer_index(name)
     if i < 0 or i >= model.n_layer:
         raise QuantizeError(f"tensor {name!r}: cannot determine its layer (blk.N. with 0 <= N < {model.n_layer})")
     return i
 
 
-def _mixture_type(t: GGMLQuantizationType, name: str, cat: Category, ne0: int, ftype: str,
+def _mixture_type(t: GGMLQuantizationType, name: str, cat: Category, shape: Sequence[int], ftype: str,
                   model: ModelParams, options: QuantizeOptions, st: _State) -> GGMLQuantizationType:
-    """llama_tensor_get_type_impl for the non-IQ ftypes. ``t`` is the ftype's
-    base type. Advances the attn_v / ffn_down counters as llama.cpp does."""
-    falcon = model.arch == "falcon"
+    """llama_tensor_get_type_impl, branch by branch in llama.cpp's order. ``t`` is the ftype's
+    base type. Advances the attn_v / ffn_down / ffn_gate / ffn_up counters as llama.cpp does."""
+    falcon, ne0, n = model.arch == "falcon", shape[0], model.n_layer
     if cat is Category.OUTPUT or (st.tied and cat is Category.TOKEN_EMBD):
         if options.output_tensor_type is not None:
             return options.output_tensor_type
-        if falcon or ne0 % block_size(t):
+        if ftype == "MXFP4_MOE" or falcon or ne0 % block_size(t):
             return T.Q8_0
+        if ftype in _IQ_OUTPUT_Q5_K:
+            return T.Q5_K
         return t if t == T.Q8_0 else T.Q6_K
+    if ftype == "MXFP4_MOE":        # expert tensors (3-D) -> MXFP4, the others Q8_0
+        experts = len(shape) > 2 and shape[2] > 1
+        ffn = cat in (Category.FFN_UP, Category.FFN_GATE, Category.FFN_DOWN)
+        return T.MXFP4 if experts and (model.arch != "bailingmoe3" or ffn) else T.Q8_0
+    if cat is Category.TOKEN_EMBD:
+        if ftype in ("IQ2_XXS", "IQ2_XS", "IQ1_S", "IQ1_M"):
+            return T.Q2_K
+        if ftype in ("IQ2_S", "IQ2_M", "IQ3_XXS"):
+            return T.IQ3_S
+        return T.Q4_K if ftype in ("TQ1_0", "TQ2_0", "Q2_0") else t
+    iq2s = ftype in ("IQ2_S", "IQ2_M")
+    if ftype in _IQ_LOW:
+        if cat in _ATTN_V_LIKE:
+            t = T.Q4_K if model.n_gqa >= 4 or model.n_expert >= 4 else T.IQ3_S if iq2s else T.Q2_K
+            st.i_attention_wv += 1
+        elif model.n_expert == 8 and cat is Category.ATTN_K:
+            t = T.Q4_K
+        elif cat is Category.FFN_DOWN:
+            if st.i_ffn_down < n // 8:
+                t = T.IQ3_S if iq2s else T.Q2_K
+            st.i_ffn_down += 1
+        elif cat is Category.ATTN_OUTPUT:
+            if model.n_expert == 8:
+                t = T.Q5_K
+            elif ftype in ("IQ1_S", "IQ1_M"):
+                t = T.IQ2_XXS
+            elif iq2s:
+                t = T.IQ3_S
+        return t
+    gqa4 = model.n_gqa >= 4
     if cat in _ATTN_V_LIKE:
-        i, n = st.i_attention_wv, st.n_attention_wv
+        i = st.i_attention_wv
         if ftype == "Q2_K":
-            t = T.Q4_K if model.n_gqa >= 4 else T.Q3_K
+            t = T.Q4_K if gqa4 else T.Q3_K
+        elif ftype == "Q2_K_S" and gqa4:
+            t = T.Q4_K
+        elif ftype == "IQ3_XXS":
+            t = T.Q4_K if gqa4 else T.IQ3_XXS if options.has_imatrix else T.IQ3_S
+        elif (ftype in ("IQ3_XS", "IQ3_S") and gqa4) or ftype == "IQ3_M":
+            t = T.Q4_K
         elif ftype == "Q3_K_M":
             t = T.Q5_K if i < 2 else T.Q4_K
-        elif ftype == "Q3_K_L":
+        elif ftype == "Q3_K_L" or (ftype in ("IQ4_NL", "IQ4_XS") and gqa4):
             t = T.Q5_K
-        elif ftype in ("Q4_K_M", "Q5_K_M") and _use_more_bits(i, n):
+        elif ftype in ("Q4_K_M", "Q5_K_M") and _use_more_bits(i, st.n_attention_wv):
             t = T.Q6_K
         elif ftype == "Q4_K_S" and i < 4:
             t = T.Q5_K
@@ -353,12 +409,22 @@ def _mixture_type(t: GGMLQuantizationType, name: str, cat: Category, ne0: int, f
     elif cat is Category.ATTN_K:
         if model.n_expert == 8:
             t = T.Q8_0
+        else:
+            t = {"IQ3_XS": T.IQ3_XXS, "IQ3_XXS": T.IQ2_S}.get(ftype, t)
+    elif cat is Category.ATTN_Q:
+        t = {"IQ3_XS": T.IQ3_XXS, "IQ3_XXS": T.IQ2_S}.get(ftype, t)
     elif cat is Category.FFN_DOWN:
-        i, n = _ffn_down_layer(name, st.i_ffn_down, model), model.n_layer
+        i = _layer_of(name, st.i_ffn_down, model)
         if ftype == "Q2_K":
             t = T.Q3_K
+        elif ftype == "Q2_K_S":
+            t = T.Q4_K if i < n // 8 else t
+        elif ftype == "IQ3_XXS" and not options.has_imatrix:
+            t = T.Q4_K if i < n // 8 else T.Q3_K
         elif ftype == "Q3_K_M":
             t = T.Q5_K if i < n // 16 else T.Q4_K if not falcon or _use_more_bits(i, n) else T.Q3_K
+        elif ftype == "IQ3_M" and (i < n // 8 or (model.n_expert == 8 and _use_more_bits(i, n))):
+            t = T.Q4_K
         elif ftype == "Q3_K_L":
             t = T.Q4_K if falcon else T.Q5_K
         elif ftype == "Q4_K_M":
@@ -366,6 +432,8 @@ def _mixture_type(t: GGMLQuantizationType, name: str, cat: Category, ne0: int, f
                 t = T.Q6_K if i < n // 16 else T.Q5_K if _use_more_bits(i, n) else T.Q4_K
             elif _use_more_bits(i, n):
                 t = T.Q6_K
+        elif i < n // 8 and ftype in ("IQ4_NL", "IQ4_XS") and not options.has_imatrix:
+            t = T.Q5_K
         elif ftype == "Q5_K_M" and _use_more_bits(i, n):
             t = T.Q6_K
         elif ftype == "Q4_K_S" and not falcon and i < n // 8:
@@ -377,13 +445,22 @@ def _mixture_type(t: GGMLQuantizationType, name: str, cat: Category, ne0: int, f
         if falcon:
             t = T.Q4_K if ftype == "Q3_K_L" else t
         elif model.n_expert == 8:
-            t = T.Q5_K if ftype in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M") else t
+            t = T.Q5_K if ftype in _MOE8_ATTN_OUTPUT_Q5_K else t
         else:
-            t = {"Q2_K": T.Q3_K, "Q3_K_M": T.Q4_K, "Q3_K_L": T.Q5_K}.get(ftype, t)
+            t = {"Q2_K": T.Q3_K, "IQ3_XXS": T.IQ3_S, "Q3_K_M": T.Q4_K, "Q3_K_L": T.Q5_K, "IQ3_M": T.Q4_K}.get(ftype, t)
+    elif cat in (Category.FFN_GATE, Category.FFN_UP):
+        up = cat is Category.FFN_UP
+        i = _layer_of(name, st.i_ffn_up if up else st.i_ffn_gate, model)
+        if ftype == "IQ3_XS" and n // 8 <= i < 7 * n // 8:
+            t = T.IQ3_XXS
+        if up:
+            st.i_ffn_up += 1
+        else:
+            st.i_ffn_gate += 1
     return t
 
 
-def _target_type(name: str, cat: Category, ne0: int, ftype: FileType, model: ModelParams,
+def _target_type(name: str, cat: Category, shape: Sequence[int], ftype: FileType, model: ModelParams,
                  options: QuantizeOptions, st: _State) -> tuple[GGMLQuantizationType, GGMLQuantizationType | None]:
     """llama_tensor_get_type for a tensor that allows quantization: (new type, the type the
     rules chose if the fallback replaced it, else None)."""
@@ -395,7 +472,8 @@ def _target_type(name: str, cat: Category, ne0: int, ftype: FileType, model: Mod
     if not is_quantized(t):
         return t, None
     if not options.pure:
-        t = _mixture_type(t, name, cat, ne0, ftype.name, model, options, st)
+        t = _mixture_type(t, name, cat, shape, ftype.name, model, options, st)
+    ne0 = shape[0]
     if ne0 % block_size(t) == 0:
         return t, None
     fallback = _FALLBACK.get(t, t)
@@ -424,7 +502,7 @@ def choose_types(tensors: Sequence[tuple[str, Sequence[int], GGMLQuantizationTyp
         new, fallback_from = src, None
         if allows_quantization(name, shape, options):
             cat = category(name)
-            new, fallback_from = _target_type(name, cat, shape[0], ftype, model, options, st)
+            new, fallback_from = _target_type(name, cat, shape, ftype, model, options, st)
             if shape[0] % block_size(new):
                 flag = "--token-embedding-type" if cat is Category.TOKEN_EMBD else "--output-tensor-type"
                 raise QuantizeError(
@@ -436,3 +514,32 @@ def choose_types(tensors: Sequence[tuple[str, Sequence[int], GGMLQuantizationTyp
                                 "loses quality: quantize from an F32/F16/BF16 file, or pass --allow-requantize")
         out.append(TensorChoice(name, shape, src, new, fallback_from))
     return out
+
+
+# tensor_requires_imatrix: these target types need an importance matrix (Q2_K only in Q2_K_S)
+_NEED_IMATRIX = frozenset((T.IQ3_XXS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ1_M, T.IQ1_S))
+
+
+def check_writable(tensors: Sequence[TensorChoice], ftype: FileType, imatrix_names: Collection[str] | None,
+                   writable: Collection[GGMLQuantizationType]) -> None:
+    """What a real run (not a dry run) checks before writing anything: llama.cpp's
+    tensor_requires_imatrix refusals (a tensor converted to IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS,
+    IQ2_S, IQ3_XXS, or to Q2_K in a Q2_K_S file, other than token_embd / output, needs an
+    imatrix: ``imatrix_names`` None, or without an entry of that tensor), then the types edge
+    has no quantizer for (``writable``: quant.quantize.SUPPORTED_TYPES).
+    Raises QuantizeError (one line) naming the tensor and type, or every type edge cannot write."""
+    for t in tensors:
+        if not t.converts or t.name in ("token_embd.weight", "per_layer_token_embd.weight", "output.weight"):
+            continue
+        if t.new_type in _NEED_IMATRIX or (t.new_type == T.Q2_K and ftype.name == "Q2_K_S"):
+            if imatrix_names is None:
+                raise QuantizeError(f"{ftype.name} requires an importance matrix (--imatrix): tensor {t.name} "
+                                    f"would be {t.new_type.name}, which llama.cpp does not quantize without one")
+            if t.name not in imatrix_names:
+                raise QuantizeError(f"the imatrix has no entry for tensor {t.name}, which {ftype.name} makes "
+                                    f"{t.new_type.name} (a very low-bit type that needs one)")
+    missing = sorted({t.new_type for t in tensors if t.converts and t.new_type not in writable}, key=lambda t: t.name)
+    if missing:
+        raise QuantizeError(f"the {ftype.name} mix needs GGML type{'s' if len(missing) > 1 else ''} "
+                            f"{', '.join(t.name for t in missing)}, which edge cannot write yet "
+                            "(--dry-run shows the plan)")

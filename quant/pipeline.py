@@ -44,8 +44,8 @@ from edge.files import check_output_file, file_starts_with
 from kernels_cpu.dequant import KERNELS as DEQUANT_KERNELS
 from kernels_cpu.dequant import dequantize
 from kernels_cpu.ggml_types import TYPES
-from quant.quantize import QuantizeError, quantize_rows
-from quant.mix import FileType, ModelParams, QuantizeOptions, TensorChoice, choose_types, n_dims
+from quant.quantize import SUPPORTED_TYPES, QuantizeError, quantize_rows
+from quant.mix import FileType, ModelParams, QuantizeOptions, TensorChoice, check_writable, choose_types, n_dims
 
 V = GGUFValueType
 ALIGNMENT = 32                       # GGUF_DEFAULT_ALIGNMENT, llama-quant's `align`
@@ -214,15 +214,19 @@ def _check_values(t: TensorChoice, x: np.ndarray, row0: int) -> None:
         raise QuantizeError(f"tensor {t.name} holds NaN or Inf (row {r}); cannot convert it to {t.new_type.name}")
 
 
+# f16 scales (offsets, block bytes) of the types edge writes that the type table may lack
+_SCALES = {GGMLQuantizationType.IQ4_NL: ((0,), 18), GGMLQuantizationType.IQ4_XS: ((0,), 136)}
+
+
 def _check_scales(t: TensorChoice, q: np.ndarray, row0: int) -> None:
     """ggml_validate_row_data on converted rows: no NaN/Inf values (F16, BF16, F32) or fp16
     scales (block types). Finite inputs can still overflow: |x| > 65504 in F16, or a block
     whose scale exceeds the fp16 range."""
     name = t.new_type.name
     row = TYPES.get(t.new_type)
-    if row is not None and row.quantized:  # the block's f16 scales (d, and m / dmin where it has one)
-        offsets = row.f16_scales
-        blocks = q.reshape(q.shape[0], -1, row.type_size)
+    offsets, type_size = (row.f16_scales, row.type_size) if row is not None else _SCALES.get(t.new_type, ((), 0))
+    if offsets:  # the block's f16 scales (d, and m / dmin where it has one)
+        blocks = q.reshape(q.shape[0], -1, type_size)
         halves = np.stack([blocks[:, :, o] | (blocks[:, :, o + 1].astype(np.uint16) << 8) for o in offsets])
         bad = ((halves & 0x7C00) == 0x7C00).any(axis=(0, 2))
     elif name in ("F16", "BF16"):
@@ -270,7 +274,8 @@ def quantize_file(src: str | os.PathLike, dst: str | os.PathLike, ftype: FileTyp
     count tensor values (all tensors), ``tensor`` is the one being written. Threads: those of
     numba (numba.set_num_threads).
 
-    Raises QuantizeError (see :func:`plan_quantize`; ``dst`` is a directory, in a missing
+    Raises QuantizeError (see :func:`plan_quantize` and quant.mix.check_writable: a mix that
+    needs an imatrix or a type edge cannot write yet; ``dst`` is a directory, in a missing
     folder, or the source itself; not enough disk space; NaN/Inf in a tensor being converted or
     values that overflow the new type), GGUFError, OSError. On any error or KeyboardInterrupt
     no output and no temporary file are left, and an existing ``dst`` is unchanged.
@@ -278,6 +283,7 @@ def quantize_file(src: str | os.PathLike, dst: str | os.PathLike, ftype: FileTyp
     check_output_path(src, dst, imatrix.path if imatrix is not None else None)   # before Path() drops a trailing /
     src, dst = Path(src), Path(dst)
     plan = plan_quantize(src, ftype, options, imatrix)
+    check_writable(plan.tensors, ftype, None if imatrix is None else imatrix.weights, SUPPORTED_TYPES)
     remove_dead_temps(dst.parent, dst.name)       # a killed run's file: its space counts below
     free = shutil.disk_usage(dst.parent).free
     if free < plan.output_size:

@@ -145,9 +145,10 @@ def _note_type(ftype: str, name: str, shape: tuple[int, ...]) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ftype", FILE_TYPES)
+@pytest.mark.parametrize("ftype", NOTE_TABLES)
 def test_types_equal_note_tables(gemma_src, ftype):
-    assert set(NOTE_TABLES) == set(FILE_TYPES) == set(QUANTIZE_TYPES.split(", "))
+    """The K-quant and legacy mixes (the IQ / TQ / MXFP4 ones: tests/test_iq_mix.py)."""
+    assert set(NOTE_TABLES) <= set(FILE_TYPES) and set(FILE_TYPES) == set(QUANTIZE_TYPES.split(", "))
     got = _types(ftype, gemma_src)
     want = {t.name: _note_type(ftype, t.name, t.shape) for t in gemma_src.tensors.values()}
     assert got == want
@@ -266,11 +267,13 @@ def test_parse_types_and_order():
         parse_file_type("Q4_K_X")
     # llama-quantize's aliases, and its types edge does not write named as such
     assert [parse_file_type(a).name for a in ("Q3_K", "q4_k", "Q5_K")] == ["Q3_K_M", "Q4_K_M", "Q5_K_M"]
-    with pytest.raises(QuantizeError, match="IQ4_NL is a llama-quantize type that edge does not write; choose one of"):
-        parse_file_type("iq4_nl")
+    with pytest.raises(QuantizeError, match="Q1_0 is a llama-quantize type that edge does not write; choose one of"):
+        parse_file_type("q1_0")
+    assert parse_file_type("iq4_xs") is FILE_TYPES["IQ4_XS"] and FILE_TYPES["IQ4_XS"].file_type == 30
     assert parse_tensor_type("q6_k", "--output-tensor-type") is T.Q6_K
-    with pytest.raises(QuantizeError, match="--output-tensor-type: unknown or unsupported GGML type 'IQ4_NL'"):
-        parse_tensor_type("IQ4_NL", "--output-tensor-type")
+    with pytest.raises(QuantizeError, match="--output-tensor-type: unknown or unsupported GGML type 'IQ2_XXS'"):
+        parse_tensor_type("IQ2_XXS", "--output-tensor-type")
+    assert parse_tensor_type("iq4_nl", "--output-tensor-type") is T.IQ4_NL
     assert layer_index("blk.12.attn_q.weight") == 12 and layer_index("output.weight") == -1
     assert llama_order(["blk.10.a", "blk.2.b", "token_embd.weight", "blk.2.a", "output.weight"]) == \
         ["output.weight", "token_embd.weight", "blk.2.a", "blk.2.b", "blk.10.a"]
@@ -311,7 +314,7 @@ def test_types_equal_llama_cpp_dry_run(gemma_f16_path, oracle_python):
     sources = {"gemma": Path(gemma_f16_path), "qwen05": real_model_path("qwen2.5-coder-0.5b"),
                "qwen15": resolve_model("qwen2.5-coder-1.5b-instruct")}
     cases = [{"id": f"{s}|{ft}|{i}", "src": str(p), "ftype": ft, "params": {**o, "allow_requantize": True}}
-             for s, p in sources.items() for ft in FILE_TYPES for i, o in enumerate(ORACLE_OPTIONS)
+             for s, p in sources.items() for ft in NOTE_TABLES for i, o in enumerate(ORACLE_OPTIONS)
              if s != "qwen15" or i < 2]           # 1.5B: the mixture rules without fallback, plain and pure
     proc = subprocess.run([str(oracle_python), "-c", _ORACLE_TYPES], input=json.dumps(cases), capture_output=True,
                           text=True, timeout=600)
@@ -336,7 +339,7 @@ def test_types_equal_llama_cpp_dry_run(gemma_f16_path, oracle_python):
             assert o.get("output_tensor_type") == "Q5_K" and s == "qwen05" and bad == ["Q5_K"], (case["id"], e)
             continue
         assert got == [tuple(x) for x in want["types"]], case["id"]
-    assert n_refused == len(FILE_TYPES)
+    assert n_refused == len(NOTE_TABLES)    # the IQ / TQ / MXFP4 mixes: tests/test_iq_mix.py
 
 
 # ------------------------------------------------------------------------------- (b) the files
