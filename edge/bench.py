@@ -28,6 +28,7 @@ without it).
 
 JSON (``edge bench --json``), one object:
     model, model_path, model_bytes, threads, n_ctx, n_batch, reps, cache_type_k, cache_type_v, seed
+    tensor_types: {GGML type name: tensor count} of the model file, most common first
     tests: list of {test, kind ("pp" | "tg" | "batched"), n_seq, n_tokens_asked,
                     edge: RESULT, llama_cpp: RESULT | null, edge_over_llama_cpp: float | null,
                     tokens_equal: whether both engines generated the same greedy tokens (tg and
@@ -51,6 +52,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from edge.gguf_file import GGUFFile, tensor_type_counts
 
 FIRST_PROMPT = "The capital of France is"
 BATCH_PROMPT_LEN = 8
@@ -335,7 +338,13 @@ def run_bench(cfg: BenchConfig, log=lambda msg: print(msg, file=sys.stderr, flus
     log(f"edge: fresh process, run -n 1 on {cfg.model.name}")
     wall = _process_wall(cfg, log)
     edge = EdgeRunner(cfg)
+    gf = GGUFFile(cfg.model)
+    try:
+        tensor_types = tensor_type_counts(gf)
+    finally:
+        gf.close()
     result = {"model": edge.engine.name, "model_path": str(cfg.model), "model_bytes": cfg.model.stat().st_size,
+              "tensor_types": tensor_types,
               "threads": cfg.threads, "n_ctx": cfg.n_ctx, "n_batch": cfg.n_batch, "reps": cfg.reps,
               "cache_type_k": cfg.cache_type_k, "cache_type_v": cfg.cache_type_v,
               "seed": SEED, "tests": [],

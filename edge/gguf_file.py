@@ -440,3 +440,17 @@ class GGUFFile:
 
     def __repr__(self) -> str:
         return f"GGUFFile({self.path!r}, v{self.version}, {len(self.fields)} keys, {len(self.tensors)} tensors)"
+
+
+def tensor_type_counts(gf: GGUFFile) -> dict[str, int]:
+    """GGML type name -> number of tensors of ``gf`` of that type, most common first (ties in file
+    order): what llama.cpp's model loader prints as "type q8_0: 169 tensors"."""
+    counts: dict[str, int] = {}
+    for t in gf.tensors.values():
+        counts[t.ggml_type.name] = counts.get(t.ggml_type.name, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def format_type_counts(counts: dict[str, int]) -> str:
+    """``{"IQ4_NL": 120, "F32": 121}`` -> "IQ4_NL×120, F32×121" (edge list, edge bench)."""
+    return ", ".join(f"{name}×{n}" for name, n in counts.items())

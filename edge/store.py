@@ -23,14 +23,13 @@ import subprocess
 import sys
 import time
 import zipfile
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
 from edge import store_hf
 from edge.files import commit, edge_home, make_temp, remove_dead_temps
-from edge.gguf_file import GGUFError, GGUFFile
+from edge.gguf_file import GGUFError, GGUFFile, tensor_type_counts
 
 _COPY_BYTES = 1 << 20  # streaming buffer for extraction and hashing
 _POLL_SECONDS = 0.1  # how often the download bar looks at pip's temporary files
@@ -483,8 +482,7 @@ def list_models() -> list[dict]:
             else:
                 try:
                     info["architecture"] = gf.architecture
-                    counts = Counter(t.ggml_type.name for t in gf.tensors.values())
-                    info["types"] = dict(counts.most_common())
+                    info["types"] = tensor_type_counts(gf)
                     info["n_params"] = sum(t.n_elements for t in gf.tensors.values())
                 except GGUFError as e:
                     info["error"] = str(e)

@@ -14,6 +14,7 @@ import pytest
 
 from edge.bench import FIRST_PROMPT, BenchConfig, EdgeRunner
 from edge.cli import main
+from edge.gguf_file import GGUFFile
 
 P, N, BATCHED = 16, 4, (1, 2)
 RESULT_KEYS = {"tps", "tps_min", "tps_max", "samples", "n_tokens"}
@@ -39,6 +40,12 @@ def test_json_keys_and_counts(bench_json, gemma_path):
             "llama_cpp"} <= set(r)
     assert r["model"] == "Gemma 3 270m"
     assert r["model_bytes"] == gemma_path.stat().st_size
+    gf = GGUFFile(gemma_path)
+    counted = {}
+    for t in gf.tensors.values():
+        counted[t.ggml_type.name] = counted.get(t.ggml_type.name, 0) + 1
+    assert r["tensor_types"] == counted and sum(r["tensor_types"].values()) == len(gf.tensors)
+    assert list(r["tensor_types"].values()) == sorted(counted.values(), reverse=True)
     assert (r["n_ctx"], r["n_batch"], r["reps"], r["cache_type_k"], r["cache_type_v"]) == (4096, 512, 1, "f16", "f16")
     assert [t["test"] for t in r["tests"]] == [f"pp{P}", f"tg{N}"] + [f"tg{N} x{b}" for b in BATCHED]
     asked = [P, N] + [b * N for b in BATCHED]
@@ -143,6 +150,8 @@ def test_rich_tables(bench_json):
         assert f"│ {row['test']} " in text
         assert f"{row['edge']['tps']:.1f}" in text
     assert f"{bench_json['peak_rss_mb']['edge']:.0f}" in text
+    first, n = next(iter(bench_json["tensor_types"].items()))
+    assert f"({first}×{n}, " in text.replace("\n", "")   # the model's tensor types in the title
     if not HAS_LLAMA_CPP:
         assert "pip install 'edge[bench]'" in text   # not eaten as rich markup
 

@@ -22,7 +22,7 @@ import pytest
 from gguf import GGUFWriter
 
 from edge.cli import main
-from edge.gguf_file import GGUFFile
+from edge.gguf_file import GGUFFile, format_type_counts, tensor_type_counts
 from edge.imatrix import Imatrix, load_imatrix, write_imatrix
 from quant.errors import QuantizeError
 from quant.mix import FILE_TYPES, ModelParams, QuantizeOptions, check_writable, choose_types
@@ -142,6 +142,7 @@ def small_gemma(gemma_f16_path, tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ftype", ["IQ4_NL", "IQ4_XS"])
 @pytest.mark.parametrize("with_imatrix", [False, True], ids=["plain", "imatrix"])
 def test_whole_file_equals_llama_quantize(small_gemma, ftype, with_imatrix, llama_cpp_tools, tmp_path, capsys):
@@ -150,7 +151,11 @@ def test_whole_file_equals_llama_quantize(small_gemma, ftype, with_imatrix, llam
     assert main(["quantize", str(small_gemma), str(ours), ftype, *extra]) == 0
     proc = _llama_quantize(llama_cpp_tools, *extra, str(small_gemma), str(theirs), ftype, "2")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    types = {t.name: t.ggml_type.name for t in GGUFFile(ours).tensors.values()}
+    out = GGUFFile(ours)
+    types = {t.name: t.ggml_type.name for t in out.tensors.values()}
+    counts = tensor_type_counts(out)        # what edge list and edge bench print
+    assert sum(counts.values()) == len(types) and counts[ftype] == sum(v == ftype for v in types.values())
+    assert format_type_counts(counts).startswith(f"{next(iter(counts))}×{max(counts.values())}, ")
     assert types["blk.0.ffn_down.weight"] == (ftype if with_imatrix else "Q5_K")      # the first eighth, no imatrix
     assert types["blk.1.ffn_down.weight"] == ftype and types["blk.1.ffn_gate.weight"] == "IQ4_NL"  # rows of 640
     assert types["token_embd.weight"] == "Q8_0"     # IQ4_NL: Q6_K, which falls back to Q8_0 on rows of 640

@@ -7,6 +7,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from edge.gguf_file import format_type_counts
 from edge.cli.options import add_model_args, non_negative_int, positive_int, positive_int_list, set_threads
 
 
@@ -71,7 +72,8 @@ def print_result(result: dict, console=None) -> None:
     console = console or Console()
     vs = result["llama_cpp"] is not None
     batched = any(row["kind"] == "batched" for row in result["tests"])
-    t = Table(title=f"edge bench: {escape(result['model'])}, {_size(result['model_bytes'])}, {result['threads']} threads, "
+    types = f" ({format_type_counts(result['tensor_types'])})" if result.get("tensor_types") else ""
+    t = Table(title=f"edge bench: {escape(result['model'])}, {_size(result['model_bytes'])}{types}, {result['threads']} threads, "
                     f"n_ctx {result['n_ctx']}, n_batch {result['n_batch']}, KV {result['cache_type_k']}/{result['cache_type_v']}; "
                     f"tokens/s, median of {result['reps']}")
     engines = ("edge", "llama_cpp") if vs else ("edge",)

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
+from edge.gguf_file import format_type_counts
 from edge.store import DEFAULT_MODEL, REGISTRY, StoreError, list_models, models_dir, pull, resolve_model
 from edge.store_hf import display_name, is_hub_name
 
@@ -114,7 +115,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         if m["error"]:
             table.add_row(m["name"], _human(m["size"]), "", "", f"[red]{m['error']}[/red]")
             continue
-        types = ", ".join(f"{t}×{c}" for t, c in m["types"].items())
+        types = format_type_counts(m["types"])
         table.add_row(m["name"], _human(m["size"]), m["architecture"],
                       f"{m['n_params'] / 1e6:,.0f}M", types)
     console.print(table)
