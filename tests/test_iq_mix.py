@@ -25,7 +25,13 @@ from edge.cli import main
 from edge.gguf_file import GGUFFile, format_type_counts, tensor_type_counts
 from edge.imatrix import Imatrix, load_imatrix, write_imatrix
 from quant.errors import QuantizeError
-from quant.mix import FILE_TYPES, ModelParams, QuantizeOptions, check_writable, choose_types
+from quant.mix import (
+    FILE_TYPES,
+    ModelParams,
+    QuantizeOptions,
+    check_writable,
+    choose_types,
+)
 from quant.pipeline import _DROPPED_KEYS, _writer_value
 from quant.quantize import SUPPORTED_TYPES
 from tests.conftest import real_model_path
