@@ -85,6 +85,15 @@ def test_mul_mat_batches(fx, name, rows):
         np.testing.assert_array_equal(_bits(matmul(w, T[name], x, xq=xq)), want)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_mul_mat_long_rows(fx, name):
+    """ggml_mul_mat over K = 2560 (10 blocks), 16 rows, T = 1 (vec_dot) and T = 9 (IQ1: tiled)."""
+    w = fx[f"{name}_big_w"]
+    for T_ in (1, 9):
+        x = np.ascontiguousarray(fx["x_big"][:T_])
+        np.testing.assert_array_equal(_bits(matmul(w, T[name], x)), _bits(fx[f"{name}_big{T_}"]), err_msg=f"T={T_}")
+
+
 def test_type_rows():
     """Block sizes as ggml (gguf's GGML_QUANT_SIZES) and Q8_K activations."""
     from gguf import GGML_QUANT_SIZES

@@ -13,7 +13,9 @@ negative scales) and activations x float32[11, 512] shared by all types:
 * NAME_vecdot float32[T, R]: ggml_get_type_traits_cpu(type)->vec_dot of each weight row with
   from_float(x[t]) (Q8_K), T = 11;
 * NAME_mm<T>_<R> float32[T, R]: ggml_mul_mat through a graph (2 threads, plain CPU buffer) for
-  T in MM_T and R in (6, 8) (the first R weight rows, the first T rows of x).
+  T in MM_T and R in (6, 8) (the first R weight rows, the first T rows of x);
+* NAME_big_w uint8[16, row_bytes] (K = 2560: 10 blocks), x_big float32[9, 2560], NAME_big<T>
+  float32[T, 16] for T in (1, 9): ggml_mul_mat over a longer row.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from make_matmul_fixtures import GgmlMatmul
 ROOT = Path(__file__).resolve().parents[1]
 QK_K, K, R, T_MAX = 256, 512, 8, 11
 MM_T = (1, 2, 5, 8, 11)
+K_BIG, R_BIG = 2560, 16
 # name -> (ggml type id, bytes per block, byte offset of the f16 scale, or None for IQ1_M)
 TYPES = {"IQ1_S": (19, 50, 0), "IQ1_M": (29, 56, None), "TQ1_0": (34, 54, 52), "TQ2_0": (35, 66, 64)}
 Q8_K_BYTES = 4 + QK_K + 2 * QK_K // 16
@@ -61,12 +64,12 @@ def set_scale(block: np.ndarray, off, bits: int) -> None:
         block[off:off + 2].view(np.uint16)[0] = bits
 
 
-def weights(name: str, rng) -> np.ndarray:
-    """uint8[R, row_bytes]: random blocks, realistic scales; special blocks in rows 5..7."""
+def weights(name: str, rng, n_rows: int = R, k: int = K) -> np.ndarray:
+    """uint8[n_rows, row_bytes]: random blocks, realistic scales; special blocks in rows 5..7."""
     _, nbytes, off = TYPES[name]
-    w = rng.integers(0, 256, (R, K // QK_K, nbytes), dtype=np.uint8)
-    for r in range(R):
-        for b in range(K // QK_K):
+    w = rng.integers(0, 256, (n_rows, k // QK_K, nbytes), dtype=np.uint8)
+    for r in range(n_rows):
+        for b in range(k // QK_K):
             d = np.float16(rng.choice((-1, 1)) * 10 ** rng.uniform(-3, -1.3)).view(np.uint16)
             set_scale(w[r, b], off, int(d))
     w[5, 0] = 0  # all-zero block
@@ -75,7 +78,7 @@ def weights(name: str, rng) -> np.ndarray:
     set_scale(w[6, 1], off, 0x8000 | F16_MIN_NORMAL)  # -smallest normal
     set_scale(w[7, 0], off, 0x8000 | F16_MAX)
     set_scale(w[7, 1], off, 0x03FF)  # largest subnormal
-    return w.reshape(R, -1)
+    return w.reshape(n_rows, -1)
 
 
 def main() -> None:
@@ -88,7 +91,8 @@ def main() -> None:
     x = rng.standard_normal((T_MAX, K)).astype(np.float32)
     x[3, 256:] = 0.0  # an all-zero activation block
     x[4] *= 50.0
-    data = {"x": x}
+    x_big = rng.standard_normal((9, K_BIG)).astype(np.float32)
+    data = {"x": x, "x_big": x_big}
     for name, (tid, _, _) in TYPES.items():
         w = weights(name, rng)
         tr, tc = g.base.ggml_get_type_traits(tid).contents, g.cpu.ggml_get_type_traits_cpu(tid).contents
@@ -111,6 +115,10 @@ def main() -> None:
             for rows in (6, 8):
                 xt = np.ascontiguousarray(x[:T])
                 data[f"{name}_mm{T}_{rows}"] = g.matmul(np.ascontiguousarray(w[:rows]), tid, K, xt, False)
+        w_big = weights(name, rng, R_BIG, K_BIG)
+        data[f"{name}_big_w"] = w_big
+        for T in (1, 9):
+            data[f"{name}_big{T}"] = g.matmul(w_big, tid, K_BIG, np.ascontiguousarray(x_big[:T]), False)
     out = ROOT / "tests" / "data" / "iq1tq.npz"
     np.savez_compressed(out, **data)
     print(f"wrote {out} ({out.stat().st_size} bytes)")
