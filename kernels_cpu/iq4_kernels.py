@@ -62,3 +62,18 @@ def matmul_mxfp4_q8_0(w, xqs, xd, out):
 def matmul_mxfp4_q8_0_repacked(w, xqs, xd, out):
     """MXFP4 with R % 8 == 0, repacked to mxfp4_8x8: ggml_gemv / ggml_gemm_mxfp4_8x8_q8_0 (the GEMV tile)."""
     _tiled(_MXFP4, GEMV, NR, w, xqs, xd, xd, out)
+
+
+# batch-invariant variants (see matmul_kernels): llama.cpp's arithmetic for a batch of one row at every T
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_iq4_nl_q8_0_bi(w, xqs, xd, out):
+    """IQ4_NL (plain buffer), batch-invariant: ggml_vec_dot_iq4_nl_q8_0 for every T."""
+    _vec_dot_2acc(False, w, xqs, xd, out)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_iq4_xs_q8_k_bi(w, xqs, xd, xbsums, out):
+    """IQ4_XS, batch-invariant: ggml_vec_dot_iq4_xs_q8_K (the VEC_DOT tile) for every T."""
+    _tiled(_IQ4_XS, VEC_DOT, NR, w, xqs, xd, xbsums, out)
