@@ -94,3 +94,5 @@ class IQ4_XS(BlockFormat):
             q = lookup16(b, KVALUES_IQ4NL, _nibbles(b, load(b, p, self.at["qs"] + 16 * j, vec(I8, 16))))
             yield 32 * j, b.mul(b.sext(q, V32I16), splat(b, h["scales"][j], 32))
 
+
+FORMATS = {cls.ggml_type: cls() for cls in (IQ4_NL, IQ4_XS, MXFP4)}

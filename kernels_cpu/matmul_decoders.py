@@ -243,6 +243,5 @@ class Q6_K(BlockFormat):
                                                  _group_scales(b, h["scales"], 8 * half + 2 * g))
 
 
-from kernels_cpu.iq4_decoders import IQ4_NL, IQ4_XS, MXFP4  # noqa: F401
-
-FORMATS = {t: globals()[t.name]() for t in QUANTIZED_TYPES}  # the decoder class named after each quantized type
+# the decoder class named after each quantized type defined here (others: their own modules, merged in matmul_tiling)
+FORMATS = {t: globals()[t.name]() for t in QUANTIZED_TYPES if t.name in globals()}
