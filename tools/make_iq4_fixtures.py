@@ -87,8 +87,8 @@ def main() -> None:
         x[:, ::61] *= 30  # outliers: block scales differ
         x[1, 256:288] = 0  # an all-zero block
         x[2, 0:64] *= 1e-3
-        for R, repack in ((6, False), (8, True), (16, True), (16, False)):
-            repack = repack and name in REPACKED
+        shapes = ((6, False), (8, True), (16, True), (16, False)) if name in REPACKED else ((6, False), (8, False), (16, False))
+        for R, repack in shapes:
             w = random_blocks(name, R * K // block, rng).reshape(R, -1)
             for T in T_VALUES:
                 out = g.matmul(w, type_id, K, x[:T].copy(), repack)
