@@ -104,6 +104,9 @@ TYPES: dict[GGMLQuantizationType, GGMLType] = {row.ggml_type: row for row in (
     _row(T.Q4_K, QK_K, T.Q8_K, repacked=True, d=HALF, dmin=HALF, scales=K_SCALE_SIZE, qs=QK_K // 2),
     _row(T.Q5_K, QK_K, T.Q8_K, d=HALF, dmin=HALF, scales=K_SCALE_SIZE, qh=QK_K // 8, qs=QK_K // 2),
     _row(T.Q6_K, QK_K, T.Q8_K, ql=QK_K // 2, qh=QK_K // 4, scales=QK_K // 16, d=HALF),
+    _row(T.IQ4_NL, 32, T.Q8_0, repacked=True, d=HALF, qs=16),
+    _row(T.IQ4_XS, QK_K, T.Q8_K, d=HALF, scales_h=2, scales_l=QK_K // 64, qs=QK_K // 2),
+    _row(T.MXFP4, 32, T.Q8_0, repacked=True, e=1, qs=16),
     _row(T.IQ1_S, QK_K, T.Q8_K, d=HALF, qs=QK_K // 8, qh=QK_K // 32 * 2),  # qh: uint16[8]
     _row(T.IQ1_M, QK_K, T.Q8_K, qs=QK_K // 8, qh=QK_K // 16, scales=QK_K // 32),  # f16 d in the scales' top nibbles
     _row(T.TQ1_0, QK_K, T.Q8_K, qs=(QK_K - 4 * QK_K // 64) // 5, qh=QK_K // 64, d=HALF),

@@ -243,5 +243,5 @@ class Q6_K(BlockFormat):
                                                  _group_scales(b, h["scales"], 8 * half + 2 * g))
 
 
-FORMATS = {t: globals()[t.name]() for t in QUANTIZED_TYPES  # the decoder class named after each quantized type
-           if t.name in globals()}  # (IQ1_S, IQ1_M, TQ1_0, TQ2_0: kernels_cpu.iq1tq, no tile decoder)
+# the decoder class named after each quantized type defined here (others: their own modules, merged in matmul_tiling)
+FORMATS = {t: globals()[t.name]() for t in QUANTIZED_TYPES if t.name in globals()}

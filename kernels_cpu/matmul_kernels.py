@@ -280,6 +280,10 @@ def matmul_q8_0_q8_0_bi(w, xqs, xd, out):
     _tiled(_Q8_0, GEMV, NR_ROWS, w, xqs, xd, _block_sums_32(xqs, _Q8_0_NEG_OFFSET), out, NT_WIDE)
 
 
+from kernels_cpu.iq4_kernels import (matmul_iq4_nl_q8_0, matmul_iq4_nl_q8_0_bi,  # noqa: F401
+                                     matmul_iq4_nl_q8_0_repacked, matmul_iq4_xs_q8_k, matmul_iq4_xs_q8_k_bi,
+                                     matmul_mxfp4_q8_0, matmul_mxfp4_q8_0_repacked)
+
 # types whose kernels take int8 activation quants: the VNNI kernels, the AVX2 vpmaddubsw tiles
 ROWS_TYPES = (T_.Q5_0, T_.Q8_0, T_.Q4_K, T_.Q6_K) if HAS_VNNI else (T_.Q5_0, T_.Q8_0) if HAS_AVX2_INT8 else ()
 

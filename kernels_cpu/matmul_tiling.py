@@ -18,6 +18,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from kernels_cpu.iq4_decoders import FORMATS as IQ4_FORMATS
 from kernels_cpu.matmul_avx2 import build_avx2_tile
 from kernels_cpu.matmul_decoders import FORMATS
 from kernels_cpu.matmul_rows import ROWS, build_rows_tile
@@ -26,6 +27,7 @@ from kernels_cpu.matmul_vnni import build_vnni_tile
 from kernels_cpu.simd import BYTE_PTR, HAS_AVX2_INT8, HAS_VNNI, I64
 
 T_ = GGMLQuantizationType
+FORMATS = {**FORMATS, **IQ4_FORMATS}  # every quantized type's IR decoder
 NR, NT = 4, 4  # prefill tile: weight rows x activation rows
 TC = 64  # activation rows per prefill chunk
 ND = 4  # decode tile rows, R // ND apart (adjacent rows in one tile stream from DRAM at half speed)

@@ -14,6 +14,7 @@ ALL_TYPES = list(KERNELS)
 F16_FIELDS = {
     T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
     T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+    T.IQ4_NL: (0,), T.IQ4_XS: (0,),
     T.IQ1_S: (0,), T.TQ1_0: (52,), T.TQ2_0: (64,),  # IQ1_M: its f16 d is spread over the scales' top nibbles
 }
 # zero, -0, subnormals, smallest normal, f16 max, +-Inf, quiet and signalling NaNs, +-1
@@ -66,6 +67,8 @@ def test_plain_scales_bit_exact(t):
         raw[:, off:off + 2] = rng.normal(0, 0.05, raw.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)
     if t == T.IQ1_M:  # clear bit 14 of d (bit 14 of scales[3]): exponent <= 15, |d| < 2
         raw[:, 55] &= 0xBF
+    if t == T.MXFP4:  # e8m0 exponent byte: 2**-27 .. 2**12
+        raw[:, 0] = rng.integers(100, 140, raw.shape[0])
     raw = raw.reshape(4, 5, -1)
     got = dequantize(raw, t)
     assert got.shape == (4, 5, 3 * GGML_QUANT_SIZES[t][0])

@@ -1,0 +1,79 @@
+"""IQ4_NL / IQ4_XS / MXFP4 matmul entry points (numba), as llama.cpp's CPU backend (AVX2)
+computes them; imported into kernels_cpu.matmul_kernels (shapes as there: w uint8[R, row_bytes],
+xqs int16[T, K], xd float32[T, K/block], xbsums int16[T, K/16], out float32[T, R]).
+
+numba's on-disk cache keys these kernels on this file only: after editing the modules they
+build on (iq4, iq4_decoders, matmul_tiles, matmul_tiling), clear kernels_cpu/__pycache__/iq4_kernels.*.
+"""
+from __future__ import annotations
+
+from gguf import GGMLQuantizationType
+from numba import njit
+
+from kernels_cpu.iq4 import _vec_dot_2acc
+from kernels_cpu.matmul_tiles import GEMV, TILED, VEC_DOT
+from kernels_cpu.matmul_tiling import NR, _blocks, _tiled
+
+T_ = GGMLQuantizationType
+_IQ4_NL, _IQ4_XS, _MXFP4 = int(T_.IQ4_NL), int(T_.IQ4_XS), int(T_.MXFP4)
+
+
+@njit(cache=True, inline="always")
+def _plain_k(fmt, nr, nd, w, xqs, xd, xbsums, out):
+    """As matmul_kernels._plain_k: the tiled kernel for T >= 8 (ggml_tiled_min_batch), else VEC_DOT."""
+    if xqs.shape[0] >= 8:
+        _blocks(fmt, TILED, nr, True, w, xqs, xd, xbsums, out)
+    else:
+        _tiled(fmt, VEC_DOT, nd, w, xqs, xd, xbsums, out)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_iq4_nl_q8_0(w, xqs, xd, out):
+    """IQ4_NL weights (plain buffer) x Q8_0: ggml_vec_dot_iq4_nl_q8_0 (two accumulators) for
+    T = 1, tinyBLAS_Q0_AVX (one 8-lane accumulator: the VEC_DOT tile) for batches."""
+    if xqs.shape[0] == 1:
+        _vec_dot_2acc(False, w, xqs, xd, out)
+    else:
+        _tiled(_IQ4_NL, VEC_DOT, NR, w, xqs, xd, xd, out)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_iq4_nl_q8_0_repacked(w, xqs, xd, out):
+    """IQ4_NL with R % 8 == 0, repacked to iq4_nl_8x8: ggml_gemv / ggml_gemm_iq4_nl_8x8_q8_0,
+    acc = fma(I, d_w * d_x, acc) per 32-value block (the GEMV tile)."""
+    _tiled(_IQ4_NL, GEMV, NR, w, xqs, xd, xd, out)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_iq4_xs_q8_k(w, xqs, xd, xbsums, out):
+    """IQ4_XS weights x Q8_K: ggml_vec_dot_iq4_xs_q8_K (8 lanes of integer sums times the
+    sub-block scales, one fma by d_w * d_x per 256 values) for T < 8, the tiled kernel (as the
+    K-quants: r = S * d_w, acc = fma(r, d_x, acc) per 256 values) for T >= 8."""
+    _plain_k(_IQ4_XS, NR, NR, w, xqs, xd, xbsums, out)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_mxfp4_q8_0(w, xqs, xd, out):
+    """MXFP4 weights (plain buffer) x Q8_0: ggml_vec_dot_mxfp4_q8_0 (two accumulators) for every T."""
+    _vec_dot_2acc(True, w, xqs, xd, out)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_mxfp4_q8_0_repacked(w, xqs, xd, out):
+    """MXFP4 with R % 8 == 0, repacked to mxfp4_8x8: ggml_gemv / ggml_gemm_mxfp4_8x8_q8_0 (the GEMV tile)."""
+    _tiled(_MXFP4, GEMV, NR, w, xqs, xd, xd, out)
+
+
+# batch-invariant variants (see matmul_kernels): llama.cpp's arithmetic for a batch of one row at every T
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_iq4_nl_q8_0_bi(w, xqs, xd, out):
+    """IQ4_NL (plain buffer), batch-invariant: ggml_vec_dot_iq4_nl_q8_0 for every T."""
+    _vec_dot_2acc(False, w, xqs, xd, out)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_iq4_xs_q8_k_bi(w, xqs, xd, xbsums, out):
+    """IQ4_XS, batch-invariant: ggml_vec_dot_iq4_xs_q8_K (the VEC_DOT tile) for every T."""
+    _tiled(_IQ4_XS, VEC_DOT, NR, w, xqs, xd, xbsums, out)
