@@ -214,19 +214,15 @@ def _check_values(t: TensorChoice, x: np.ndarray, row0: int) -> None:
         raise QuantizeError(f"tensor {t.name} holds NaN or Inf (row {r}); cannot convert it to {t.new_type.name}")
 
 
-# f16 scales (offsets, block bytes) of the types edge writes that the type table may lack
-_SCALES = {GGMLQuantizationType.IQ4_NL: ((0,), 18), GGMLQuantizationType.IQ4_XS: ((0,), 136)}
-
-
 def _check_scales(t: TensorChoice, q: np.ndarray, row0: int) -> None:
     """ggml_validate_row_data on converted rows: no NaN/Inf values (F16, BF16, F32) or fp16
     scales (block types). Finite inputs can still overflow: |x| > 65504 in F16, or a block
     whose scale exceeds the fp16 range."""
     name = t.new_type.name
     row = TYPES.get(t.new_type)
-    offsets, type_size = (row.f16_scales, row.type_size) if row is not None else _SCALES.get(t.new_type, ((), 0))
-    if offsets:  # the block's f16 scales (d, and m / dmin where it has one)
-        blocks = q.reshape(q.shape[0], -1, type_size)
+    if row is not None and row.quantized:  # the block's f16 scales (d, and m / dmin where it has one)
+        offsets = row.f16_scales
+        blocks = q.reshape(q.shape[0], -1, row.type_size)
         halves = np.stack([blocks[:, :, o] | (blocks[:, :, o + 1].astype(np.uint16) << 8) for o in offsets])
         bad = ((halves & 0x7C00) == 0x7C00).any(axis=(0, 2))
     elif name in ("F16", "BF16"):
