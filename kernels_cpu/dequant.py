@@ -15,6 +15,13 @@ from gguf import GGMLQuantizationType
 from numba import njit
 
 from kernels_cpu.ggml_types import QK_K, TYPES, kernels
+from kernels_cpu.iq23 import (  # noqa: F401
+    dequant_iq2_s,
+    dequant_iq2_xs,
+    dequant_iq2_xxs,
+    dequant_iq3_s,
+    dequant_iq3_xxs,
+)
 from kernels_cpu.simd import f16_bits_to_f32_bits, load_f16
 
 

@@ -104,6 +104,11 @@ TYPES: dict[GGMLQuantizationType, GGMLType] = {row.ggml_type: row for row in (
     _row(T.Q4_K, QK_K, T.Q8_K, repacked=True, d=HALF, dmin=HALF, scales=K_SCALE_SIZE, qs=QK_K // 2),
     _row(T.Q5_K, QK_K, T.Q8_K, d=HALF, dmin=HALF, scales=K_SCALE_SIZE, qh=QK_K // 8, qs=QK_K // 2),
     _row(T.Q6_K, QK_K, T.Q8_K, ql=QK_K // 2, qh=QK_K // 4, scales=QK_K // 16, d=HALF),
+    _row(T.IQ2_XXS, QK_K, T.Q8_K, d=HALF, qs=QK_K // 4),
+    _row(T.IQ2_XS, QK_K, T.Q8_K, d=HALF, qs=QK_K // 4, scales=QK_K // 32),
+    _row(T.IQ2_S, QK_K, T.Q8_K, d=HALF, qs=QK_K // 4, qh=QK_K // 32, scales=QK_K // 32),
+    _row(T.IQ3_XXS, QK_K, T.Q8_K, d=HALF, qs=3 * QK_K // 8),
+    _row(T.IQ3_S, QK_K, T.Q8_K, d=HALF, qs=QK_K // 4, qh=QK_K // 32, signs=QK_K // 8, scales=QK_K // 64),
 )}
 QUANTIZED_TYPES = tuple(t for t, row in TYPES.items() if row.quantized)
 

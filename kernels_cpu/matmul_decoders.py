@@ -243,4 +243,4 @@ class Q6_K(BlockFormat):
                                                  _group_scales(b, h["scales"], 8 * half + 2 * g))
 
 
-FORMATS = {t: globals()[t.name]() for t in QUANTIZED_TYPES}  # the decoder class named after each quantized type
+FORMATS = {t: globals()[t.name]() for t in QUANTIZED_TYPES if t.name in globals()}  # the decoder class named after each quantized type that has one (the I-quants have their own kernels)
