@@ -51,6 +51,8 @@ def _grid(cls) -> np.ndarray:
 IQ2XXS_GRID, IQ2XS_GRID, IQ2S_GRID = _grid(gq.IQ2_XXS), _grid(gq.IQ2_XS), _grid(gq.IQ2_S)
 IQ3XXS_GRID, IQ3S_GRID = _grid(gq.IQ3_XXS), _grid(gq.IQ3_S)
 KSIGNS = np.frombuffer(gq.IQ2_XXS.ksigns, np.uint8).copy()  # ggml ksigns_iq2xs[128]
+# SIGN_BITS[s, j] = -1 where bit j of the sign byte s is set, else 1 (ggml kmask_iq2xs[j] = 1 << j)
+SIGN_BITS = np.where((np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1, -1, 1).astype(np.int8)
 
 # kinds (the type's IQ code in these kernels)
 IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S = 0, 1, 2, 3, 4
@@ -68,8 +70,7 @@ def _u32(raw, p):
 def _put(w, o, grid, idx, n, sign):
     """w[o:o+n] = grid[idx] with the values whose bit is set in ``sign`` (from bit ``o % 8``) negated."""
     for j in range(n):
-        g = np.int32(grid[idx, j])
-        w[o + j] = -g if (sign >> ((o + j) % 8)) & 1 else g
+        w[o + j] = np.int32(grid[idx, j]) * np.int32(SIGN_BITS[sign, (o + j) % 8])
 
 
 @njit(cache=True, inline="always")
@@ -181,13 +182,15 @@ def _matmul(kind, w, xqs, xd, out):
                     vals[j] *= sc
             dw = load_f16(row, nbytes * b)
             for t in range(n_t):
-                isum = np.zeros(8, np.int32)
-                o = 256 * b
-                for j in range(256):
-                    isum[(j % 32) // 4] += vals[j] * np.int32(xqs[t, o + j])
+                xt = xqs[t, 256 * b:256 * b + 256]
                 d = dw * xd[t, b]
                 for lane in range(8):
-                    acc[t, lane] = fma(d, np.float32(isum[lane]), acc[t, lane])
+                    isum = np.int32(0)
+                    for sub in range(8):
+                        j = 32 * sub + 4 * lane
+                        isum += (vals[j] * np.int32(xt[j]) + vals[j + 1] * np.int32(xt[j + 1])
+                                 + vals[j + 2] * np.int32(xt[j + 2]) + vals[j + 3] * np.int32(xt[j + 3]))
+                    acc[t, lane] = fma(d, np.float32(isum), acc[t, lane])
         for t in range(n_t):
             a = acc[t]
             s0, s1, s2, s3 = a[4] + a[0], a[5] + a[1], a[6] + a[2], a[7] + a[3]
