@@ -14,6 +14,7 @@ ALL_TYPES = list(KERNELS)
 F16_FIELDS = {
     T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
     T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+    T.IQ2_XXS: (0,), T.IQ2_XS: (0,), T.IQ2_S: (0,), T.IQ3_XXS: (0,), T.IQ3_S: (0,),
 }
 # zero, -0, subnormals, smallest normal, f16 max, +-Inf, quiet and signalling NaNs, +-1
 EDGE_F16 = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x8001, 0x0400, 0x7BFF, 0xFBFF,
@@ -109,8 +110,8 @@ def test_errors():
         dequantize(np.zeros(34, np.int8), T.Q8_0)
     with pytest.raises(QuantFormatError, match="C-contiguous"):
         dequantize(np.zeros((34, 2), np.uint8).T, T.Q8_0)
-    with pytest.raises(QuantFormatError, match="IQ2_XXS is not supported"):
-        dequantize(np.zeros(66, np.uint8), T.IQ2_XXS)
+    with pytest.raises(QuantFormatError, match="Q8_K is not supported"):
+        dequantize(np.zeros(292, np.uint8), T.Q8_K)
     with pytest.raises(QuantFormatError, match="unknown GGML type"):
         dequantize(np.zeros(34, np.uint8), 999)
     with pytest.raises(QuantFormatError, match="n_elements=33"):
