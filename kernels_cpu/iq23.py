@@ -24,6 +24,9 @@ activation quant) is summed in integers into lane (j % 32) // 4 of 8 int32 lanes
 index in the block), times the integer scale 2 * s + 1 of its 32 or 16 values (exact: the
 AVX2 maddubs / madd sums never saturate); per block ``acc[l] = fma(d_w * d_x, float(isum[l]),
 acc[l])``; at the end hsum_float_8(acc) times 1/8 (IQ2_*), 1/4 (IQ3_XXS) or 1 (IQ3_S).
+llama.cpp runs this vec_dot per activation row for T < 8; for T >= 8 it takes its tiled kernels
+(ggml-cpu/tiled, not mirrored here): these kernels then give the batch-of-one arithmetic
+(last bits differ from llama.cpp's batch, exact for batch_invariant use).
 
 Shapes: dequant_<type>(raw uint8[nb * type_size], out float32[256 nb]);
 matmul_<type>_q8_k(w uint8[R, row_bytes], xqs int8|int16[T, K], xd float32[T, K/256],

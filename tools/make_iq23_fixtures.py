@@ -9,20 +9,27 @@ repository root:
 Through ctypes: libggml-base.so ggml_get_type_traits(type)->to_float (dequantize_row_*) and
 libggml-cpu.so ggml_get_type_traits_cpu(type)->vec_dot (ggml_vec_dot_*_q8_K) on activations
 quantized by ggml_get_type_traits_cpu(Q8_K)->from_float (quantize_row_q8_K). ggml_mul_mat runs
-that same vec_dot per activation row for these types at every T (no tinyBLAS, no repack).
+that same vec_dot per activation row for T < 8 (no tinyBLAS, no repack for these types); for
+T >= 8 it takes ggml-cpu/tiled (ggml_tiled_min_batch), whose last bits differ: both stored.
 
 Stored per type NAME: NAME_deq_raw uint8[n, type_size] (random blocks with realistic f16
 scales, an all-zero block, subnormal and f16-max scales), NAME_deq_out float32[n, 256];
-NAME_w uint8[R, row_bytes], NAME_out float32[T, R]; shared x float32[T, K].
+NAME_w uint8[R, row_bytes], NAME_out float32[T, R] (vec_dot), NAME_mm<T> float32[T, R] (ggml_mul_mat
+through a graph, T in GRAPH_T); shared x float32[T, K].
 """
 from __future__ import annotations
 
 import ctypes
+import sys
 from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_matmul_fixtures import GgmlMatmul  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
+GRAPH_T = (2, 5, 8, 11)  # batches also run through ggml_mul_mat in a graph (2 threads)
 # name -> (ggml type id, bytes per block); the f16 d is the first field of each block
 TYPES = {"IQ2_XXS": (16, 66), "IQ2_XS": (17, 74), "IQ3_XXS": (18, 98), "IQ3_S": (21, 110), "IQ2_S": (22, 82)}
 Q8_K = 15
@@ -63,6 +70,7 @@ def _blocks(rng, n, size, d_bits):
 
 
 def main():
+    graph = GgmlMatmul()
     base, cpu = _libs()
     rng = np.random.default_rng(23)
     data = {}
@@ -95,6 +103,11 @@ def main():
                 vec_dot(K, s.ctypes.data, 0, w[r].ctypes.data, 0, xq[t].ctypes.data, 0, 1)
                 res[t, r] = s[0]
         data[f"{name}_w"], data[f"{name}_out"] = w, res
+        for n_t in GRAPH_T:
+            mm = graph.matmul(w, tid, K, np.ascontiguousarray(x[:n_t]), repack=False)
+            data[f"{name}_mm{n_t}"] = mm
+            same = np.array_equal(mm.view(np.uint32), res[:n_t].view(np.uint32))
+            print(f"{name} T={n_t}: ggml_mul_mat {'==' if same else '!='} vec_dot per row")
     path = ROOT / "tests" / "data" / "iq23.npz"
     np.savez_compressed(path, **data)
     print(f"wrote {path} ({path.stat().st_size} bytes)")
