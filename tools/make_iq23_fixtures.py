@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_matmul_fixtures import GgmlMatmul  # noqa: E402
+from make_matmul_fixtures import GgmlMatmul
 
 ROOT = Path(__file__).resolve().parents[1]
 GRAPH_T = (2, 5, 8, 11)  # batches also run through ggml_mul_mat in a graph (2 threads)
