@@ -25,8 +25,9 @@ index in the block), times the integer scale 2 * s + 1 of its 32 or 16 values (e
 AVX2 maddubs / madd sums never saturate); per block ``acc[l] = fma(d_w * d_x, float(isum[l]),
 acc[l])``; at the end hsum_float_8(acc) times 1/8 (IQ2_*), 1/4 (IQ3_XXS) or 1 (IQ3_S).
 llama.cpp runs this vec_dot per activation row for T < 8; for T >= 8 it takes its tiled kernels
-(ggml-cpu/tiled, not mirrored here): these kernels then give the batch-of-one arithmetic
-(last bits differ from llama.cpp's batch, exact for batch_invariant use).
+(ggml-cpu/tiled): one exact integer sum per block, ``acc = fma((d_w * factor) * float(sum),
+d_x, acc)``, which matmul_<type>_q8_k mirror; the ``_bi`` kernels keep the vec_dot arithmetic
+for every T (batch-invariant).
 
 Shapes: dequant_<type>(raw uint8[nb * type_size], out float32[256 nb]);
 matmul_<type>_q8_k(w uint8[R, row_bytes], xqs int8|int16[T, K], xd float32[T, K/256],
@@ -168,9 +169,13 @@ def dequant_iq3_s(raw, out):
 
 
 @njit(cache=True, inline="always")
-def _matmul(kind, w, xqs, xd, out):
-    """out[t, r] = ggml_vec_dot_<kind>_q8_K(row r, activation row t) for every t, r (module docstring)."""
+def _matmul(kind, w, xqs, xd, out, batch_tiled):
+    """out[t, r] = ggml_vec_dot_<kind>_q8_K(row r, activation row t) for every t, r (module
+    docstring); with ``batch_tiled`` and T >= 8, llama.cpp's tiled arithmetic instead
+    (ggml-cpu/tiled tiled_run_microtile_avx2: per block ``acc = fma((d_w * factor) *
+    float(block integer sum), d_x, acc)``)."""
     n_t, n_b = xqs.shape[0], xqs.shape[1] // 256
+    tiled = batch_tiled and n_t >= 8
     nbytes, factor = _BYTES[kind], _FACTOR[kind]
     for r in prange(w.shape[0]):
         vals = np.empty(256, np.int32)
@@ -187,14 +192,23 @@ def _matmul(kind, w, xqs, xd, out):
             for t in range(n_t):
                 xt = xqs[t, 256 * b:256 * b + 256]
                 d = dw * xd[t, b]
+                total = np.int32(0)
                 for lane in range(8):
                     isum = np.int32(0)
                     for sub in range(8):
                         j = 32 * sub + 4 * lane
                         isum += (vals[j] * np.int32(xt[j]) + vals[j + 1] * np.int32(xt[j + 1])
                                  + vals[j + 2] * np.int32(xt[j + 2]) + vals[j + 3] * np.int32(xt[j + 3]))
-                    acc[t, lane] = fma(d, np.float32(isum), acc[t, lane])
+                    if tiled:
+                        total += isum
+                    else:
+                        acc[t, lane] = fma(d, np.float32(isum), acc[t, lane])
+                if tiled:
+                    acc[t, 0] = fma((dw * factor) * np.float32(total), xd[t, b], acc[t, 0])
         for t in range(n_t):
+            if tiled:
+                out[t, r] = acc[t, 0]
+                continue
             a = acc[t]
             s0, s1, s2, s3 = a[4] + a[0], a[5] + a[1], a[6] + a[2], a[7] + a[3]
             out[t, r] = factor * ((s0 + s2) + (s1 + s3))
@@ -202,29 +216,59 @@ def _matmul(kind, w, xqs, xd, out):
 
 @njit(parallel=True, cache=True, nogil=True)
 def matmul_iq2_xxs_q8_k(w, xqs, xd, xbsums, out):
-    """IQ2_XXS x Q8_K, as ggml_vec_dot_iq2_xxs_q8_K (AVX2) per activation row."""
-    _matmul(IQ2_XXS, w, xqs, xd, out)
+    """IQ2_XXS x Q8_K as llama.cpp: ggml_vec_dot_iq2_xxs_q8_K (AVX2) per activation row, tiled for T >= 8."""
+    _matmul(IQ2_XXS, w, xqs, xd, out, True)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def matmul_iq2_xs_q8_k(w, xqs, xd, xbsums, out):
-    """IQ2_XS x Q8_K, as ggml_vec_dot_iq2_xs_q8_K (AVX2) per activation row."""
-    _matmul(IQ2_XS, w, xqs, xd, out)
+    """IQ2_XS x Q8_K as llama.cpp: ggml_vec_dot_iq2_xs_q8_K (AVX2) per activation row, tiled for T >= 8."""
+    _matmul(IQ2_XS, w, xqs, xd, out, True)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def matmul_iq2_s_q8_k(w, xqs, xd, xbsums, out):
-    """IQ2_S x Q8_K, as ggml_vec_dot_iq2_s_q8_K (AVX2) per activation row."""
-    _matmul(IQ2_S, w, xqs, xd, out)
+    """IQ2_S x Q8_K as llama.cpp: ggml_vec_dot_iq2_s_q8_K (AVX2) per activation row, tiled for T >= 8."""
+    _matmul(IQ2_S, w, xqs, xd, out, True)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def matmul_iq3_xxs_q8_k(w, xqs, xd, xbsums, out):
-    """IQ3_XXS x Q8_K, as ggml_vec_dot_iq3_xxs_q8_K (AVX2) per activation row."""
-    _matmul(IQ3_XXS, w, xqs, xd, out)
+    """IQ3_XXS x Q8_K as llama.cpp: ggml_vec_dot_iq3_xxs_q8_K (AVX2) per activation row, tiled for T >= 8."""
+    _matmul(IQ3_XXS, w, xqs, xd, out, True)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def matmul_iq3_s_q8_k(w, xqs, xd, xbsums, out):
-    """IQ3_S x Q8_K, as ggml_vec_dot_iq3_s_q8_K (AVX2) per activation row."""
-    _matmul(IQ3_S, w, xqs, xd, out)
+    """IQ3_S x Q8_K as llama.cpp: ggml_vec_dot_iq3_s_q8_K (AVX2) per activation row, tiled for T >= 8."""
+    _matmul(IQ3_S, w, xqs, xd, out, True)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_iq2_xxs_q8_k_bi(w, xqs, xd, xbsums, out):
+    """IQ2_XXS x Q8_K, batch-invariant: the vec_dot arithmetic (llama.cpp's for T = 1) for every T."""
+    _matmul(IQ2_XXS, w, xqs, xd, out, False)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_iq2_xs_q8_k_bi(w, xqs, xd, xbsums, out):
+    """IQ2_XS x Q8_K, batch-invariant: the vec_dot arithmetic (llama.cpp's for T = 1) for every T."""
+    _matmul(IQ2_XS, w, xqs, xd, out, False)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_iq2_s_q8_k_bi(w, xqs, xd, xbsums, out):
+    """IQ2_S x Q8_K, batch-invariant: the vec_dot arithmetic (llama.cpp's for T = 1) for every T."""
+    _matmul(IQ2_S, w, xqs, xd, out, False)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_iq3_xxs_q8_k_bi(w, xqs, xd, xbsums, out):
+    """IQ3_XXS x Q8_K, batch-invariant: the vec_dot arithmetic (llama.cpp's for T = 1) for every T."""
+    _matmul(IQ3_XXS, w, xqs, xd, out, False)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def matmul_iq3_s_q8_k_bi(w, xqs, xd, xbsums, out):
+    """IQ3_S x Q8_K, batch-invariant: the vec_dot arithmetic (llama.cpp's for T = 1) for every T."""
+    _matmul(IQ3_S, w, xqs, xd, out, False)
