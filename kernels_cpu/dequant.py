@@ -17,6 +17,13 @@ from numba import njit
 from kernels_cpu.ggml_types import QK_K, TYPES, kernels
 from kernels_cpu.iq1tq import dequant_iq1_m, dequant_iq1_s, dequant_tq1_0, dequant_tq2_0  # noqa: F401
 from kernels_cpu.iq4 import dequant_iq4_nl, dequant_iq4_xs, dequant_mxfp4  # noqa: F401
+from kernels_cpu.iq23 import (  # noqa: F401
+    dequant_iq2_s,
+    dequant_iq2_xs,
+    dequant_iq2_xxs,
+    dequant_iq3_s,
+    dequant_iq3_xxs,
+)
 from kernels_cpu.simd import f16_bits_to_f32_bits, load_f16
 
 

@@ -111,6 +111,11 @@ TYPES: dict[GGMLQuantizationType, GGMLType] = {row.ggml_type: row for row in (
     _row(T.IQ1_M, QK_K, T.Q8_K, qs=QK_K // 8, qh=QK_K // 16, scales=QK_K // 32),  # f16 d in the scales' top nibbles
     _row(T.TQ1_0, QK_K, T.Q8_K, qs=(QK_K - 4 * QK_K // 64) // 5, qh=QK_K // 64, d=HALF),
     _row(T.TQ2_0, QK_K, T.Q8_K, qs=QK_K // 4, d=HALF),
+    _row(T.IQ2_XXS, QK_K, T.Q8_K, d=HALF, qs=QK_K // 4),
+    _row(T.IQ2_XS, QK_K, T.Q8_K, d=HALF, qs=QK_K // 4, scales=QK_K // 32),
+    _row(T.IQ2_S, QK_K, T.Q8_K, d=HALF, qs=QK_K // 4, qh=QK_K // 32, scales=QK_K // 32),
+    _row(T.IQ3_XXS, QK_K, T.Q8_K, d=HALF, qs=3 * QK_K // 8),
+    _row(T.IQ3_S, QK_K, T.Q8_K, d=HALF, qs=QK_K // 4, qh=QK_K // 32, signs=QK_K // 8, scales=QK_K // 64),
 )}
 QUANTIZED_TYPES = tuple(t for t, row in TYPES.items() if row.quantized)
 

@@ -16,6 +16,7 @@ F16_FIELDS = {
     T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
     T.IQ4_NL: (0,), T.IQ4_XS: (0,),
     T.IQ1_S: (0,), T.TQ1_0: (52,), T.TQ2_0: (64,),  # IQ1_M: its f16 d is spread over the scales' top nibbles
+    T.IQ2_XXS: (0,), T.IQ2_XS: (0,), T.IQ2_S: (0,), T.IQ3_XXS: (0,), T.IQ3_S: (0,),
 }
 # zero, -0, subnormals, smallest normal, f16 max, +-Inf, quiet and signalling NaNs, +-1
 EDGE_F16 = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x8001, 0x0400, 0x7BFF, 0xFBFF,
@@ -115,8 +116,8 @@ def test_errors():
         dequantize(np.zeros(34, np.int8), T.Q8_0)
     with pytest.raises(QuantFormatError, match="C-contiguous"):
         dequantize(np.zeros((34, 2), np.uint8).T, T.Q8_0)
-    with pytest.raises(QuantFormatError, match="IQ2_XXS is not supported"):
-        dequantize(np.zeros(66, np.uint8), T.IQ2_XXS)
+    with pytest.raises(QuantFormatError, match="Q8_K is not supported"):
+        dequantize(np.zeros(292, np.uint8), T.Q8_K)
     with pytest.raises(QuantFormatError, match="unknown GGML type"):
         dequantize(np.zeros(34, np.uint8), 999)
     with pytest.raises(QuantFormatError, match="n_elements=33"):

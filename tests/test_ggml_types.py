@@ -11,7 +11,8 @@ from kernels_cpu.ggml_types import QK_K, TYPES, GGMLType, kernels, sizes
 def test_rows_match_gguf_sizes_and_ggml_layouts():
     assert [t.name for t in TYPES] == ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                                        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4",
-                                       "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0"]
+                                       "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0",
+                                       "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"]
     for t, row in TYPES.items():
         assert (row.block_size, row.type_size) == GGML_QUANT_SIZES[t], t.name
     q4_k = TYPES[T.Q4_K]
@@ -20,12 +21,14 @@ def test_rows_match_gguf_sizes_and_ggml_layouts():
     assert {t.name: row.f16_scales for t, row in TYPES.items() if row.quantized} == {
         "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
         "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,),
-        "MXFP4": (), "IQ1_S": (0,), "IQ1_M": (), "TQ1_0": (52,), "TQ2_0": (64,)}  # IQ1_M: f16 d in the scales' top nibbles
+        "MXFP4": (), "IQ1_S": (0,), "IQ1_M": (), "TQ1_0": (52,), "TQ2_0": (64,),
+        "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,)}  # IQ1_M: f16 d in the scales' top nibbles
     assert {t.name: row.vec_dot_type.name for t, row in TYPES.items()} == {
         "F32": "F32", "F16": "F16", "BF16": "BF16", "Q4_0": "Q8_0", "Q4_1": "Q8_1", "Q5_0": "Q8_0",
         "Q5_1": "Q8_1", "Q8_0": "Q8_0", "Q2_K": "Q8_K", "Q3_K": "Q8_K", "Q4_K": "Q8_K", "Q5_K": "Q8_K",
         "Q6_K": "Q8_K", "IQ4_NL": "Q8_0", "IQ4_XS": "Q8_K", "MXFP4": "Q8_0", "IQ1_S": "Q8_K", "IQ1_M": "Q8_K",
-        "TQ1_0": "Q8_K", "TQ2_0": "Q8_K"}
+        "TQ1_0": "Q8_K", "TQ2_0": "Q8_K",
+        "IQ2_XXS": "Q8_K", "IQ2_XS": "Q8_K", "IQ2_S": "Q8_K", "IQ3_XXS": "Q8_K", "IQ3_S": "Q8_K"}
     assert [t.name for t, row in TYPES.items() if row.repacked] == ["Q4_0", "Q2_K", "Q4_K", "IQ4_NL", "MXFP4"]
     assert TYPES[T.Q6_K].row_bytes(512) == 420
     assert sizes(T.Q8_K) == GGML_QUANT_SIZES[T.Q8_K]  # a type outside the table: gguf's sizes
@@ -56,7 +59,8 @@ def test_readers_follow_the_table():
     assert set(matmul_kernels.REPACKED_KERNELS) == {T.Q4_0, T.Q2_K, T.Q4_K, T.IQ4_NL, T.MXFP4}
     # types edge computes with but does not write (no quantizer yet)
     assert set(SUPPORTED_TYPES) <= set(TYPES)
-    assert set(TYPES) - set(SUPPORTED_TYPES) == {T.MXFP4, T.IQ1_S, T.IQ1_M, T.TQ1_0, T.TQ2_0}
+    assert set(TYPES) - set(SUPPORTED_TYPES) == {T.MXFP4, T.IQ1_S, T.IQ1_M, T.TQ1_0, T.TQ2_0,
+                                                T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S}
     assert kv_row("q8_0", 64) == 2 * 34 and kv_row("f16", 64) == 64
     assert QUANTIZE_TYPES == ", ".join(FILE_TYPES)
     with pytest.raises(QuantizeError, match="choose one of: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K"):
