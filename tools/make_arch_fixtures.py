@@ -87,9 +87,10 @@ def build(case: str, folder: Path) -> Path:
     return write_tiny_model(Path(folder) / f"{case}.gguf", **ARCH_CASES[case])
 
 
-def oracle_arrays(case: str, model: Path, n_vocab: int, folder: Path) -> dict:
-    """llama.cpp's fixture arrays (the module docstring's) of one case's model file; scratch
-    files go into folder. Raises SystemExit when llama.cpp fails."""
+def run_oracle(case: str, model: Path, folder: Path, n_vocab: int) -> dict:
+    """llama.cpp's arrays of a fixture for the GGUF model (prompts(n_vocab): p<k>_ids, p<k>_logits
+    f32[n, n_vocab], p<k>_greedy i32[N_GREEDY], p<k>_greedy_logits; gguf_sha256, case,
+    system_info). Scratch files go to folder; raises SystemExit if llama.cpp fails."""
     req = folder / f"{case}.json"
     ids = prompts(n_vocab)
     req.write_text(json.dumps({"prompts": ids, "n_greedy": N_GREEDY, "n_ctx": N_CTX}))
@@ -108,7 +109,7 @@ def oracle_arrays(case: str, model: Path, n_vocab: int, folder: Path) -> dict:
 def make(case: str, folder: Path) -> Path:
     """Run llama.cpp on one case and write its fixture; returns the fixture's path."""
     model = build(case, folder)
-    got = oracle_arrays(case, model, ARCH_CASES[case].get("n_vocab", 96), folder)
+    got = run_oracle(case, model, folder, ARCH_CASES[case].get("n_vocab", 96))
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     out = OUT_DIR / f"{case}.npz"
     np.savez_compressed(out, **got)

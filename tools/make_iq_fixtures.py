@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from tests.conftest import ORACLE_PYTHON as ORACLE
 from tests.iq_cases import BASE, IQ_CASES, QUANT_ROLES, imatrix_text
 from tests.tiny_models import write_tiny_model
-from tools.make_arch_fixtures import OUT_DIR, checked_cases, oracle_arrays
+from tools.make_arch_fixtures import OUT_DIR, checked_cases, run_oracle
 
 IQ_DIR = OUT_DIR / "iq"
 BIN = ORACLE.parent
@@ -78,7 +78,7 @@ def main(argv: list[str]) -> None:
             (IQ_DIR / "imatrix.gguf").write_bytes(imat.read_bytes())
         for case in cases:
             model = quantize(case, tmp)
-            got = oracle_arrays(case, model, len(BASE["tokens"]), tmp)   # step 4
+            got = run_oracle(case, model, tmp, len(BASE["tokens"]))   # step 4
             if check:
                 z = np.load(OUT_DIR / f"{case}.npz")
                 same_file = model.read_bytes() == (IQ_DIR / f"{case}.gguf").read_bytes()
