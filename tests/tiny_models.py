@@ -61,7 +61,7 @@ def write_tiny_model(path, arch="llama", types=None, seed=0, n_embd=64, n_head=4
                      head_dim=None, n_ff=128, n_layer=2, n_vocab=96, sliding_window=0,
                      rope_scaling_factor=0.0, rope_freqs=False, tie_output=False, extra_tensors=(),
                      n_tokens=None, rope_dims=None, swa_pattern=None, n_expert=4, n_expert_used=2,
-                     n_ff_exp=None, metadata=None, rope_factors=False):
+                     n_ff_exp=None, metadata=None, rope_factors=False, tokens=None):
     """Write a tiny ``arch`` model with random weights to ``path``.
 
     ``types`` maps a tensor role ('attn_q', 'ffn_down', 'token_embd', 'output', 'ffn_gate_exps',
@@ -72,7 +72,8 @@ def write_tiny_model(path, arch="llama", types=None, seed=0, n_embd=64, n_head=4
     ``metadata`` adds keys ({key: value}, ``{arch}.`` prefixed when the key starts with ".";
     float32, uint32, bool or string by the value's type; a granite file has Granite 3's
     multipliers unless it sets them); ``rope_factors`` writes LongRoPE's rope_factors_long /
-    rope_factors_short (phi3). The same arguments write the same bytes (seeded). Returns the path.
+    rope_factors_short (phi3); ``tokens`` (list of str) replaces the vocabulary ``<t0>``, ``<t1>``,
+    ... (a text llama.cpp can tokenize, tests/iq_cases.py). The same arguments write the same bytes (seeded). Returns the path.
     """
     types = types or {}
     rng = np.random.default_rng(seed)
@@ -119,7 +120,7 @@ def write_tiny_model(path, arch="llama", types=None, seed=0, n_embd=64, n_head=4
             w.add_string(key, value)
     n_tok = n_vocab if n_tokens is None else n_tokens
     w.add_tokenizer_model("llama")
-    w.add_token_list([f"<t{i}>" for i in range(n_tok)])
+    w.add_token_list(list(tokens) if tokens is not None else [f"<t{i}>" for i in range(n_tok)])
     w.add_token_scores([0.0] * n_tok)
     w.add_token_types([1] * n_tok)
 

@@ -87,10 +87,10 @@ def build(case: str, folder: Path) -> Path:
     return write_tiny_model(Path(folder) / f"{case}.gguf", **ARCH_CASES[case])
 
 
-def make(case: str, folder: Path) -> Path:
-    """Run llama.cpp on one case and write its fixture; returns the fixture's path."""
-    model = build(case, folder)
-    n_vocab = ARCH_CASES[case].get("n_vocab", 96)
+def run_oracle(case: str, model: Path, folder: Path, n_vocab: int) -> dict:
+    """llama.cpp's arrays of a fixture for the GGUF model (prompts(n_vocab): p<k>_ids, p<k>_logits
+    f32[n, n_vocab], p<k>_greedy i32[N_GREEDY], p<k>_greedy_logits; gguf_sha256, case,
+    system_info). Scratch files go to folder; raises SystemExit if llama.cpp fails."""
     req = folder / f"{case}.json"
     ids = prompts(n_vocab)
     req.write_text(json.dumps({"prompts": ids, "n_greedy": N_GREEDY, "n_ctx": N_CTX}))
@@ -103,19 +103,33 @@ def make(case: str, folder: Path) -> Path:
     for k, p in enumerate(ids):
         got[f"p{k}_ids"] = np.array(p, np.int32)
     got.update(gguf_sha256=np.array(sha256(model)), case=np.array(case))
+    return got
+
+
+def make(case: str, folder: Path) -> Path:
+    """Run llama.cpp on one case and write its fixture; returns the fixture's path."""
+    model = build(case, folder)
+    got = run_oracle(case, model, folder, ARCH_CASES[case].get("n_vocab", 96))
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     out = OUT_DIR / f"{case}.npz"
     np.savez_compressed(out, **got)
     return out
 
 
-def main(argv: list[str]) -> None:
-    cases = argv or sorted(ARCH_CASES)
-    unknown = [c for c in cases if c not in ARCH_CASES]
+def checked_cases(cases: list[str], known: list[str]) -> list[str]:
+    """The cases to make (every known one when none is named). Raises SystemExit for an unknown
+    case or a missing oracle interpreter."""
+    cases = cases or known
+    unknown = [c for c in cases if c not in known]
     if unknown:
-        raise SystemExit(f"unknown case {', '.join(unknown)} (known: {', '.join(sorted(ARCH_CASES))})")
+        raise SystemExit(f"unknown case {', '.join(unknown)} (known: {', '.join(known)})")
     if not ORACLE.is_file():
         raise SystemExit(f"no oracle interpreter at {ORACLE}: build it with tools/build_oracle.sh")
+    return cases
+
+
+def main(argv: list[str]) -> None:
+    cases = checked_cases(argv, sorted(ARCH_CASES))
     with tempfile.TemporaryDirectory() as tmp:
         for case in cases:
             out = make(case, Path(tmp))
