@@ -87,10 +87,10 @@ def build(case: str, folder: Path) -> Path:
     return write_tiny_model(Path(folder) / f"{case}.gguf", **ARCH_CASES[case])
 
 
-def make(case: str, folder: Path) -> Path:
-    """Run llama.cpp on one case and write its fixture; returns the fixture's path."""
-    model = build(case, folder)
-    n_vocab = ARCH_CASES[case].get("n_vocab", 96)
+def run_oracle(case: str, model: Path, folder: Path, n_vocab: int) -> dict:
+    """llama.cpp's arrays of a fixture for the GGUF model (prompts(n_vocab): p<k>_ids, p<k>_logits
+    f32[n, n_vocab], p<k>_greedy i32[N_GREEDY], p<k>_greedy_logits; gguf_sha256, case,
+    system_info). Scratch files go to folder; raises SystemExit if llama.cpp fails."""
     req = folder / f"{case}.json"
     ids = prompts(n_vocab)
     req.write_text(json.dumps({"prompts": ids, "n_greedy": N_GREEDY, "n_ctx": N_CTX}))
@@ -103,6 +103,13 @@ def make(case: str, folder: Path) -> Path:
     for k, p in enumerate(ids):
         got[f"p{k}_ids"] = np.array(p, np.int32)
     got.update(gguf_sha256=np.array(sha256(model)), case=np.array(case))
+    return got
+
+
+def make(case: str, folder: Path) -> Path:
+    """Run llama.cpp on one case and write its fixture; returns the fixture's path."""
+    model = build(case, folder)
+    got = run_oracle(case, model, folder, ARCH_CASES[case].get("n_vocab", 96))
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     out = OUT_DIR / f"{case}.npz"
     np.savez_compressed(out, **got)
