@@ -221,8 +221,8 @@ def test_errors():
         matmul(w, T.Q8_0, np.zeros((1, 256), np.float32))
     with pytest.raises(QuantFormatError, match=r"out must be a writeable C-contiguous float32\[1, 4\]"):
         matmul(w, T.Q4_K, np.zeros((1, 256), np.float32), out=np.zeros((4, 1), np.float32))
-    with pytest.raises(QuantFormatError, match="IQ4_NL is not supported"):
-        matmul(w, T.IQ4_NL, np.zeros((1, 256), np.float32))
+    with pytest.raises(QuantFormatError, match="Q8_K is not supported"):
+        matmul(w, T.Q8_K, np.zeros((1, 256), np.float32))
 
 
 # ---------------------------------------------------------------------------------------------
