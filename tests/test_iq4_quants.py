@@ -6,17 +6,15 @@ two levels; and the quantized levels track the input (checked by decoding with g
 """
 from __future__ import annotations
 
-import subprocess
 
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf.quants import IQ4_NL as GGUF_IQ4_NL
 from gguf.quants import dequantize
 
 from quant.quantize import quantize_rows
-from tests.test_quant_blocks import ORACLE_SCRIPT
+from tests.test_quant_blocks import ggml_quantize_chunk
 
 K = 512  # 2 IQ4_XS super-blocks, 16 IQ4_NL blocks
 F32 = np.float32
@@ -83,17 +81,7 @@ WEIGHTS = _weights()
 def ggml_bytes(tmp_path_factory, oracle_python):
     """{weights name: {type: ggml_quantize_chunk bytes of X}}."""
     folder = tmp_path_factory.mktemp("ggml_oracle_iq4")
-    types = np.array([int(t) for t in IQ4], np.int64)
-    row_bytes = np.array([K // GGML_QUANT_SIZES[t][0] * GGML_QUANT_SIZES[t][1] for t in IQ4], np.int64)
-    result = {}
-    for name, qw in WEIGHTS.items():
-        extra = {} if qw is None else {"qw": qw}
-        np.savez(folder / f"in_{name}.npz", x=X, types=types, row_bytes=row_bytes, **extra)
-        subprocess.run([str(oracle_python), str(ORACLE_SCRIPT), str(folder / f"in_{name}.npz"),
-                        str(folder / f"out_{name}.npz")], check=True, timeout=300)
-        out = np.load(folder / f"out_{name}.npz")
-        result[name] = {t: out[str(int(t))] for t in IQ4}
-    return result
+    return {name: ggml_quantize_chunk(oracle_python, folder, name, X, IQ4, qw) for name, qw in WEIGHTS.items()}
 
 
 def _case_of(row: int) -> str:

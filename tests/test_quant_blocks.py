@@ -29,6 +29,21 @@ ORACLE_SCRIPT = Path(__file__).with_name("ggml_oracle_quantize.py")
 F32 = np.float32
 
 
+def ggml_quantize_chunk(oracle_python, folder: Path, tag: str, x: np.ndarray, types, qw: np.ndarray | None = None
+                        ) -> dict[T, np.ndarray]:
+    """{type: uint8[R, row bytes]}: ggml_quantize_chunk of x f32[R, K] to each type (imatrix qw f32[K] or
+    None), run by ORACLE_SCRIPT in the oracle interpreter through files ``folder/in_<tag>.npz`` / ``out_<tag>.npz``."""
+    K = x.shape[1]
+    row_bytes = np.array([K // GGML_QUANT_SIZES[t][0] * GGML_QUANT_SIZES[t][1] for t in types], np.int64)
+    extra = {} if qw is None else {"qw": qw}
+    np.savez(folder / f"in_{tag}.npz", x=x, types=np.array([int(t) for t in types], np.int64),
+             row_bytes=row_bytes, **extra)
+    subprocess.run([str(oracle_python), str(ORACLE_SCRIPT), str(folder / f"in_{tag}.npz"),
+                    str(folder / f"out_{tag}.npz")], check=True, timeout=300)
+    out = np.load(folder / f"out_{tag}.npz")
+    return {t: out[str(int(t))] for t in types}
+
+
 def _per_block(first: np.ndarray, rest: np.ndarray) -> np.ndarray:
     """Rows whose every 32-value block starts with the values `first`, then values from `rest`."""
     rows = rest.reshape(-1, K // 32, 32).copy()
@@ -297,14 +312,7 @@ def test_bad_input_raises():
 def ggml_bytes(tmp_path_factory, oracle_python) -> tuple[np.ndarray, dict[T, np.ndarray]]:
     """(x, {type: ggml_quantize_chunk bytes}) for all edge-case and non-finite rows."""
     x = np.concatenate([*CASES.values(), non_finite_rows()])
-    folder = tmp_path_factory.mktemp("ggml_oracle")
-    types = np.array([int(t) for t in QUANTIZED], np.int64)
-    row_bytes = np.array([K // GGML_QUANT_SIZES[t][0] * GGML_QUANT_SIZES[t][1] for t in QUANTIZED], np.int64)
-    np.savez(folder / "in.npz", x=x, types=types, row_bytes=row_bytes)
-    subprocess.run([str(oracle_python), str(ORACLE_SCRIPT), str(folder / "in.npz"), str(folder / "out.npz")],
-                   check=True, timeout=300)
-    out = np.load(folder / "out.npz")
-    return x, {t: out[str(int(t))] for t in QUANTIZED}
+    return x, ggml_quantize_chunk(oracle_python, tmp_path_factory.mktemp("ggml_oracle"), "all", x, QUANTIZED)
 
 
 @pytest.mark.parametrize("t", QUANTIZED, ids=lambda t: t.name)

@@ -5,15 +5,14 @@ weights change the bytes and the weighted error falls.
 """
 from __future__ import annotations
 
-import subprocess
 
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGMLQuantizationType as T
 
 from kernels_cpu.dequant import dequantize
 from quant.quantize import WEIGHTED_KERNELS, QuantizeError, quantize_rows
-from tests.test_quant_blocks import ORACLE_SCRIPT
+from tests.test_quant_blocks import ggml_quantize_chunk
 
 K = 512
 F32 = np.float32
@@ -55,16 +54,10 @@ WEIGHTS = _weights()
 def ggml_bytes(tmp_path_factory, oracle_python):
     """{weights name: (x, {type: ggml_quantize_chunk bytes with that imatrix})}."""
     folder = tmp_path_factory.mktemp("ggml_oracle_imatrix")
-    types = np.array([int(t) for t in WEIGHTED], np.int64)
-    row_bytes = np.array([K // GGML_QUANT_SIZES[t][0] * GGML_QUANT_SIZES[t][1] for t in WEIGHTED], np.int64)
     result = {}
     for i, (name, qw) in enumerate(WEIGHTS.items()):
         x = _rows(i)
-        np.savez(folder / f"in_{name}.npz", x=x, qw=qw, types=types, row_bytes=row_bytes)
-        subprocess.run([str(oracle_python), str(ORACLE_SCRIPT), str(folder / f"in_{name}.npz"),
-                        str(folder / f"out_{name}.npz")], check=True, timeout=300)
-        out = np.load(folder / f"out_{name}.npz")
-        result[name] = x, {t: out[str(int(t))] for t in WEIGHTED}
+        result[name] = x, ggml_quantize_chunk(oracle_python, folder, name, x, WEIGHTED, qw)
     return result
 
 
