@@ -12,10 +12,11 @@ from numba import njit
 
 from kernels_cpu.iq4 import _vec_dot_2acc
 from kernels_cpu.matmul_tiles import GEMV, TILED, VEC_DOT
-from kernels_cpu.matmul_tiling import NR, _blocks, _tiled
+from kernels_cpu.matmul_tiling import NR, NT, _blocks, _rows, _tiled
 
 T_ = GGMLQuantizationType
 _IQ4_NL, _IQ4_XS, _MXFP4 = int(T_.IQ4_NL), int(T_.IQ4_XS), int(T_.MXFP4)
+ND_GEMV = 8  # decode GEMV tile rows: their 8 block sums make one float vector (kernels_cpu.iq4_avx2)
 
 
 @njit(cache=True, inline="always")
@@ -37,11 +38,21 @@ def matmul_iq4_nl_q8_0(w, xqs, xd, out):
         _tiled(_IQ4_NL, VEC_DOT, NR, w, xqs, xd, xd, out)
 
 
+@njit(cache=True, inline="always")
+def _gemv(fmt, w, xqs, xd, out):
+    """The GEMV tile over all outputs: ND_GEMV x 1 tiles for decode (T < NT; one integer sum per
+    block and row, 8 rows filling one float vector), NR x NT tiles for more rows."""
+    if xqs.shape[0] < NT:
+        _rows(fmt, GEMV, ND_GEMV, w, xqs, xd, xd, out)
+    else:
+        _blocks(fmt, GEMV, NR, True, w, xqs, xd, xd, out)
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def matmul_iq4_nl_q8_0_repacked(w, xqs, xd, out):
     """IQ4_NL with R % 8 == 0, repacked to iq4_nl_8x8: ggml_gemv / ggml_gemm_iq4_nl_8x8_q8_0,
     acc = fma(I, d_w * d_x, acc) per 32-value block (the GEMV tile)."""
-    _tiled(_IQ4_NL, GEMV, NR, w, xqs, xd, xd, out)
+    _gemv(_IQ4_NL, w, xqs, xd, out)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -61,7 +72,7 @@ def matmul_mxfp4_q8_0(w, xqs, xd, out):
 @njit(parallel=True, cache=True, nogil=True)
 def matmul_mxfp4_q8_0_repacked(w, xqs, xd, out):
     """MXFP4 with R % 8 == 0, repacked to mxfp4_8x8: ggml_gemv / ggml_gemm_mxfp4_8x8_q8_0 (the GEMV tile)."""
-    _tiled(_MXFP4, GEMV, NR, w, xqs, xd, xd, out)
+    _gemv(_MXFP4, w, xqs, xd, out)
 
 
 # batch-invariant variants (see matmul_kernels): llama.cpp's arithmetic for a batch of one row at every T

@@ -288,7 +288,8 @@ from kernels_cpu.iq4_kernels import (matmul_iq4_nl_q8_0, matmul_iq4_nl_q8_0_bi, 
                                      matmul_mxfp4_q8_0, matmul_mxfp4_q8_0_repacked)
 
 # types whose kernels take int8 activation quants: the VNNI kernels, the AVX2 vpmaddubsw tiles
-ROWS_TYPES = (T_.Q5_0, T_.Q8_0, T_.Q4_K, T_.Q6_K) if HAS_VNNI else (T_.Q5_0, T_.Q8_0) if HAS_AVX2_INT8 else ()
+ROWS_TYPES = ((T_.Q5_0, T_.Q8_0, T_.Q4_K, T_.Q6_K) if HAS_VNNI else
+              (T_.Q5_0, T_.Q8_0, T_.IQ4_NL, T_.IQ4_XS, T_.MXFP4) if HAS_AVX2_INT8 else ())
 
 _REPACKED_TYPES = tuple(t for t in QUANTIZED_TYPES if TYPES[t].repacked)
 QUANT_KERNELS = kernels(globals(), "matmul", types=QUANTIZED_TYPES)  # llama.cpp's plain CPU buffer

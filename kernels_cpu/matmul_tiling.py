@@ -7,7 +7,8 @@ rows in one tile stream from DRAM at half the speed of one row). Results do not 
 tiling, so edge tiles overlap their neighbours instead of being smaller. The tile's IR comes
 from kernels_cpu.matmul_tiles, or on CPUs with AVX-512 VNNI for some types and paths from
 kernels_cpu.matmul_rows / kernels_cpu.matmul_vnni (same float operations), and on AVX2 CPUs
-without it for Q4_0 / Q5_0 / Q8_0 on path VEC_DOT from kernels_cpu.matmul_avx2.
+without it for Q4_0 / Q5_0 / Q8_0 on path VEC_DOT from kernels_cpu.matmul_avx2 and for IQ4_NL /
+IQ4_XS / MXFP4 from kernels_cpu.iq4_avx2.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from kernels_cpu.iq4_avx2 import AVX2_IQ4_PATHS, build_avx2_iq4_tile
 from kernels_cpu.iq4_decoders import FORMATS as IQ4_FORMATS
 from kernels_cpu.matmul_avx2 import build_avx2_tile
 from kernels_cpu.matmul_decoders import FORMATS
@@ -64,6 +66,8 @@ def qdot_tile(typingctx, fmt, path, nr, nt, w, r0, r_step, xq, xd, xa, t0, out):
             fn = build_vnni_tile(builder.module, f.ggml_type.name, n_r, n_t, name, x16)
         elif HAS_AVX2_INT8 and p == VEC_DOT and f.ggml_type in (T_.Q4_0, T_.Q5_0, T_.Q8_0):
             fn = build_avx2_tile(builder.module, f.ggml_type.name, n_r, n_t, name, x16)
+        elif HAS_AVX2_INT8 and (f.ggml_type, p) in AVX2_IQ4_PATHS:
+            fn = build_avx2_iq4_tile(builder.module, f.ggml_type, p, n_r, n_t, name, x16)
         elif n_r == ROWS and HAS_VNNI and (f.ggml_type in (T_.Q4_K, T_.Q6_K)
                                            or (p == GEMV and f.ggml_type in (T_.Q8_0, T_.Q5_0))):
             fn = build_rows_tile(builder.module, f.ggml_type.name, PATH_NAMES[p], n_t, name, x16)
