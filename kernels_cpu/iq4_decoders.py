@@ -24,6 +24,7 @@ from kernels_cpu.simd import (
     load,
     load_half,
     splat,
+    target_features,
     vec,
 )
 
@@ -32,9 +33,19 @@ KVALUES_IQ4NL = tuple(_GGUF_IQ4_NL.kvalues)  # int8 codes of IQ4_NL / IQ4_XS
 KVALUES_MXFP4 = tuple(_GGUF_MXFP4.kvalues)  # E2M1 values doubled (the scale is halved)
 
 
-def lookup16(b: ir.IRBuilder, table, idx):
-    """<32 x i8> idx (values 0..15) -> <32 x i8> table[idx] (x86 vpshufb ymm, AVX2)."""
-    return _x86_call(b, "llvm.x86.avx2.pshuf.b", [const_vec(I8, [v & 0xFF for v in table] * 2), idx])
+HAS_PSHUFB = "+avx2" in target_features()
+
+
+def lookup16(b: ir.IRBuilder, table, idx, native: bool = HAS_PSHUFB):
+    """<32 x i8> idx (values 0..15) -> <32 x i8> table[idx]: x86 vpshufb ymm with AVX2
+    (``native``), else a compare-and-select per table entry, which LLVM lowers on any CPU."""
+    if native:
+        return _x86_call(b, "llvm.x86.avx2.pshuf.b", [const_vec(I8, [v & 0xFF for v in table] * 2), idx])
+    out = ir.Constant(idx.type, [0] * idx.type.count)
+    for k, v in enumerate(table):
+        hit = b.icmp_unsigned("==", idx, ir.Constant(idx.type, [k] * idx.type.count))
+        out = b.select(hit, ir.Constant(idx.type, [v & 0xFF] * idx.type.count), out)
+    return out
 
 
 def e8m0_half(b: ir.IRBuilder, e):

@@ -77,3 +77,39 @@ def test_batch_invariant_rows(case):
     for r in (0, 4, 10):
         alone = matmul(w, t, np.ascontiguousarray(x[r:r + 1]), batch_invariant=True)
         assert np.array_equal(bits(batch[r]), bits(alone[0]))
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_lookup16_portable_and_native(native):
+    """lookup16's two forms (vpshufb; compare-and-select for CPUs without AVX2) give table[idx]
+    for every index, each table (kvalues_iq4nl, kvalues_mxfp4), JIT-compiled with llvmlite."""
+    import ctypes
+
+    import llvmlite.binding as llvm
+    from llvmlite import ir
+
+    from kernels_cpu.iq4_decoders import HAS_PSHUFB, KVALUES_IQ4NL, KVALUES_MXFP4, lookup16
+    from kernels_cpu.simd import BYTE_PTR, I8, load, vec
+
+    if native and not HAS_PSHUFB:
+        pytest.skip("no AVX2 on this CPU")
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    rng = np.random.default_rng(7)
+    idx = np.concatenate([np.arange(16), rng.integers(0, 16, 16)]).astype(np.int8)
+    for table in (KVALUES_IQ4NL, KVALUES_MXFP4):
+        m = ir.Module("lookup16")
+        m.triple = llvm.get_process_triple()
+        fn = ir.Function(m, ir.FunctionType(ir.VoidType(), [BYTE_PTR, BYTE_PTR]), "f")
+        b = ir.IRBuilder(fn.append_basic_block())
+        v = lookup16(b, table, load(b, fn.args[0], 0, vec(I8, 32)), native)
+        b.store(v, b.bitcast(fn.args[1], vec(I8, 32).as_pointer()), align=1)
+        b.ret_void()
+        tm = llvm.Target.from_default_triple().create_target_machine(
+            cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten())
+        ee = llvm.create_mcjit_compiler(llvm.parse_assembly(str(m)), tm)
+        ee.finalize_object()
+        f = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)(ee.get_function_address("f"))
+        out = np.zeros(32, np.int8)
+        f(idx.ctypes.data, out.ctypes.data)
+        np.testing.assert_array_equal(out, np.array(table, np.int8)[idx])
