@@ -195,8 +195,9 @@ def _block(b, t, path, rows, blk, accs, x16: bool):
     res = []
     for g, v in enumerate(tot):
         fv = b.sitofp(v, V8F32)
-        if t == T.MXFP4:
-            dw = _by_output(b, [dws[i // nt] for i in range(n)], n, g)
+        if t == T.MXFP4:  # the exponent bytes gathered, then converted as one vector
+            exps = _by_output(b, [load(b, p, TYPES[t].offset("e"), I8) for p in ptrs for _ in range(nt)], n, g, I8)
+            dw = e8m0_half(b, exps)
         else:  # the binary16 bits gathered, then one vcvtph2ps
             bits = _by_output(b, [load(b, p, TYPES[t].offset("d"), I16) for p in ptrs for _ in range(nt)], n, g, I16)
             dw = b.fpext(b.bitcast(bits, vec(ir.HalfType(), 8)), V8F32)

@@ -49,12 +49,18 @@ def lookup16(b: ir.IRBuilder, table, idx, native: bool = HAS_PSHUFB):
 
 
 def e8m0_half(b: ir.IRBuilder, e):
-    """float32 of an e8m0 exponent byte (i8) halved, exactly as ggml_e8m0_to_fp32_half:
-    bits 0x00200000 << e for e < 2, else (e - 1) << 23."""
-    e32 = b.zext(e, I32)
-    small = b.shl(ir.Constant(I32, 0x00200000), e32)
-    big = b.shl(b.sub(e32, ir.Constant(I32, 1)), ir.Constant(I32, 23))
-    return b.bitcast(b.select(b.icmp_unsigned("<", e32, ir.Constant(I32, 2)), small, big), F32)
+    """float32 of an e8m0 exponent byte (i8, or each lane of <n x i8>) halved, exactly as
+    ggml_e8m0_to_fp32_half: bits 0x00200000 << e for e < 2, else (e - 1) << 23."""
+    n = e.type.count if isinstance(e.type, ir.VectorType) else 0
+    i32, f32 = (vec(I32, n), vec(F32, n)) if n else (I32, F32)
+
+    def c(v):
+        return ir.Constant(i32, [v] * n) if n else ir.Constant(I32, v)
+
+    e32 = b.zext(e, i32)
+    small = b.shl(c(0x00200000), e32)
+    big = b.shl(b.sub(e32, c(1)), c(23))
+    return b.bitcast(b.select(b.icmp_unsigned("<", e32, c(2)), small, big), f32)
 
 
 class IQ4_NL(BlockFormat):

@@ -24,6 +24,7 @@ import tempfile
 import time
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from kernels_cpu.ggml_types import TYPES
 
@@ -46,6 +47,8 @@ def random_rows(t, R: int, K: int, rng) -> np.ndarray:
                 rng.normal(0, 0.02, (R, K)).astype(np.float16).view(np.uint8))
     raw[..., :2] = raw[..., :2] & np.uint8(0x3F)  # keep a leading f16 field finite (exponent < 31)
     raw[..., -2:] = raw[..., -2:] & np.uint8(0x3F)
+    if t == GGMLQuantizationType.MXFP4:  # e8m0 exponent byte near 2^0, as in real files (no subnormal products)
+        raw[..., 0] = rng.integers(120, 135, raw.shape[:-1], dtype=np.uint8)
     return raw.reshape(R, -1)
 
 
