@@ -33,7 +33,7 @@ from kernels_cpu.ggml_types import TYPES
 from kernels_cpu.iq4_decoders import KVALUES_IQ4NL, KVALUES_MXFP4, e8m0_half, lookup16
 from kernels_cpu.matmul_avx2 import _quants
 from kernels_cpu.matmul_tiles import GEMV, TILED, VEC_DOT
-from kernels_cpu.simd import (F32, _x86_call, I8, I16, I32, I64, fmuladd, load, load_half, madd_u8_s8_256, shuffle,
+from kernels_cpu.simd import (F32, I8, I16, I32, I64, _x86_call, fmuladd, load, load_half, madd_u8_s8_256, shuffle,
                               sign_i8_256, splat, sum_pairs_i16_256, tile_function, vec)
 
 V8I32, V8F32, V16I16, V32I8 = vec(I32, 8), vec(F32, 8), vec(I16, 16), vec(I8, 32)
@@ -77,9 +77,13 @@ def _segment(b, t, p, j):
 
 # merges of two <8 x i32> vectors a, c (indices >= 8 pick from c): result lane l = src[lo[l]] + src[hi[l]]
 _MERGES = {
+    "unpack": ([0, 8, 1, 9, 4, 12, 5, 13], [2, 10, 3, 11, 6, 14, 7, 15]),  # vpunpckldq + vpunpckhdq
     "lane": ([0, 2, 8, 10, 4, 6, 12, 14], [1, 3, 9, 11, 5, 7, 13, 15]),  # within 128-bit lanes (vshufps)
     "halves": ([0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]),  # lane k + lane k + 4 (vperm2i128)
 }
+
+
+KINDS = ("unpack", "lane", "halves")
 
 
 def _merged(kind: str, a: list, c: list):
@@ -120,7 +124,7 @@ def _plan(n: int):
         if len(labels) % 2:
             labels = labels + [labels[-1]]
         pairs = [(k, k + 1) for k in range(0, len(labels), 2)]
-        for kind in ("lane", "halves"):
+        for kind in KINDS:
             merged = [_merged(kind, labels[a], labels[c]) for a, c in pairs]
             if all(merged):
                 break
