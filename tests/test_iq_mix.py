@@ -94,8 +94,13 @@ def test_refusals_before_writing(gemma_f16_path, tmp_path, capsys):
     assert err.count("\n") == 0 and "the IQ2_M mix needs GGML types IQ2_S, IQ3_S, which edge cannot write yet" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["syn.imatrix.gguf"]
     assert main(["quantize", str(gemma_f16_path), str(out), "IQ2_M", "--dry-run"]) == 0
-    plan = capsys.readouterr().out.splitlines()
+    captured = capsys.readouterr()
+    plan = captured.out.splitlines()
     assert len(plan) == 237 and any("F16 -> IQ2_S" in line for line in plan) and not out.exists()
+    # and says, in one line on stderr, that the real run would stop
+    err = captured.err.strip()
+    assert err.count("\n") == 0 and err.startswith("note: the real run would stop before writing: IQ2_M requires "
+                                                   "an importance matrix (--imatrix): tensor blk.")
     # the per-type refusals of the planned mixes, without running the CLI
     gf = GGUFFile(gemma_f16_path)
     tensors, model = [(t.name, t.shape, t.ggml_type) for t in gf.tensors.values()], ModelParams.from_gguf(gf)

@@ -41,8 +41,9 @@ def add_parser(sub) -> None:
 
 
 def cmd_quantize(args) -> int:
-    from quant.mix import QuantizeOptions, parse_file_type, parse_tensor_type
+    from quant.mix import QuantizeOptions, check_writable, parse_file_type, parse_tensor_type
     from quant.pipeline import check_output_path, plan_quantize, quantize_file
+    from quant.quantize import SUPPORTED_TYPES, QuantizeError
 
     def tensor_type(value, flag):
         return None if value is None else parse_tensor_type(value, flag)
@@ -57,7 +58,12 @@ def cmd_quantize(args) -> int:
         token_embedding_type=tensor_type(args.token_embedding_type, "--token-embedding-type"))
     if args.dry_run:
         check_output_path(args.input, args.output, args.imatrix)      # what the real run refuses (quantize_file)
-        _print_quantize_plan(plan_quantize(args.input, ftype, options, imatrix))
+        plan = plan_quantize(args.input, ftype, options, imatrix)
+        _print_quantize_plan(plan)
+        try:                                                            # say so if the real run would stop
+            check_writable(plan.tensors, ftype, None if imatrix is None else imatrix.weights, SUPPORTED_TYPES)
+        except QuantizeError as e:
+            print(f"note: the real run would stop before writing: {e}", file=sys.stderr)
         return 0
     set_threads(args.threads)
     t0 = time.perf_counter()
