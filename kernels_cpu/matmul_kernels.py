@@ -23,9 +23,10 @@ from kernels_cpu.f16 import f16_to_f32, f32_to_f16
 from kernels_cpu.ggml_types import QUANTIZED_TYPES, TYPES, kernels
 from kernels_cpu.iq1tq import (matmul_iq1_m_q8_k, matmul_iq1_m_q8_k_bi, matmul_iq1_s_q8_k,  # noqa: F401
                                matmul_iq1_s_q8_k_bi, matmul_tq1_0_q8_k, matmul_tq2_0_q8_k)
-from kernels_cpu.iq23 import (matmul_iq2_s_q8_k, matmul_iq2_s_q8_k_bi, matmul_iq2_xs_q8_k,  # noqa: F401
-                              matmul_iq2_xs_q8_k_bi, matmul_iq2_xxs_q8_k, matmul_iq2_xxs_q8_k_bi, matmul_iq3_s_q8_k,
-                              matmul_iq3_s_q8_k_bi, matmul_iq3_xxs_q8_k, matmul_iq3_xxs_q8_k_bi)
+from kernels_cpu.iq23_kernels import (matmul_iq2_s_q8_k, matmul_iq2_s_q8_k_bi, matmul_iq2_xs_q8_k,  # noqa: F401
+                                      matmul_iq2_xs_q8_k_bi, matmul_iq2_xxs_q8_k, matmul_iq2_xxs_q8_k_bi,
+                                      matmul_iq3_s_q8_k, matmul_iq3_s_q8_k_bi, matmul_iq3_xxs_q8_k,
+                                      matmul_iq3_xxs_q8_k_bi)
 from kernels_cpu.matmul_rows import Q0_ROWS
 from kernels_cpu.matmul_tiles import GEMM, GEMV, TILED, VEC_DOT
 from kernels_cpu.matmul_tiling import ND_Q6_K, NR, NR_Q0, NR_ROWS, NT_WIDE, _blocks, _rows, _tiled
