@@ -78,6 +78,16 @@ def _entry(b, table, idx):
     return b.load(b.gep(table, [ir.Constant(I32, 0), b.zext(idx, I64)]))
 
 
+def _indices(b, grid, p, at_qs: int, at_qh: int, shifts: list, mask: int):
+    """Grid entries of len(shifts) indices qs[k] | ((qh << shifts[k]) & mask) (the bytes qs at
+    ``at_qs``, the high bits from the byte at ``at_qh``), the indices formed in one vector."""
+    n = len(shifts)
+    lo = b.zext(load(b, p, at_qs, vec(I8, n)), vec(I32, n))
+    high = b.shl(splat(b, _byte(b, p, at_qh), n), ir.Constant(vec(I32, n), shifts))
+    idx = b.or_(lo, b.and_(high, ir.Constant(vec(I32, n), [mask] * n)))
+    return [_entry(b, grid, b.extract_element(idx, _c(k))) for k in range(n)]
+
+
 def _byte(b, p, at):
     return b.zext(load(b, p, at, I8), I32)
 
@@ -96,16 +106,12 @@ def _group(b, t, p, g: int, tabs):
     sign word i32 (bit i set: value i negated), scales <16 x i16> (2s + 1 of the maddubs lane's values))."""
     grid, ks = tabs
     if t == T.IQ3_S:  # qs[64] at 2 | qh[8] at 66 | signs[32] at 74 | scales[4] at 106
-        qh = _byte(b, p, 66 + g)
-        ents = [_entry(b, grid, b.or_(_byte(b, p, 2 + 8 * g + k), b.shl(b.and_(b.lshr(qh, _c(k)), _c(1)), _c(8))))
-                for k in range(8)]
+        ents = _indices(b, grid, p, 2 + 8 * g, 66 + g, [8 - k for k in range(8)], 0x100)
         sign = load(b, p, 74 + 4 * g, I32)
         ls = b.and_(b.lshr(_byte(b, p, 106 + g // 2), _c(4 * (g % 2))), _c(15))
         scales = (ls, ls)
     elif t == T.IQ2_S:  # qs[32] at 2 | signs[32] at 34 | qh[8] at 66 | scales[8] at 74
-        qh = _byte(b, p, 66 + g)
-        ents = [_entry(b, grid, b.or_(_byte(b, p, 2 + 4 * g + k), b.shl(b.and_(b.lshr(qh, _c(2 * k)), _c(3)), _c(8))))
-                for k in range(4)]
+        ents = _indices(b, grid, p, 2 + 4 * g, 66 + g, [8 - 2 * k for k in range(4)], 0x300)
         sign = load(b, p, 34 + 4 * g, I32)
         sc = _byte(b, p, 74 + g)
         scales = (b.and_(sc, _c(15)), b.lshr(sc, _c(4)))
