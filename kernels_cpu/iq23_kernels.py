@@ -3,7 +3,7 @@ backend (AVX2) computes them; imported into kernels_cpu.matmul_kernels (shapes a
 w uint8[R, row_bytes], xqs int8|int16[T, K], xd float32[T, K/256], xbsums int16[T, K/16]
 (unused), out float32[T, R]).
 
-On CPUs with AVX2 and without AVX-512 VNNI (kernels_cpu.simd.HAS_AVX2_INT8) they run the
+On CPUs with AVX2 (kernels_cpu.simd.HAS_AVX2, AVX-512 CPUs included) they run the
 vector tiles of kernels_cpu.iq23_avx2 through qdot_tile: ggml_vec_dot_iq*_q8_K (the VEC_DOT
 tile) for T < 8, llama.cpp's tiled kernels (ggml-cpu/tiled, the TILED tile) for T >= 8, and the
 ``_bi`` (batch-invariant) kernels the VEC_DOT tile for every T. Elsewhere, kernels_cpu.iq23's
@@ -20,12 +20,12 @@ from numba import njit
 from kernels_cpu import iq23
 from kernels_cpu.matmul_tiles import TILED, VEC_DOT
 from kernels_cpu.matmul_tiling import NR, _blocks, _tiled
-from kernels_cpu.simd import HAS_AVX2_INT8
+from kernels_cpu.simd import HAS_AVX2
 
 T_ = GGMLQuantizationType
 _IQ2_XXS, _IQ2_XS, _IQ2_S = int(T_.IQ2_XXS), int(T_.IQ2_XS), int(T_.IQ2_S)
 _IQ3_XXS, _IQ3_S = int(T_.IQ3_XXS), int(T_.IQ3_S)
-AVX2_TYPES = frozenset({"iq3_s", "iq2_s", "iq3_xxs", "iq2_xxs", "iq2_xs"}) if HAS_AVX2_INT8 else frozenset()  # types on the vector tiles
+AVX2_TYPES = frozenset({"iq3_s", "iq2_s", "iq3_xxs", "iq2_xxs", "iq2_xs"}) if HAS_AVX2 else frozenset()  # types on the vector tiles
 
 
 @njit(cache=True, inline="always")

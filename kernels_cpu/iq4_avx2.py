@@ -14,10 +14,14 @@ bit: integer sums are exact in both, and the float operations are the same per o
 * TILED (IQ4_XS, T >= 8: ggml-cpu/tiled): one integer S per 256 values (the scaled sub-block
   sums), r = float(S) * d_w, acc = fma(r, d_x, acc).
 
-The products follow llama.cpp's AVX2 code (mul_add_epi8 in ggml_vec_dot_iq4_nl_q8_0 /
-ggml_vec_dot_iq4_xs_q8_K): codes c = table[nibble] (kvalues_iq4nl, -127..113, or kvalues_mxfp4)
-by the sign trick, ``vpmaddubsw(|c|, x * sign(c))``: pair sums at most 2 * 127 * 127 = 32258, so
-no int16 saturation (activation quants in [-127, 127], as quantize_row_q8_0 / _q8_K make them).
+The products are exact integers as in llama.cpp's AVX2 code (mul_add_epi8 in
+ggml_vec_dot_iq4_nl_q8_0 / ggml_vec_dot_iq4_xs_q8_K), by a sign trick turned around: codes
+c = table[nibble] (kvalues_iq4nl, -127..113, or kvalues_mxfp4, -12..12), ``vpmaddubsw(|x|,
+c * sign(x))``, so |x| is taken once per activation segment for all weight rows and each row
+costs one ``vpsignb`` (llama.cpp's |c|, x * sign(c) costs two). |c * sign(x)| <= 127 and |x| <=
+127 (activation quants in [-127, 127], as quantize_row_q8_0 / _q8_K make them): pair sums at
+most 2 * 127 * 127 = 32258, no int16 saturation. The tables hold no -128, which ``vpsignb``
+could not negate.
 One output's partial integer sums are added across lanes with shuffles, exactly, 8 outputs per
 vector, and the float updates of GEMV / TILED run on those 8-output vectors.
 
@@ -33,10 +37,16 @@ from kernels_cpu.ggml_types import TYPES
 from kernels_cpu.iq4_decoders import KVALUES_IQ4NL, KVALUES_MXFP4, e8m0_half, lookup16
 from kernels_cpu.matmul_avx2 import _quants
 from kernels_cpu.matmul_tiles import GEMV, TILED, VEC_DOT
-from kernels_cpu.simd import (F32, I8, I16, I32, I64, _x86_call, fmuladd, load, load_half, madd_u8_s8_256, shuffle,
-                              sign_i8_256, splat, sum_pairs_i16_256, tile_function, vec)
+from kernels_cpu.simd import (F32, HAS_VNNI, I8, I16, I32, I64, _x86_call, dot_i16, dot_u8_s8, fmuladd, load,
+                              load_half, madd_u8_s8_256, shuffle, sign_i8_256, splat, sum_pairs_i16_256,
+                              tile_function, vec)
 
 V8I32, V8F32, V16I16, V32I8 = vec(I32, 8), vec(F32, 8), vec(I16, 16), vec(I8, 32)
+_ZERO8 = ir.Constant(V8I32, [0] * 8)
+
+
+def _lanes32(value: int):
+    return ir.Constant(V8I32, [value] * 8)
 # (type, path) pairs these tiles compute; every other pair keeps the generic tile
 AVX2_IQ4_PATHS = frozenset({(T.IQ4_NL, VEC_DOT), (T.IQ4_NL, GEMV), (T.MXFP4, GEMV), (T.MXFP4, VEC_DOT),
                             (T.IQ4_XS, VEC_DOT), (T.IQ4_XS, TILED)})
@@ -51,28 +61,25 @@ def _scale_d(b, t, p):
 
 
 def _xs_scales(b, p):
-    """The 8 sub-block scales ls_j - 32 of the IQ4_XS block at p, as i16 (block_iq4_xs:
-    ls_j = (scales_l[j/2] >> 4(j%2)) & 0xF | ((scales_h >> 2j) & 3) << 4)."""
+    """The 8 sub-block scales ls_j - 32 of the IQ4_XS block at p, each as <16 x i16> (block_iq4_xs:
+    ls_j = (scales_l[j/2] >> 4(j%2)) & 0xF | ((scales_h >> 2j) & 3) << 4), formed in one vector."""
     row = TYPES[T.IQ4_XS]
-    sh = b.zext(load(b, p, row.offset("scales_h"), I16), I32)
-    sl = load(b, p, row.offset("scales_l"), I32)
-    out = []
-    for j in range(8):
-        low = b.and_(b.lshr(sl, ir.Constant(I32, 8 * (j // 2) + 4 * (j % 2))), ir.Constant(I32, 0xF))
-        high = b.shl(b.and_(b.lshr(sh, ir.Constant(I32, 2 * j)), ir.Constant(I32, 3)), ir.Constant(I32, 4))
-        out.append(b.trunc(b.sub(b.or_(low, high), ir.Constant(I32, 32)), I16))
-    return out
+    sh = splat(b, b.zext(load(b, p, row.offset("scales_h"), I16), I32), 8)
+    sl = splat(b, load(b, p, row.offset("scales_l"), I32), 8)
+    low = b.and_(b.lshr(sl, ir.Constant(V8I32, [8 * (j // 2) + 4 * (j % 2) for j in range(8)])), _lanes32(0xF))
+    high = b.shl(b.and_(b.lshr(sh, ir.Constant(V8I32, [2 * j for j in range(8)])), _lanes32(3)), _lanes32(4))
+    ls = b.bitcast(b.sub(b.or_(low, high), _lanes32(32)), V16I16)  # lane j's i16 at 2j
+    return [shuffle(b, ls, [2 * j] * 16) for j in range(8)]
 
 
-def _segment(b, t, p, j):
-    """(|c|, c) <32 x i8> of 32-value segment j of the block at p: c = table[nibble], low nibbles
-    (values 0..15) first."""
+def _segment(b, t, p, j, shift: int = 0):
+    """<32 x i8> codes c + shift (c = table[nibble]) of 32-value segment j of the block at p, low
+    nibbles (values 0..15) first."""
     at = TYPES[t].offset("qs") + 16 * j
     both = shuffle(b, load(b, p, at, vec(I8, 16)), list(range(16)) * 2)  # vbroadcasti128
     high = b.lshr(b.bitcast(both, V8I32), ir.Constant(V8I32, [0] * 4 + [4] * 4))  # vpsrlvd: high lane >> 4
     idx = b.and_(b.bitcast(high, V32I8), ir.Constant(V32I8, [0x0F] * 32))
-    codes = lookup16(b, _TABLES[t], idx)
-    return sign_i8_256(b, codes, codes), codes
+    return lookup16(b, [c + shift for c in _TABLES[t]], idx)
 
 
 # merges of two <8 x i32> vectors a, c (indices >= 8 pick from c): result lane l = src[lo[l]] + src[hi[l]]
@@ -180,15 +187,26 @@ def _block(b, t, path, rows, blk, accs, x16: bool):
     lanes = [None] * n
     for j in range(n_seg):
         xs = [_quants(b, xq, b.add(x_at, ir.Constant(I64, 32 * j)), x16) for xq in rows["xq"]]
+        if HAS_VNNI and scales is None:  # (c + 128) * x by vpdpbusd, from -128 * (sum of x's 4 values)
+            starts = [b.sub(_ZERO8, dot_u8_s8(b, _ZERO8, ir.Constant(V32I8, [-128] * 32), x)) for x in xs]
+            for r, p in enumerate(ptrs):
+                codes = _segment(b, t, p, j, 128)
+                for tt in range(nt):
+                    lanes[r * nt + tt] = dot_u8_s8(b, starts[tt], codes, xs[tt])
+            continue
+        abs_xs = [sign_i8_256(b, x, x) for x in xs]  # |x|, once for all weight rows
         for r, p in enumerate(ptrs):
-            mag, codes = _segment(b, t, p, j)
+            codes = _segment(b, t, p, j)
             for tt in range(nt):
-                p16 = madd_u8_s8_256(b, mag, sign_i8_256(b, xs[tt], codes))
+                p16 = madd_u8_s8_256(b, abs_xs[tt], sign_i8_256(b, codes, xs[tt]))
+                i = r * nt + tt
+                if scales is not None and HAS_VNNI:  # vpdpwssd: the scaled pair sums added in one step
+                    lanes[i] = dot_i16(b, _ZERO8 if lanes[i] is None else lanes[i], p16, scales[r][j])
+                    continue
                 if scales is None:
                     part = sum_pairs_i16_256(b, p16)
                 else:
-                    part = _x86_madd(b, p16, splat(b, scales[r][j], 16))
-                i = r * nt + tt
+                    part = _x86_madd(b, p16, scales[r][j])
                 lanes[i] = part if lanes[i] is None else b.add(lanes[i], part)
     new = dict(accs)
     if path == VEC_DOT:

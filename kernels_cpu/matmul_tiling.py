@@ -29,7 +29,7 @@ from kernels_cpu.matmul_decoders import FORMATS
 from kernels_cpu.matmul_rows import ROWS, build_rows_tile
 from kernels_cpu.matmul_tiles import GEMV, PATH_NAMES, VEC_DOT, build_tile
 from kernels_cpu.matmul_vnni import build_vnni_tile
-from kernels_cpu.simd import BYTE_PTR, HAS_AVX2_INT8, HAS_VNNI, I64
+from kernels_cpu.simd import BYTE_PTR, HAS_AVX2, HAS_AVX2_INT8, HAS_VNNI, I64
 
 T_ = GGMLQuantizationType
 FORMATS = {**FORMATS, **IQ4_FORMATS, **IQ23_FORMATS}  # every quantized type's IR decoder (IQ2/IQ3: AVX2 tiles only)
@@ -69,9 +69,9 @@ def qdot_tile(typingctx, fmt, path, nr, nt, w, r0, r_step, xq, xd, xa, t0, out):
             fn = build_vnni_tile(builder.module, f.ggml_type.name, n_r, n_t, name, x16)
         elif HAS_AVX2_INT8 and p == VEC_DOT and f.ggml_type in (T_.Q4_0, T_.Q5_0, T_.Q8_0):
             fn = build_avx2_tile(builder.module, f.ggml_type.name, n_r, n_t, name, x16)
-        elif HAS_AVX2_INT8 and (f.ggml_type, p) in AVX2_IQ4_PATHS:
+        elif HAS_AVX2 and (f.ggml_type, p) in AVX2_IQ4_PATHS:
             fn = build_avx2_iq4_tile(builder.module, f.ggml_type, p, n_r, n_t, name, x16)
-        elif HAS_AVX2_INT8 and (f.ggml_type, p) in AVX2_IQ23_PATHS:
+        elif HAS_AVX2 and (f.ggml_type, p) in AVX2_IQ23_PATHS:
             fn = build_avx2_iq23_tile(builder.module, f.ggml_type, p, n_r, n_t, name, x16)
         elif n_r == ROWS and HAS_VNNI and (f.ggml_type in (T_.Q4_K, T_.Q6_K)
                                            or (p == GEMV and f.ggml_type in (T_.Q8_0, T_.Q5_0))):

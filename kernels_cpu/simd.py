@@ -192,8 +192,10 @@ def target_features() -> frozenset:
 # AVX-512 VNNI on 256- and 512-bit vectors (EVEX vpdpbusd / vpdpwssd ymm need avx512vl too,
 # vpmaddubsw zmm avx512bw)
 HAS_VNNI = {"+avx512vnni", "+avx512vl", "+avx512bw"} <= target_features()
+# AVX2 (also on AVX-512 CPUs): vpshufb / vpmaddubsw ymm tiles (kernels_cpu.iq4_avx2, iq23_avx2)
+HAS_AVX2 = "+avx2" in target_features()
 # AVX2 without VNNI: 8-bit products through vpmaddubsw ymm (kernels_cpu.matmul_avx2)
-HAS_AVX2_INT8 = "+avx2" in target_features() and not HAS_VNNI
+HAS_AVX2_INT8 = HAS_AVX2 and not HAS_VNNI
 
 
 def _x86_call(b: ir.IRBuilder, name: str, args, ret: ir.Type | None = None):
