@@ -1,5 +1,6 @@
-"""Q4_0 / Q5_0 / Q8_0 (vec_dot) matmul tiles for CPUs with AVX2 and without AVX-512 VNNI: 8-bit
-products through ``vpmaddubsw``, one weight row per 256-bit vector.
+"""Q4_0 / Q5_0 / Q8_0 (vec_dot) matmul tiles for CPUs with AVX2 and without AVX-512 VNNI, and
+Q4_1 / Q5_1 tiles for every CPU with AVX2: 8-bit products through ``vpmaddubsw`` (``vpdpbusd``
+where AVX-512 VNNI is there), one weight row per 256-bit vector.
 
 They reproduce the generic tiles of path VEC_DOT (kernels_cpu.matmul_tiles) for these types,
 whose float part is 8 lanes per output: lane j holds the integer sum of values 4j..4j+3 of the
@@ -17,9 +18,14 @@ tinyBLAS_Q0_AVX).
   (``vpsignb``; |x| <= 127), pair sums at most 2 * 128 * 127 = 32512.
 * Q4_0 / Q5_0: the unsigned codes q (0..15, 0..31) times x, at most 2 * 31 * 127 = 7874, and the
   offset (8, 16) times the sum of x's 4 values subtracted, computed once per activation block.
+* Q4_1 / Q5_1 (x Q8_1, ggml_vec_dot_q4_1_q8_1 / _q5_1_q8_1): the unsigned codes times x, no
+  offset; the block minimum enters as llama.cpp's scalar chain sum = fma(m_w, s_x, sum) per
+  output (s_x: the Q8_1 block's d * sum of its quants), added after hsum_float_8.
 
 Activation quants must lie in [-127, 127], as quantize_row_q8_0 makes them (d = amax / 127; a
 -128 would not be negated by ``vpsignb`` in the Q8_0 tile).
+
+With AVX-512 VNNI the lanes come from one ``vpdpbusd`` (same exact integers, no int16 step).
 
 numba's on-disk cache keys matmul's kernels on matmul_kernels.py only: after editing this module,
 clear kernels_cpu/__pycache__/matmul_kernels.*.nbi / .nbc.
@@ -30,12 +36,12 @@ from gguf import GGMLQuantizationType as T
 from llvmlite import ir
 
 from kernels_cpu.ggml_types import TYPES
-from kernels_cpu.simd import (F32, I8, I16, I32, I64, bit_lanes, concat, fmuladd, load, load_half, madd_u8_s8_256,
-                              shuffle, sign_i8_256, splat, sum_pairs_i16_256, tile_function, vec)
+from kernels_cpu.simd import (F32, HAS_VNNI, I8, I16, I32, I64, bit_lanes, concat, dot_u8_s8, fmuladd, load, load_half,
+                              madd_u8_s8_256, shuffle, sign_i8_256, splat, sum_pairs_i16_256, tile_function, vec)
 
 V32I8, V8I32, V8F32 = vec(I8, 32), vec(I32, 8), vec(F32, 8)
-AVX2_TYPES = ("Q4_0", "Q5_0", "Q8_0")
-_OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 0}  # subtracted from the unsigned codes
+AVX2_TYPES = ("Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1")
+_OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 0, "Q4_1": 0, "Q5_1": 0}  # subtracted from the unsigned codes
 
 
 def _bytes(value: int):
@@ -43,7 +49,10 @@ def _bytes(value: int):
 
 
 def _sum4(b, u8, s8):
-    """<8 x i32>: lane j = sum of u8[k] * s8[k] for k = 4j..4j+3 (vpmaddubsw, then vpmaddwd with ones)."""
+    """<8 x i32>: lane j = sum of u8[k] * s8[k] for k = 4j..4j+3 (vpdpbusd with AVX-512 VNNI, else
+    vpmaddubsw, then vpmaddwd with ones; the pair sums must not saturate, see the module docstring)."""
+    if HAS_VNNI:
+        return dot_u8_s8(b, ir.Constant(V8I32, [0] * 8), u8, s8)
     return sum_pairs_i16_256(b, madd_u8_s8_256(b, u8, s8))
 
 
@@ -55,9 +64,9 @@ def _codes(b, name: str, p):
         return load(b, p, at, V32I8)
     qs = load(b, p, at, vec(I8, 16))
     low = concat(b, b.and_(qs, ir.Constant(vec(I8, 16), [0x0F] * 16)), b.lshr(qs, ir.Constant(vec(I8, 16), [4] * 16)))
-    if name == "Q4_0":
+    if name in ("Q4_0", "Q4_1"):
         return low
-    qh = bit_lanes(b, load(b, p, TYPES[T.Q5_0].offset("qh"), I32))  # bit 4 of value j = bit j of qh
+    qh = bit_lanes(b, load(b, p, TYPES[T[name]].offset("qh"), I32))  # bit 4 of value j = bit j of qh
     return b.or_(low, b.select(qh, _bytes(16), _bytes(0)))
 
 
@@ -78,22 +87,26 @@ def _block(b, name: str, rows, blk, accs, x16: bool):
         dxs.append(load(b, xd, b.mul(blk, ir.Constant(I64, 4)), F32))
         if offset:  # -offset * (sum of x's values 4j..4j+3)
             starts.append(b.sub(ir.Constant(V8I32, [0] * 8), _sum4(b, _bytes(offset), xs[-1])))
-    acc = list(accs["acc"])
+    acc, sums = list(accs["acc"]), list(accs.get("sum", ()))
     nt = len(xs)
     for r, w in enumerate(rows["w"]):
         p = b.gep(w, [b.mul(blk, ir.Constant(I64, block_bytes))])
         codes = _codes(b, name, p)
         dw = load_half(b, p, 0)
+        if sums:  # Q4_1 / Q5_1: + m_w * s_x, a scalar fma chain per output
+            m = load_half(b, p, TYPES[T[name]].offset("m"))
+            for t, xa in enumerate(rows["xa"]):
+                sums[r * nt + t] = fmuladd(b, m, load(b, xa, b.mul(blk, ir.Constant(I64, 4)), F32), sums[r * nt + t])
         if name == "Q8_0":
             magnitude = sign_i8_256(b, codes, codes)  # |w|: -128 -> 0x80, 128 as unsigned
         for t in range(nt):
             if name == "Q8_0":
                 lanes = _sum4(b, magnitude, sign_i8_256(b, xs[t], codes))
             else:
-                lanes = b.add(_sum4(b, codes, xs[t]), starts[t])
+                lanes = b.add(_sum4(b, codes, xs[t]), starts[t]) if offset else _sum4(b, codes, xs[t])
             scale = splat(b, b.fmul(dxs[t], dw), 8)
             acc[r * nt + t] = fmuladd(b, scale, b.sitofp(lanes, V8F32), acc[r * nt + t])
-    return {"acc": acc}
+    return {"acc": acc, "sum": sums} if sums else {"acc": acc}
 
 
 def build_avx2_tile(module: ir.Module, ggml_type_name: str, nr: int, nt: int, name: str, x16: bool) -> ir.Function:
@@ -107,13 +120,17 @@ def build_avx2_tile(module: ir.Module, ggml_type_name: str, nr: int, nt: int, na
         return _block(b, ggml_type_name, rows, blk, accs, x16)
 
     def finish(b, new):
-        """hsum_float_8 = ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))."""
+        """hsum_float_8 = ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), then + the m * s sum."""
         out = {}
         for i, v in enumerate(new["acc"]):
             for step in (4, 2, 1):  # lane j + lane j ^ step
                 v = b.fadd(v, shuffle(b, v, [lane ^ step for lane in range(8)]))
             out[divmod(i, nt)] = b.extract_element(v, ir.Constant(I32, 0))
+            if "sum" in new:
+                out[divmod(i, nt)] = b.fadd(out[divmod(i, nt)], new["sum"][i])
         return out
 
-    zeros = [ir.Constant(V8F32, [0.0] * 8)] * (nr * nt)
-    return tile_function(module, name, nr, nt, {"acc": zeros}, body, finish, TYPES[T[ggml_type_name]].type_size)
+    accs = {"acc": [ir.Constant(V8F32, [0.0] * 8)] * (nr * nt)}
+    if ggml_type_name in ("Q4_1", "Q5_1"):
+        accs["sum"] = [ir.Constant(F32, 0.0)] * (nr * nt)
+    return tile_function(module, name, nr, nt, accs, body, finish, TYPES[T[ggml_type_name]].type_size)

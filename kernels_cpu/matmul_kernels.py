@@ -291,7 +291,7 @@ from kernels_cpu.iq4_kernels import (matmul_iq4_nl_q8_0, matmul_iq4_nl_q8_0_bi, 
 
 # types whose kernels take int8 activation quants: the VNNI kernels, the AVX2 vpmaddubsw tiles
 ROWS_TYPES = ((T_.Q5_0, T_.Q8_0, T_.Q4_K, T_.Q6_K) if HAS_VNNI else (T_.Q5_0, T_.Q8_0) if HAS_AVX2_INT8 else ())
-ROWS_TYPES += (T_.IQ4_NL, T_.IQ4_XS, T_.MXFP4) if HAS_AVX2 else ()  # kernels_cpu.iq4_avx2 tiles
+ROWS_TYPES += (T_.Q4_1, T_.Q5_1, T_.IQ4_NL, T_.IQ4_XS, T_.MXFP4) if HAS_AVX2 else ()  # matmul_avx2, iq4_avx2 tiles
 ROWS_TYPES += tuple(T_[name.upper()] for name in sorted(IQ23_AVX2_TYPES))  # kernels_cpu.iq23_avx2 tiles
 
 _REPACKED_TYPES = tuple(t for t in QUANTIZED_TYPES if TYPES[t].repacked)

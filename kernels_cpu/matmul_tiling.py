@@ -6,10 +6,11 @@ stays in cache), and ND x 1 for fewer rows (decode), with the ND rows R // ND ap
 rows in one tile stream from DRAM at half the speed of one row). Results do not depend on the
 tiling, so edge tiles overlap their neighbours instead of being smaller. The tile's IR comes
 from kernels_cpu.matmul_tiles, or on CPUs with AVX-512 VNNI for some types and paths from
-kernels_cpu.matmul_rows / kernels_cpu.matmul_vnni (same float operations), and on AVX2 CPUs
-without it for Q4_0 / Q5_0 / Q8_0 on path VEC_DOT from kernels_cpu.matmul_avx2 and for IQ4_NL /
-IQ4_XS / MXFP4 from kernels_cpu.iq4_avx2 and for IQ2_XXS / IQ2_XS / IQ2_S / IQ3_XXS / IQ3_S
-(their only tiles) from kernels_cpu.iq23_avx2.
+kernels_cpu.matmul_rows / kernels_cpu.matmul_vnni (same float operations), on AVX2 CPUs
+without it for Q4_0 / Q5_0 / Q8_0 on path VEC_DOT from kernels_cpu.matmul_avx2, and on every CPU
+with AVX2 for Q4_1 / Q5_1 (VEC_DOT) from kernels_cpu.matmul_avx2, for IQ4_NL / IQ4_XS / MXFP4
+from kernels_cpu.iq4_avx2 and for IQ2_XXS / IQ2_XS / IQ2_S / IQ3_XXS / IQ3_S (their only
+tiles) from kernels_cpu.iq23_avx2.
 """
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ def qdot_tile(typingctx, fmt, path, nr, nt, w, r0, r_step, xq, xd, xa, t0, out):
             fn = builder.module.globals.get(name)
         elif HAS_VNNI and p == VEC_DOT and f.ggml_type in (T_.Q5_0, T_.Q8_0, T_.Q6_K):
             fn = build_vnni_tile(builder.module, f.ggml_type.name, n_r, n_t, name, x16)
-        elif HAS_AVX2_INT8 and p == VEC_DOT and f.ggml_type in (T_.Q4_0, T_.Q5_0, T_.Q8_0):
+        elif p == VEC_DOT and (HAS_AVX2_INT8 and f.ggml_type in (T_.Q4_0, T_.Q5_0, T_.Q8_0)
+                               or HAS_AVX2 and f.ggml_type in (T_.Q4_1, T_.Q5_1)):
             fn = build_avx2_tile(builder.module, f.ggml_type.name, n_r, n_t, name, x16)
         elif HAS_AVX2 and (f.ggml_type, p) in AVX2_IQ4_PATHS:
             fn = build_avx2_iq4_tile(builder.module, f.ggml_type, p, n_r, n_t, name, x16)

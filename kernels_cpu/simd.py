@@ -170,8 +170,8 @@ def hsum_f32(b: ir.IRBuilder, v):
 
 
 def fmuladd(b: ir.IRBuilder, x, y, acc):
-    """x * y + acc on float vectors through llvm.fmuladd (fused where the target has FMA)."""
-    name = f"llvm.fmuladd.v{x.type.count}f32"
+    """x * y + acc on float vectors or scalars through llvm.fmuladd (fused where the target has FMA)."""
+    name = f"llvm.fmuladd.v{x.type.count}f32" if isinstance(x.type, ir.VectorType) else "llvm.fmuladd.f32"
     fn = b.module.globals.get(name)
     if fn is None:
         fn = ir.Function(b.module, ir.FunctionType(x.type, [x.type] * 3), name)
