@@ -37,6 +37,14 @@ JSON (``edge bench --json``), one object:
                   n_tokens (tokens the engine processed or generated in one rep),
                   vs_1_seq (batched rows only)}
     peak_rss_mb, load_to_first_token_s, process_first_token_wall_s: {edge, llama_cpp}
+    ceilings: this machine's, measured after the tests (kernels_cpu.ceilings) with the same threads:
+        {kernel_path ("avx512-vnni" | "avx2" | "generic"), features, read_gb_s (memory read
+        bandwidth), int8_gmacs (int8 multiply-adds per second, in G), weight_bytes_per_token
+        (bytes of weight matrices one token reads: all but token_embd unless it is the output;
+        experts counted as n_expert_used / n_expert of theirs), macs_per_token (their
+        multiply-adds)}; each RESULT then has ``ceiling_fraction``: tgN tokens/s x
+        weight_bytes_per_token / read bandwidth; ppN and tgN xB tokens/s x macs_per_token / int8
+        throughput (the roofline each kind of test is bound by; attention not counted).
     llama_cpp: null when not asked, else {python, version, error}; error (str | null) says why
         llama.cpp's numbers are missing (not importable, failed test: that test's RESULT is null).
 """
@@ -369,7 +377,59 @@ def run_bench(cfg: BenchConfig, log=lambda msg: print(msg, file=sys.stderr, flus
     finally:
         if llama is not None:
             llama.close()
+    log("edge: measuring this machine's ceilings (memory read bandwidth, int8 multiply-adds)")
+    result["ceilings"] = measure_ceilings(cfg.threads, edge.model)
+    add_ceiling_fractions(result)
     return result
+
+
+def step_cost(model) -> tuple[int, int]:
+    """(weight bytes, multiply-adds) of the matrices one token goes through in ``model``'s forward:
+    every Weight but token_embd unless it is the output (a row lookup, not a product), each
+    expert tensor as n_expert_used / n_expert of its bytes."""
+    from edge.models.weights import ExpertWeights, Weight
+
+    used = getattr(model.args, "n_expert_used", 0)
+    total_bytes = total_macs = 0.0
+    seen = set()
+    for owner in [model, *model.blocks]:
+        for name, value in vars(owner).items():
+            if id(value) in seen or (name == "token_embd" and model.output is not value):
+                continue
+            seen.add(id(value))
+            if isinstance(value, ExpertWeights):
+                share = used / len(value.experts)
+                total_bytes += share * sum(w.rows.nbytes for w in value.experts)
+                total_macs += share * len(value.experts) * value.n_in * value.n_out
+            elif isinstance(value, Weight):
+                total_bytes += value.rows.nbytes
+                total_macs += value.n_in * value.n_out
+    return int(total_bytes), int(total_macs)
+
+
+def measure_ceilings(threads: int, model) -> dict:
+    """This machine's ceilings (kernels_cpu.ceilings) with ``threads`` threads, and the per-token
+    cost of ``model`` (step_cost): the ``ceilings`` entry of run_bench's result."""
+    from kernels_cpu import ceilings
+
+    n_bytes, macs = step_cost(model)
+    return {"kernel_path": ceilings.kernel_path(), "features": ceilings.features(),
+            "read_gb_s": ceilings.read_bandwidth() / 1e9, "int8_gmacs": ceilings.int8_throughput(threads) / 1e9,
+            "weight_bytes_per_token": n_bytes, "macs_per_token": macs}
+
+
+def add_ceiling_fractions(result: dict) -> None:
+    """Set RESULT["ceiling_fraction"] of every test and engine from result["ceilings"]."""
+    c = result["ceilings"]
+    for row in result["tests"]:
+        for name in ("edge", "llama_cpp"):
+            r = row[name]
+            if r is None:
+                continue
+            if row["kind"] == "tg":
+                r["ceiling_fraction"] = r["tps"] * c["weight_bytes_per_token"] / (c["read_gb_s"] * 1e9)
+            else:
+                r["ceiling_fraction"] = r["tps"] * c["macs_per_token"] / (c["int8_gmacs"] * 1e9)
 
 
 def _run_tests(cfg: BenchConfig, b: _Bench, edge: EdgeRunner) -> None:

@@ -65,6 +65,40 @@ def test_json_keys_and_counts(bench_json, gemma_path):
     assert 0 < r["load_to_first_token_s"]["edge"] < r["process_first_token_wall_s"]["edge"]
 
 
+def test_ceilings_and_fractions(bench_json, gemma_path):
+    """The machine's ceilings and each test's fraction of its own: tg over the read bandwidth
+    (bytes of the weights a token reads), pp and batched over the int8 rate."""
+    c = bench_json["ceilings"]
+    assert c["kernel_path"] in ("avx512-vnni", "avx2", "generic")
+    assert 1 < c["read_gb_s"] < 10_000 and 1 < c["int8_gmacs"] < 1e6
+    gf = GGUFFile(gemma_path)
+    # gemma ties output to token_embd: every matrix of the file is read once per token
+    mats = [t for t in gf.tensors.values() if len(t.shape) == 2]
+    assert c["weight_bytes_per_token"] == sum(int(t.n_bytes) for t in mats)
+    assert c["macs_per_token"] == sum(int(t.shape[0]) * int(t.shape[1]) for t in mats)
+    for row in bench_json["tests"]:
+        e = row["edge"]
+        if row["kind"] == "tg":
+            want = e["tps"] * c["weight_bytes_per_token"] / (c["read_gb_s"] * 1e9)
+        else:
+            want = e["tps"] * c["macs_per_token"] / (c["int8_gmacs"] * 1e9)
+        assert e["ceiling_fraction"] == pytest.approx(want, rel=1e-12) and 0 < want < 2, row["test"]
+
+
+def test_ceiling_kernels():
+    """The calibrated loops: the read loop ORs every byte it reads (a byte set anywhere shows),
+    and the int8 loop's count of multiply-adds follows the CPU's path."""
+    from kernels_cpu import ceilings
+
+    buf = np.zeros(3 * ceilings.CHUNK, np.uint8)
+    buf[2 * ceilings.CHUNK + 12345] = 0x40
+    out = np.zeros(3, np.uint64)
+    ceilings._read_all(buf, out)
+    assert out.tolist() == [0, 0, 0x40 << (8 * (12345 % 8))]
+    assert ceilings.MACS_PER_STEP == (512 if ceilings.kernel_path() == "avx512-vnni" else 256)
+    assert ceilings.int8_throughput(1, seconds=0.01, repeats=1) > 1e9
+
+
 def test_llama_cpp_missing_is_reported(bench_json):
     lc = bench_json["llama_cpp"]
     assert lc["python"] == sys.executable
@@ -150,6 +184,8 @@ def test_rich_tables(bench_json):
         assert f"│ {row['test']} " in text
         assert f"{row['edge']['tps']:.1f}" in text
     assert f"{bench_json['peak_rss_mb']['edge']:.0f}" in text
+    assert f"memory read {bench_json['ceilings']['read_gb_s']:.1f} GB/s" in text
+    assert f"{bench_json['tests'][0]['edge']['ceiling_fraction']:.0%}" in text
     first, n = next(iter(bench_json["tensor_types"].items()))
     assert f"({first}×{n}, " in text.replace("\n", "")   # the model's tensor types in the title
     if not HAS_LLAMA_CPP:

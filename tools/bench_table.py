@@ -88,15 +88,16 @@ def markdown(results: list[dict]) -> str:
         f"Tokens/s, median of {first['reps']} runs ± half their range; n_ctx {first['n_ctx']}, "
         f"n_batch {first['n_batch']}; `tgN xB`: B sequences decoding together, (1.00x): tokens/s relative to one sequence.",
         "",
-        "| model | test | edge t/s | llama.cpp t/s | edge / llama.cpp | same greedy tokens |",
-        "|---|---|---:|---:|---:|:---:|",
+        "| model | test | edge t/s | llama.cpp t/s | edge / llama.cpp | same greedy tokens | of ceiling edge / llama.cpp |",
+        "|---|---|---:|---:|---:|:---:|---:|",
     ]
     for r in results:
         for row in r["tests"]:
             batched = row["kind"] == "batched"
+            frac = [_num(row[k] and row[k].get("ceiling_fraction"), "{:.0%}") for k in ("edge", "llama_cpp")]
             lines.append(f"| {_name(r)} | {row['test']} | {_tps(row['edge'], batched)} | "
                          f"{_tps(row['llama_cpp'], batched)} | {_num(row['edge_over_llama_cpp'], '{:.2f}')} | "
-                         f"{_SAME[row['tokens_equal']] if row['kind'] != 'pp' else ''} |")
+                         f"{_SAME[row['tokens_equal']] if row['kind'] != 'pp' else ''} | {' / '.join(frac)} |")
     lines += ["", "| model | file | peak RSS MB edge / llama.cpp | load to first token s edge / llama.cpp "
                   "| fresh process to first token s edge / llama.cpp |",
               "|---|---:|---:|---:|---:|"]
@@ -104,6 +105,15 @@ def markdown(results: list[dict]) -> str:
         cells = [f"{_num(r[k]['edge'], f)} / {_num(r[k]['llama_cpp'], f)}" for k, f in
                  (("peak_rss_mb", "{:.0f}"), ("load_to_first_token_s", "{:.2f}"), ("process_first_token_wall_s", "{:.2f}"))]
         lines.append(f"| {_name(r)} | {r['model_bytes'] / 2**20:.0f} MiB | " + " | ".join(cells) + " |")
+    ceil = [(_name(r), r["ceilings"]) for r in results if r.get("ceilings")]
+    if ceil:
+        c = ceil[0][1]
+        lines += ["", f"Ceilings measured in the run (`edge bench`, kernels_cpu/ceilings.py; path {c['kernel_path']}): "
+                      f"memory read {c['read_gb_s']:.1f} GB/s, int8 {c['int8_gmacs']:.0f} G multiply-adds/s. "
+                      "Of ceiling: tg tokens/s x weight bytes per token / read bandwidth; pp and batched "
+                      "tokens/s x multiply-adds per token / int8 rate. Per token: "
+                      + "; ".join(f"{n} {x['weight_bytes_per_token'] / 1e6:.0f} MB, {x['macs_per_token'] / 1e9:.2f} G"
+                                  for n, x in ceil) + "."]
     if errors:
         lines += [""] + [f"llama.cpp n/a: {e}" for e in errors]
     return "\n".join(lines) + "\n"

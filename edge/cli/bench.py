@@ -81,6 +81,7 @@ def print_result(result: dict, console=None) -> None:
     for name in engines:
         t.add_column("edge t/s" if name == "edge" else "llama.cpp t/s", justify="right")
         t.add_column("spread", justify="right")
+        t.add_column("of ceiling", justify="right")
         if batched:
             t.add_column("vs 1 seq", justify="right")
     if vs:
@@ -89,13 +90,20 @@ def print_result(result: dict, console=None) -> None:
         cells = [row["test"]]
         for name in engines:
             r = row[name]
-            cells += [_num(r and r["tps"]), _spread(r)]
+            cells += [_num(r and r["tps"]), _spread(r), _num(r and r.get("ceiling_fraction"), "{:.0%}")]
             if batched:
                 cells.append(_num(r and r.get("vs_1_seq"), "{:.2f}x") if row["kind"] == "batched" else "")
         if vs:
             cells.append(_num(row["edge_over_llama_cpp"], "{:.2f}"))
         t.add_row(*cells)
     console.print(t)
+    c = result.get("ceilings")
+    if c:
+        console.print(f"ceilings ({c['kernel_path']}, {result['threads']} threads): memory read {c['read_gb_s']:.1f} GB/s, "
+                      f"int8 {c['int8_gmacs']:.0f} G multiply-adds/s; a token reads "
+                      f"{c['weight_bytes_per_token'] / 1e6:.0f} MB of weights and takes "
+                      f"{c['macs_per_token'] / 1e9:.2f} G multiply-adds. \"of ceiling\": tg tokens/s x bytes "
+                      "over the bandwidth; pp and batched tokens/s x multiply-adds over the int8 rate", markup=False)
 
     m = Table(title="memory and start-up")
     for col in ["", "edge"] + (["llama.cpp", "edge / llama.cpp"] if vs else []):
