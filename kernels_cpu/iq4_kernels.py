@@ -12,7 +12,8 @@ from numba import njit
 
 from kernels_cpu.iq4 import _vec_dot_2acc
 from kernels_cpu.matmul_tiles import GEMV, TILED, VEC_DOT
-from kernels_cpu.matmul_tiling import NR, NT, _blocks, _rows, _tiled
+from kernels_cpu.matmul_tiling import NR, NR_ROWS, NT, NT_WIDE, _block_sums_32, _blocks, _rows, _tiled
+from kernels_cpu.simd import HAS_VNNI
 
 T_ = GGMLQuantizationType
 _IQ4_NL, _IQ4_XS, _MXFP4 = int(T_.IQ4_NL), int(T_.IQ4_XS), int(T_.MXFP4)
@@ -39,13 +40,24 @@ def matmul_iq4_nl_q8_0(w, xqs, xd, out):
 
 
 @njit(cache=True, inline="always")
-def _gemv(fmt, w, xqs, xd, out):
+def _gemv_lanes(fmt, w, xqs, xd, out):
     """The GEMV tile over all outputs: ND_GEMV x 1 tiles for decode (T < NT; one integer sum per
     block and row, 8 rows filling one float vector), NR x NT tiles for more rows."""
     if xqs.shape[0] < NT:
         _rows(fmt, GEMV, ND_GEMV, w, xqs, xd, xd, out)
     else:
         _blocks(fmt, GEMV, NR, True, w, xqs, xd, xd, out)
+
+
+@njit(cache=True, inline="always")
+def _gemv_rows(fmt, w, xqs, xd, out):
+    """The GEMV tile with one weight row per lane (kernels_cpu.matmul_rows, AVX-512 VNNI): 8 x 1
+    tiles for decode, 8 x NT (and NT_WIDE) tiles for more rows; xa = -128 * each activation
+    block's sum (the codes enter vpdpbusd as table value + 128)."""
+    _tiled(fmt, GEMV, NR_ROWS, w, xqs, xd, _block_sums_32(xqs, -128), out, NT_WIDE)
+
+
+_gemv = _gemv_rows if HAS_VNNI else _gemv_lanes
 
 
 @njit(parallel=True, cache=True, nogil=True)

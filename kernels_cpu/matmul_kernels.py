@@ -30,7 +30,7 @@ from kernels_cpu.iq23_kernels import (matmul_iq2_s_q8_k, matmul_iq2_s_q8_k_bi, m
 from kernels_cpu.iq23_kernels import AVX2_TYPES as IQ23_AVX2_TYPES
 from kernels_cpu.matmul_rows import Q0_ROWS
 from kernels_cpu.matmul_tiles import GEMM, GEMV, TILED, VEC_DOT
-from kernels_cpu.matmul_tiling import ND_Q6_K, NR, NR_Q0, NR_ROWS, NT_WIDE, _blocks, _rows, _tiled
+from kernels_cpu.matmul_tiling import ND_Q6_K, NR, NR_Q0, NR_ROWS, NT_WIDE, _block_sums_32, _blocks, _rows, _tiled
 from kernels_cpu.simd import HAS_AVX2, HAS_AVX2_INT8, HAS_VNNI, f32_from_bits
 
 T_ = GGMLQuantizationType
@@ -255,20 +255,6 @@ def matmul_q6_k_q8_k_bi(w, xqs, xd, xbsums, out):
 
 
 _Q5_0_NEG_OFFSET, _Q8_0_NEG_OFFSET = -Q0_ROWS["Q5_0"][1], -Q0_ROWS["Q8_0"][1]  # matmul_rows' unsigned codes
-
-
-@njit(cache=True, inline="always")
-def _block_sums_32(xqs, factor):
-    """int32[T, K/32]: ``factor`` times the sum of each 32-value block of the activation quants
-    (int8 or int16); exact (|factor * sum| <= 128 * 32 * 128)."""
-    out = np.empty((xqs.shape[0], xqs.shape[1] // 32), np.int32)
-    for t in prange(xqs.shape[0]):
-        for blk in range(out.shape[1]):
-            total = 0
-            for j in range(32 * blk, 32 * blk + 32):
-                total += np.int32(xqs[t, j])
-            out[t, blk] = total * factor
-    return out
 
 
 @njit(parallel=True, cache=True, nogil=True)

@@ -1,4 +1,5 @@
-"""Q4_K / Q6_K matmul tiles with one weight row per vector lane, for CPUs with AVX-512 VNNI.
+"""Q4_K / Q6_K (and GEMV-path Q8_0 / Q5_0 / IQ4_NL / MXFP4) matmul tiles with one weight row per
+vector lane, for CPUs with AVX-512 VNNI.
 
 The generic tiles of kernels_cpu.matmul multiply each (weight row, activation row) pair in its own
 vectors and reduce them across lanes afterwards. Here a tile is 8 weight rows x nt activation
@@ -25,6 +26,7 @@ from llvmlite import ir
 from gguf import GGMLQuantizationType as T
 
 from kernels_cpu.ggml_types import TYPES
+from kernels_cpu.iq4_decoders import KVALUES_IQ4NL, KVALUES_MXFP4, e8m0_half, lookup16
 from kernels_cpu.simd import (F32, I8, I16, I32, I64, concat, dot_i16, dot_u8_s8, fmuladd, load, shuffle, splat,
                               tile_function, vec)
 
@@ -197,20 +199,34 @@ def _q6_k_block(b, w_rows, acts, kind, accs):
     return {"acc": acc}
 
 
-Q0_ROWS = {"Q8_0": (TYPES[T.Q8_0].type_size, 128), "Q5_0": (TYPES[T.Q5_0].type_size, 16)}  # block bytes, offset that
-# makes the codes unsigned
+Q0_ROWS = {"Q8_0": (TYPES[T.Q8_0].type_size, 128), "Q5_0": (TYPES[T.Q5_0].type_size, 16),  # block bytes, offset
+           "IQ4_NL": (TYPES[T.IQ4_NL].type_size, 128), "MXFP4": (TYPES[T.MXFP4].type_size, 128)}  # that makes the
+# codes unsigned
 _SPREAD = 0x02040810  # t * _SPREAD puts bit i of a 4-bit t at bit 8 * i + 4 (no carries)
 
 
 def _q0_rows_block(b, name, w_rows, rows, blk, accs, x16):
-    """One 32-value Q8_0 / Q5_0 block of the GEMV path: per output the exact integer block total
+    """One 32-value Q8_0 / Q5_0 / IQ4_NL / MXFP4 block of the GEMV path: per output the exact integer block total
     I (lanes = weight rows), then acc = fma(I, d_w * d_x, acc) (the structure of llama.cpp's
-    repacked q4_0 gemv). Codes are made unsigned (q + offset) for vpdpbusd; xa gives, per
+    repacked q4_0 gemv; for IQ4_NL / MXFP4 that of ggml_gemv_iq4_nl_8x8_q8_0 / _mxfp4_8x8_, with
+    d_w the f16 d or the e8m0 scale halved). Codes are made unsigned (q + offset; IQ4_NL / MXFP4:
+    table value + 128, looked up with vpshufb) for vpdpbusd; xa gives, per
     activation row and block, -offset * (sum of the block's activation quants) (int32), which
     starts each total."""
     if name == "Q8_0":
         head = _load_rows(b, w_rows, 0, 4)[0]                       # f16 d | q0 q1
         codes = [b.xor(v, _c(0x80808080 - (1 << 32))) for v in _load_rows(b, w_rows, 2, 8)]
+    elif name in ("IQ4_NL", "MXFP4"):  # f16 d | u8 qs[16] (MXFP4: u8 e | qs[16]); value j: nibble of qs[j % 16]
+        at = TYPES[T[name]].offset("qs")
+        head = _load_rows(b, w_rows, 0, 4)[0]                       # bytes 0..3
+        qs = _load_rows(b, w_rows, at, 4)                           # qs[4k..4k+3] in vector k (ends at the block's end)
+        table = [v + 128 for v in (KVALUES_IQ4NL if name == "IQ4_NL" else KVALUES_MXFP4)]
+        codes = []
+        for c in range(8):  # low nibbles: values 4c..4c+3; high nibbles: values 16 + 4(c - 4)..
+            nib = b.and_(qs[c % 4], _c(0x0F0F0F0F)) if c < 4 else b.and_(b.lshr(qs[c % 4], _c(4)), _c(0x0F0F0F0F))
+            codes.append(b.bitcast(lookup16(b, table, b.bitcast(nib, V32I8)), V8I32))
+        if name == "MXFP4":
+            d = e8m0_half(b, b.trunc(head, vec(I8, ROWS)))
     else:  # Q5_0: f16 d | u32 qh | u8 qs[16]; value j: low nibble of qs[j] (j < 16) or high of qs[j - 16]
         words = _load_rows(b, w_rows, 0, 4)                         # bytes 0..15 (no read past the block)
         head = words[0]
@@ -221,7 +237,8 @@ def _q0_rows_block(b, name, w_rows, rows, blk, accs, x16):
             nib = b.and_(qs[c % 4], _c(0x0F0F0F0F)) if c < 4 else b.and_(b.lshr(qs[c % 4], _c(4)), _c(0x0F0F0F0F))
             bits = b.and_(b.lshr(qh, _c(4 * c)), _c(0xF))
             codes.append(b.or_(nib, b.and_(b.mul(bits, _c(_SPREAD)), _c(0x10101010))))
-    d = _halves_to_f32(b, head, 0)
+    if name != "MXFP4":
+        d = _halves_to_f32(b, head, 0)
     acc = list(accs["acc"])
     acts = [_Q0Act(b, xq, x16, blk) for xq in rows["xq"]]
     totals = [splat(b, load(b, xa, b.mul(blk, ir.Constant(I64, 4)), I32), ROWS) for xa in rows["xa"]]  # -offset * sum
@@ -246,7 +263,7 @@ def build_rows_tile(module: ir.Module, ggml_type_name: str, kind: str, nt: int, 
                     x16: bool) -> ir.Function:
     """Define ``void name(w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride,
     out_r_stride, nb)`` as kernels_cpu.matmul.build_tile does, for 8 weight rows x ``nt``
-    activation rows of Q4_K (kind "gemv" / "gemm"), Q6_K ("tiled"), or Q8_0 / Q5_0 ("gemv";
+    activation rows of Q4_K (kind "gemv" / "gemm"), Q6_K ("tiled"), or Q8_0 / Q5_0 / IQ4_NL / MXFP4 ("gemv";
     xa: int32 -offset * the sum of each block's activation quants, see Q0_ROWS)."""
     names = ["acc", "accm"] if ggml_type_name == "Q4_K" else ["acc"]
     if ggml_type_name in Q0_ROWS:

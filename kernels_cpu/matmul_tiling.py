@@ -71,6 +71,8 @@ def qdot_tile(typingctx, fmt, path, nr, nt, w, r0, r_step, xq, xd, xa, t0, out):
         elif p == VEC_DOT and (HAS_AVX2_INT8 and f.ggml_type in (T_.Q4_0, T_.Q5_0, T_.Q8_0)
                                or HAS_AVX2 and f.ggml_type in (T_.Q4_1, T_.Q5_1)):
             fn = build_avx2_tile(builder.module, f.ggml_type.name, n_r, n_t, name, x16)
+        elif n_r == ROWS and HAS_VNNI and p == GEMV and f.ggml_type in (T_.IQ4_NL, T_.MXFP4):
+            fn = build_rows_tile(builder.module, f.ggml_type.name, PATH_NAMES[p], n_t, name, x16)
         elif HAS_AVX2 and (f.ggml_type, p) in AVX2_IQ4_PATHS:
             fn = build_avx2_iq4_tile(builder.module, f.ggml_type, p, n_r, n_t, name, x16)
         elif HAS_AVX2 and (f.ggml_type, p) in AVX2_IQ23_PATHS:
@@ -98,6 +100,20 @@ def qdot_tile(typingctx, fmt, path, nr, nt, w, r0, r_step, xq, xd, xa, t0, out):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@njit(cache=True, inline="always")
+def _block_sums_32(xqs, factor):
+    """int32[T, K/32]: ``factor`` times the sum of each 32-value block of the activation quants
+    (int8 or int16); exact (|factor * sum| <= 128 * 32 * 128)."""
+    out = np.empty((xqs.shape[0], xqs.shape[1] // 32), np.int32)
+    for t in prange(xqs.shape[0]):
+        for blk in range(out.shape[1]):
+            total = 0
+            for j in range(32 * blk, 32 * blk + 32):
+                total += np.int32(xqs[t, j])
+            out[t, blk] = total * factor
+    return out
 
 
 @njit(cache=True, inline="always")
