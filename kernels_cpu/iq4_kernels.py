@@ -24,7 +24,7 @@ ND_GEMV = 8  # decode GEMV tile rows: their 8 block sums make one float vector (
 def _plain_k(fmt, nr, nd, w, xqs, xd, xbsums, out):
     """As matmul_kernels._plain_k: the tiled kernel for T >= 8 (ggml_tiled_min_batch), else VEC_DOT."""
     if xqs.shape[0] >= 8:
-        _blocks(fmt, TILED, nr, True, w, xqs, xd, xbsums, out)
+        _blocks(fmt, TILED, nr, True, w, xqs, xd, xbsums, out, NT_WIDE)
     else:
         _tiled(fmt, VEC_DOT, nd, w, xqs, xd, xbsums, out)
 
@@ -72,7 +72,7 @@ def matmul_iq4_xs_q8_k(w, xqs, xd, xbsums, out):
     """IQ4_XS weights x Q8_K: ggml_vec_dot_iq4_xs_q8_K (8 lanes of integer sums times the
     sub-block scales, one fma by d_w * d_x per 256 values) for T < 8, the tiled kernel (as the
     K-quants: r = S * d_w, acc = fma(r, d_x, acc) per 256 values) for T >= 8."""
-    _plain_k(_IQ4_XS, NR, NR, w, xqs, xd, xbsums, out)
+    _plain_k(_IQ4_XS, NR_ROWS, NR, w, xqs, xd, xbsums, out)
 
 
 @njit(parallel=True, cache=True, nogil=True)

@@ -1,4 +1,4 @@
-"""Q4_K / Q6_K (and GEMV-path Q8_0 / Q5_0 / IQ4_NL / MXFP4) matmul tiles with one weight row per
+"""Q4_K / Q6_K (and GEMV-path Q8_0 / Q5_0 / IQ4_NL / MXFP4, TILED-path IQ4_XS) matmul tiles with one weight row per
 vector lane, for CPUs with AVX-512 VNNI.
 
 The generic tiles of kernels_cpu.matmul multiply each (weight row, activation row) pair in its own
@@ -199,6 +199,39 @@ def _q6_k_block(b, w_rows, acts, kind, accs):
     return {"acc": acc}
 
 
+IQ4_XS_BYTES = TYPES[T.IQ4_XS].type_size
+
+
+def _iq4_xs_block(b, w_rows, acts, kind, accs):
+    """One IQ4_XS block of the TILED path (ggml-cpu/tiled): S = sum_j (ls_j - 32) * I_j over its 8
+    sub-blocks of 32 values (I_j exact: codes table value + 128 by vpdpbusd, from -128 * the
+    sub-block's activation sum), r = float(S) * d_w, acc = fma(r, d_x, acc)."""
+    head = _load_rows(b, w_rows, 0, 4)                              # d | scales_h, scales_l[4]
+    d = _halves_to_f32(b, head[0], 0)
+    sh, sl = b.lshr(head[0], _c(16)), head[1]
+    table = [v + 128 for v in KVALUES_IQ4NL]
+    totals = [None] * len(acts)
+    for j in range(8):
+        ls = b.or_(b.and_(b.lshr(sl, _c(8 * (j // 2) + 4 * (j % 2))), _c(0xF)),
+                   b.shl(b.and_(b.lshr(sh, _c(2 * j)), _c(3)), _c(4)))
+        scale = b.sub(ls, _c(32))
+        qs = _load_rows(b, w_rows, TYPES[T.IQ4_XS].offset("qs") + 16 * j, 4)
+        codes = []
+        for c in range(8):  # low nibbles: values 32j + 4c..; high nibbles: 32j + 16 + 4(c - 4)..
+            nib = b.and_(qs[c % 4], _c(0x0F0F0F0F)) if c < 4 else b.and_(b.lshr(qs[c % 4], _c(4)), _c(0x0F0F0F0F))
+            codes.append(b.bitcast(lookup16(b, table, b.bitcast(nib, V32I8)), V8I32))
+        for t, a in enumerate(acts):
+            pair = b.sext(shuffle(b, a.bsums, [2 * j, 2 * j + 1]), vec(I32, 2))
+            start = splat(b, b.mul(b.add(b.extract_element(pair, ir.Constant(I32, 0)),
+                                         b.extract_element(pair, ir.Constant(I32, 1))), ir.Constant(I32, -128)), ROWS)
+            part = b.mul(_dot_chunks(b, codes, a, 32 * j, start), scale)
+            totals[t] = part if totals[t] is None else b.add(totals[t], part)
+    acc = list(accs["acc"])
+    for t, a in enumerate(acts):
+        acc[t] = fmuladd(b, b.fmul(b.sitofp(totals[t], V8F32), d), a.d, acc[t])
+    return {"acc": acc}
+
+
 Q0_ROWS = {"Q8_0": (TYPES[T.Q8_0].type_size, 128), "Q5_0": (TYPES[T.Q5_0].type_size, 16),  # block bytes, offset
            "IQ4_NL": (TYPES[T.IQ4_NL].type_size, 128), "MXFP4": (TYPES[T.MXFP4].type_size, 128)}  # that makes the
 # codes unsigned
@@ -263,7 +296,7 @@ def build_rows_tile(module: ir.Module, ggml_type_name: str, kind: str, nt: int, 
                     x16: bool) -> ir.Function:
     """Define ``void name(w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride,
     out_r_stride, nb)`` as kernels_cpu.matmul.build_tile does, for 8 weight rows x ``nt``
-    activation rows of Q4_K (kind "gemv" / "gemm"), Q6_K ("tiled"), or Q8_0 / Q5_0 / IQ4_NL / MXFP4 ("gemv";
+    activation rows of Q4_K (kind "gemv" / "gemm"), Q6_K or IQ4_XS ("tiled"), or Q8_0 / Q5_0 / IQ4_NL / MXFP4 ("gemv";
     xa: int32 -offset * the sum of each block's activation quants, see Q0_ROWS)."""
     names = ["acc", "accm"] if ggml_type_name == "Q4_K" else ["acc"]
     if ggml_type_name in Q0_ROWS:
@@ -278,7 +311,8 @@ def build_rows_tile(module: ir.Module, ggml_type_name: str, kind: str, nt: int, 
 
         return tile_function(module, name, ROWS, nt, {"acc": [ir.Constant(V8F32, [0.0] * ROWS)] * nt},
                              q0_body, q0_finish, Q0_ROWS[ggml_type_name][0])
-    block_bytes, emit = (Q4_K_BYTES, _q4_k_block) if ggml_type_name == "Q4_K" else (Q6_K_BYTES, _q6_k_block)
+    block_bytes, emit = {"Q4_K": (Q4_K_BYTES, _q4_k_block), "Q6_K": (Q6_K_BYTES, _q6_k_block),
+                         "IQ4_XS": (IQ4_XS_BYTES, _iq4_xs_block)}[ggml_type_name]
 
     def body(b, rows, blk, accs):
         at = b.mul(blk, ir.Constant(I64, block_bytes))
