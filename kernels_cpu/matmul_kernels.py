@@ -49,8 +49,12 @@ def matmul_q4_0_q8_0(w, xqs, xd, out):
 def matmul_q4_0_q8_0_repacked(w, xqs, xd, out):
     """Q4_0 weights with R % 8 == 0, repacked by llama.cpp to q4_0_8x8: ggml_gemv and
     ggml_gemm_q4_0_8x8_q8_0 share the GEMV structure (one fma of the block's integer total
-    per 32 values)."""
-    _tiled(_Q4_0, GEMV, NR, w, xqs, xd, xd, out)
+    per 32 values). With AVX-512 VNNI: the rows tiles (kernels_cpu.matmul_rows: codes 0..15, from
+    -8 * each activation block's sum), int8 quants."""
+    if HAS_VNNI:
+        _tiled(_Q4_0, GEMV, NR_ROWS, w, xqs, xd, _block_sums_32(xqs, _Q4_0_NEG_OFFSET), out, NT_WIDE)
+    else:
+        _tiled(_Q4_0, GEMV, NR, w, xqs, xd, xd, out)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -255,6 +259,7 @@ def matmul_q6_k_q8_k_bi(w, xqs, xd, xbsums, out):
 
 
 _Q5_0_NEG_OFFSET, _Q8_0_NEG_OFFSET = -Q0_ROWS["Q5_0"][1], -Q0_ROWS["Q8_0"][1]  # matmul_rows' unsigned codes
+_Q4_0_NEG_OFFSET = -Q0_ROWS["Q4_0"][1]
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -276,7 +281,7 @@ from kernels_cpu.iq4_kernels import (matmul_iq4_nl_q8_0, matmul_iq4_nl_q8_0_bi, 
                                      matmul_mxfp4_q8_0, matmul_mxfp4_q8_0_repacked)
 
 # types whose kernels take int8 activation quants: the VNNI kernels, the AVX2 vpmaddubsw tiles
-ROWS_TYPES = ((T_.Q5_0, T_.Q8_0, T_.Q4_K, T_.Q6_K) if HAS_VNNI else (T_.Q5_0, T_.Q8_0) if HAS_AVX2_INT8 else ())
+ROWS_TYPES = ((T_.Q4_0, T_.Q5_0, T_.Q8_0, T_.Q4_K, T_.Q6_K) if HAS_VNNI else (T_.Q5_0, T_.Q8_0) if HAS_AVX2_INT8 else ())
 ROWS_TYPES += (T_.Q4_1, T_.Q5_1, T_.IQ4_NL, T_.IQ4_XS, T_.MXFP4) if HAS_AVX2 else ()  # matmul_avx2, iq4_avx2 tiles
 ROWS_TYPES += tuple(T_[name.upper()] for name in sorted(IQ23_AVX2_TYPES))  # kernels_cpu.iq23_avx2 tiles
 

@@ -1,4 +1,4 @@
-"""Q4_K / Q6_K (and GEMV-path Q8_0 / Q5_0 / IQ4_NL / MXFP4, TILED-path IQ4_XS) matmul tiles with one weight row per
+"""Q4_K / Q6_K (and GEMV-path Q8_0 / Q5_0 / Q4_0 / IQ4_NL / MXFP4, TILED-path IQ4_XS) matmul tiles with one weight row per
 vector lane, for CPUs with AVX-512 VNNI.
 
 The generic tiles of kernels_cpu.matmul multiply each (weight row, activation row) pair in its own
@@ -233,13 +233,14 @@ def _iq4_xs_block(b, w_rows, acts, kind, accs):
 
 
 Q0_ROWS = {"Q8_0": (TYPES[T.Q8_0].type_size, 128), "Q5_0": (TYPES[T.Q5_0].type_size, 16),  # block bytes, offset
-           "IQ4_NL": (TYPES[T.IQ4_NL].type_size, 128), "MXFP4": (TYPES[T.MXFP4].type_size, 128)}  # that makes the
+           "IQ4_NL": (TYPES[T.IQ4_NL].type_size, 128), "MXFP4": (TYPES[T.MXFP4].type_size, 128),  # that makes the
+           "Q4_0": (TYPES[T.Q4_0].type_size, 8)}
 # codes unsigned
 _SPREAD = 0x02040810  # t * _SPREAD puts bit i of a 4-bit t at bit 8 * i + 4 (no carries)
 
 
 def _q0_rows_block(b, name, w_rows, rows, blk, accs, x16):
-    """One 32-value Q8_0 / Q5_0 / IQ4_NL / MXFP4 block of the GEMV path: per output the exact integer block total
+    """One 32-value Q8_0 / Q5_0 / Q4_0 / IQ4_NL / MXFP4 block of the GEMV path: per output the exact integer block total
     I (lanes = weight rows), then acc = fma(I, d_w * d_x, acc) (the structure of llama.cpp's
     repacked q4_0 gemv; for IQ4_NL / MXFP4 that of ggml_gemv_iq4_nl_8x8_q8_0 / _mxfp4_8x8_, with
     d_w the f16 d or the e8m0 scale halved). Codes are made unsigned (q + offset; IQ4_NL / MXFP4:
@@ -249,15 +250,15 @@ def _q0_rows_block(b, name, w_rows, rows, blk, accs, x16):
     if name == "Q8_0":
         head = _load_rows(b, w_rows, 0, 4)[0]                       # f16 d | q0 q1
         codes = [b.xor(v, _c(0x80808080 - (1 << 32))) for v in _load_rows(b, w_rows, 2, 8)]
-    elif name in ("IQ4_NL", "MXFP4"):  # f16 d | u8 qs[16] (MXFP4: u8 e | qs[16]); value j: nibble of qs[j % 16]
+    elif name in ("IQ4_NL", "MXFP4", "Q4_0"):  # f16 d | u8 qs[16] (MXFP4: u8 e | qs[16]); value j: nibble of qs[j % 16]
         at = TYPES[T[name]].offset("qs")
         head = _load_rows(b, w_rows, 0, 4)[0]                       # bytes 0..3
         qs = _load_rows(b, w_rows, at, 4)                           # qs[4k..4k+3] in vector k (ends at the block's end)
-        table = [v + 128 for v in (KVALUES_IQ4NL if name == "IQ4_NL" else KVALUES_MXFP4)]
+        table = [v + 128 for v in (KVALUES_IQ4NL if name == "IQ4_NL" else KVALUES_MXFP4)] if name != "Q4_0" else None
         codes = []
         for c in range(8):  # low nibbles: values 4c..4c+3; high nibbles: values 16 + 4(c - 4)..
             nib = b.and_(qs[c % 4], _c(0x0F0F0F0F)) if c < 4 else b.and_(b.lshr(qs[c % 4], _c(4)), _c(0x0F0F0F0F))
-            codes.append(b.bitcast(lookup16(b, table, b.bitcast(nib, V32I8)), V8I32))
+            codes.append(nib if table is None else b.bitcast(lookup16(b, table, b.bitcast(nib, V32I8)), V8I32))
         if name == "MXFP4":
             d = e8m0_half(b, b.trunc(head, vec(I8, ROWS)))
     else:  # Q5_0: f16 d | u32 qh | u8 qs[16]; value j: low nibble of qs[j] (j < 16) or high of qs[j - 16]
@@ -296,7 +297,7 @@ def build_rows_tile(module: ir.Module, ggml_type_name: str, kind: str, nt: int, 
                     x16: bool) -> ir.Function:
     """Define ``void name(w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride,
     out_r_stride, nb)`` as kernels_cpu.matmul.build_tile does, for 8 weight rows x ``nt``
-    activation rows of Q4_K (kind "gemv" / "gemm"), Q6_K or IQ4_XS ("tiled"), or Q8_0 / Q5_0 / IQ4_NL / MXFP4 ("gemv";
+    activation rows of Q4_K (kind "gemv" / "gemm"), Q6_K or IQ4_XS ("tiled"), or Q8_0 / Q5_0 / Q4_0 / IQ4_NL / MXFP4 ("gemv";
     xa: int32 -offset * the sum of each block's activation quants, see Q0_ROWS)."""
     names = ["acc", "accm"] if ggml_type_name == "Q4_K" else ["acc"]
     if ggml_type_name in Q0_ROWS:

@@ -71,7 +71,7 @@ def qdot_tile(typingctx, fmt, path, nr, nt, w, r0, r_step, xq, xd, xa, t0, out):
         elif p == VEC_DOT and (HAS_AVX2_INT8 and f.ggml_type in (T_.Q4_0, T_.Q5_0, T_.Q8_0)
                                or HAS_AVX2 and f.ggml_type in (T_.Q4_1, T_.Q5_1)):
             fn = build_avx2_tile(builder.module, f.ggml_type.name, n_r, n_t, name, x16)
-        elif n_r == ROWS and HAS_VNNI and (p == GEMV and f.ggml_type in (T_.IQ4_NL, T_.MXFP4)
+        elif n_r == ROWS and HAS_VNNI and (p == GEMV and f.ggml_type in (T_.IQ4_NL, T_.MXFP4, T_.Q4_0)
                                            or p == TILED and f.ggml_type == T_.IQ4_XS):
             fn = build_rows_tile(builder.module, f.ggml_type.name, PATH_NAMES[p], n_t, name, x16)
         elif HAS_AVX2 and (f.ggml_type, p) in AVX2_IQ4_PATHS:
