@@ -37,10 +37,10 @@ from llvmlite import ir
 from kernels_cpu.ggml_types import TYPES
 from kernels_cpu.iq1tq import IQ1S_GRID
 from kernels_cpu.iq4_avx2 import _by_output, _lane_map, _totals, _x86_madd
-from kernels_cpu.iq23_avx2 import Format, _c, _entry, _table
+from kernels_cpu.iq23_avx2 import Format, _c, _table
 from kernels_cpu.matmul_avx2 import _quants
 from kernels_cpu.matmul_tiles import TILED, VEC_DOT
-from kernels_cpu.simd import (F32, I8, I16, I32, I64, fma, hsum_float_8, load, load_half, madd_u8_s8_256, shuffle,
+from kernels_cpu.simd import (BYTE_PTR, F32, I8, I16, I32, I64, _x86_call, fma, hsum_float_8, load, load_half, madd_u8_s8_256, shuffle,
                               sign_i8_256, splat, sum_pairs_i16_256, tile_function, vec)
 
 V8I32, V8F32, V16I16, V32I16, V32I8, V4I64 = vec(I32, 8), vec(F32, 8), vec(I16, 16), vec(I16, 32), vec(I8, 32), vec(I64, 4)
@@ -50,31 +50,9 @@ FORMATS = {t: Format(t) for t in (T.IQ1_S, T.IQ1_M, T.TQ1_0, T.TQ2_0)}
 DELTA = 0.125  # IQ1S_DELTA = IQ1M_DELTA
 
 
-def _i16(values):
-    return ir.Constant(V16I16, list(values))
-
-
 def _signed(b, mag, neg):
     """mag where neg is 0, -mag where neg is -1 (integer vectors of one type)."""
     return b.sub(b.xor(mag, neg), neg)
-
-
-def _grid_group(b, grid, p, at_qs: int, word, step: int):
-    """<32 x i8> iq1s_grid rows of the 4 indices qs[k] | ((word >> step k) & 7) << 8, k < 4
-    (qs the bytes at ``at_qs``, ``word`` an i32 holding the high bits)."""
-    lo = b.zext(load(b, p, at_qs, vec(I8, 4)), vec(I32, 4))
-    high = b.lshr(splat(b, word, 4), ir.Constant(vec(I32, 4), [step * k for k in range(4)]))
-    idx = b.or_(lo, b.shl(b.and_(high, ir.Constant(vec(I32, 4), [7] * 4)), ir.Constant(vec(I32, 4), [8] * 4)))
-    v = ir.Constant(V4I64, None)
-    for k in range(4):
-        v = b.insert_element(v, _entry(b, grid, b.extract_element(idx, _c(k))), _c(k))
-    return b.bitcast(v, V32I8)
-
-
-def _odd_scale(b, v, s: int):
-    """2 * ((v >> s) & 7) + 1 of an i32 v."""
-    two_v = b.shl(v, _c(1)) if s == 0 else b.lshr(v, _c(s - 1))
-    return b.or_(b.and_(two_v, _c(14)), _c(1))
 
 
 def _iq1m_d(b, p):
@@ -85,22 +63,78 @@ def _iq1m_d(b, p):
     return b.fpext(b.bitcast(b.trunc(bits, I16), ir.HalfType()), F32)
 
 
-def _iq1_group(b, t, p, ib: int, grid):
-    """32-value group ib of the IQ1 block at p: (grid values <32 x i8>, scale bytes <32 x i8>
-    (2s + 1 of each value), IQ1_M: <16 x i16> scale * delta sign of each vpmaddubsw pair, else None)."""
-    if t == T.IQ1_S:  # d | qs[32] at 2 | u16 qh[8] at 34: index bits and, in bits 12..15, scale and sign
-        qh = b.zext(load(b, p, 34 + 2 * ib, I16), I32)
-        vals = _grid_group(b, grid, p, 2 + 4 * ib, qh, 3)
-        return vals, splat(b, b.trunc(_odd_scale(b, qh, 12), I8), 32), None
-    # qs[32] | qh[16] at 32 (a nibble per 8 values: 3 index bits, the delta sign) | u16 scales[4] at 48
-    w = b.zext(load(b, p, 32 + 2 * ib, I16), I32)
-    vals = _grid_group(b, grid, p, 4 * ib, w, 4)
-    sc = b.zext(load(b, p, 48 + 2 * (ib // 2), I16), I32)
-    ls = [b.trunc(_odd_scale(b, sc, 6 * (ib % 2) + 3 * h), I16) for h in range(2)]
-    ls16 = shuffle(b, splat(b, ls[0], 16), list(range(8)) + list(range(24, 32)), splat(b, ls[1], 16))
-    bytes_ = b.trunc(shuffle(b, ls16, [k // 2 for k in range(32)]), V32I8)
-    bits = b.and_(b.lshr(splat(b, b.trunc(w, I16), 16), _i16(4 * (k // 4) + 3 for k in range(16))), _i16([1] * 16))
-    return vals, bytes_, _signed(b, ls16, b.sub(_i16([0] * 16), bits))
+def _pshufb(b, v, mask):
+    """vpshufb ymm: byte i of the result = byte mask[i] of v's 128-bit half holding lane i."""
+    return _x86_call(b, "llvm.x86.avx2.pshuf.b", [v, ir.Constant(V32I8, mask)])
+
+
+def _u16_lanes(b, v, lanes, mul):
+    """<32 x i16>: lane k = v[lanes[k]] * mul[k] (mod 2**16; v a vector of i16)."""
+    return b.mul(shuffle(b, v, lanes), ir.Constant(V32I16, mul))
+
+
+def _iq1_block(b, t, p, slot):
+    """Decode the IQ1 block at p into what its 8 groups need: the byte offsets of its 32 grid rows
+    (8 * index, stored to the i16[32] at ``slot``, read back by _iq1_group), and <32 x i8> sources
+    for _iq1_group's vpshufb: the scales 2s + 1 (IQ1_S: ls_ib in byte ib of each half; IQ1_M: the
+    16 scales of 16 values), IQ1_M: the delta signs +1 / -1 of each 8 values (32: 4ib + 0, 1 in
+    bytes 2ib, 2ib + 1 of the low half, 4ib + 2, 3 of the high half). IQ1_S blocks: d | qs[32] at
+    2 | u16 qh[8] at 34 (3 index bits per 8 values, in bits 12..15 the scale and the sign);
+    IQ1_M: qs[32] | qh[16] at 32 (a nibble per 8 values: 3 index bits, the sign) | u16 scales[4] at 48."""
+    qs = b.shl(b.zext(load(b, p, 2 if t == T.IQ1_S else 0, V32I8), V32I16), ir.Constant(V32I16, [3] * 32))
+    if t == T.IQ1_S:
+        qh = load(b, p, 34, vec(I16, 8))
+        high = _u16_lanes(b, qh, [k // 4 for k in range(32)], [1 << (11 - 3 * (k % 4)) for k in range(32)])
+        ls = b.or_(b.and_(b.lshr(qh, ir.Constant(vec(I16, 8), [11] * 8)), ir.Constant(vec(I16, 8), [14] * 8)),
+                   ir.Constant(vec(I16, 8), [1] * 8))
+        ss = _signed(b, ls, b.ashr(qh, ir.Constant(vec(I16, 8), [15] * 8)))  # scale * delta sign, per 32 values
+        scales, signs = shuffle(b, b.trunc(ls, vec(I8, 8)), list(range(8)) * 4), shuffle(b, ss, [k // 2 for k in range(16)])
+    else:
+        qh8 = load(b, p, 32, vec(I8, 16))
+        high = _u16_lanes(b, b.zext(qh8, vec(I16, 16)), [k // 2 for k in range(32)], [1 << 11, 1 << 7] * 16)
+        sc = load(b, p, 48, vec(I16, 4))
+        ls = b.lshr(_u16_lanes(b, sc, [j // 4 for j in range(16)] * 2, [1 << (13 - 3 * (j % 4)) for j in range(32)]),
+                    ir.Constant(V32I16, [12] * 32))
+        scales = b.trunc(b.or_(ls, ir.Constant(V32I16, [1] * 32)), V32I8)
+        half = shuffle(b, qh8, [2 * ((j % 16) // 2) + (j >= 16) for j in range(32)])
+        bit = ir.Constant(V32I8, [8, 0x80] * 16)
+        neg = b.icmp_unsigned("==", b.and_(half, bit), bit)
+        signs = b.select(neg, ir.Constant(V32I8, [-1] * 32), ir.Constant(V32I8, [1] * 32))
+    offs = b.or_(qs, b.and_(high, ir.Constant(V32I16, [0x3800] * 32)))
+    b.store(offs, slot, align=32)
+    return scales, signs
+
+
+class _VolatileLoad(ir.instructions.LoadInstr):
+    """``load volatile``: kept as a load (LLVM would forward the stored vector's lanes into
+    vpextrw extracts, two uops each against one for a load)."""
+
+    def descr(self, buf):
+        super().descr(buf)
+        buf[-1] = buf[-1].replace("load ", "load volatile ", 1)
+
+
+def _volatile_load(b, ptr, align: int):
+    instr = _VolatileLoad(b.block, ptr)
+    instr.align = align
+    b._insert(instr)
+    return instr
+
+
+def _iq1_group(b, t, g: int, grid, slot, scales, signs):
+    """32-value group g of an IQ1 block decoded by _iq1_block: (grid values <32 x i8>, scale bytes
+    <32 x i8> (2s + 1 of each value), IQ1_M: delta signs <32 x i8> (+1 / -1 of each value), else None).
+    The grid rows are read at offsets loaded from ``slot``."""
+    offsets = b.bitcast(slot, I16.as_pointer())
+    v = ir.Constant(V4I64, None)
+    for k in range(4):
+        off = _volatile_load(b, b.gep(offsets, [_c(4 * g + k)]), 2)
+        row = b.bitcast(b.gep(b.bitcast(grid, BYTE_PTR), [b.zext(off, I64)]), I64.as_pointer())
+        v = b.insert_element(v, b.load(row, align=8), _c(k))
+    if t == T.IQ1_S:
+        return b.bitcast(v, V32I8), _pshufb(b, scales, [g] * 32), None
+    pair = [2 * g] * 8 + [2 * g + 1] * 8
+    return b.bitcast(v, V32I8), _pshufb(b, scales, [2 * g] * 16 + [2 * g + 1] * 16), _pshufb(b, signs, pair * 2)
 
 
 _POW3 = [3 ** n for n in range(5)]
@@ -137,14 +171,17 @@ def _block(b, t, path, rows, blk, accs, x16: bool, grid):
     dxs = [load(b, xd, b.mul(blk, ir.Constant(I64, 4)), F32) for xd in rows["xd"]]
     bsums = [load(b, xa, b.mul(blk, ir.Constant(I64, 32)), V16I16) for xa in rows["xa"]]
     x_at = b.mul(blk, ir.Constant(I64, 256))
-    p16, lanes2 = [None] * n, [None] * n
+    p16, d16, lanes2 = [None] * n, [None] * n, [None] * n
+    if iq1:
+        entry = ir.IRBuilder(b.block.parent.entry_basic_block)
+        entry.position_at_start(b.block.parent.entry_basic_block)
+        slots = [entry.alloca(V32I16) for _ in ptrs]
+        srcs = [_iq1_block(b, t, p, slot) for p, slot in zip(ptrs, slots)]
     for g in range(8):
         xs = [_quants(b, xq, b.add(x_at, ir.Constant(I64, 32 * g)), x16) for xq in rows["xq"]]
-        if t == T.IQ1_M:  # y pair sums, for scale * delta sign * y
-            ypairs = [madd_u8_s8_256(b, ir.Constant(V32I8, [1] * 32), x) for x in xs]
         for r, p in enumerate(ptrs):
             if iq1:
-                vals, scale8, ss16 = _iq1_group(b, t, p, g, grid)
+                vals, scale8, sign8 = _iq1_group(b, t, g, grid, slots[r], *srcs[r])
             else:
                 codes = _tq_group(b, t, p, g)
             for tt in range(nt):
@@ -154,19 +191,14 @@ def _block(b, t, path, rows, blk, accs, x16: bool, grid):
                 else:
                     part = madd_u8_s8_256(b, codes, xs[tt])
                 p16[i] = part if p16[i] is None else b.add(p16[i], part)
-                if t == T.IQ1_M:
-                    part = _x86_madd(b, ypairs[tt], ss16)
-                    lanes2[i] = part if lanes2[i] is None else b.add(lanes2[i], part)
+                if t == T.IQ1_M:  # scale * delta sign * y
+                    part = madd_u8_s8_256(b, scale8, sign_i8_256(b, xs[tt], sign8))
+                    d16[i] = part if d16[i] is None else b.add(d16[i], part)
     lanes = [sum_pairs_i16_256(b, v) for v in p16]
-    if t == T.IQ1_S:  # per output <8 x i32> whose total is sum over ib of scale * sign * (bsums 2ib, 2ib+1)
-        for r, p in enumerate(ptrs):
-            qh = load(b, p, 34, vec(I16, 8))
-            ls = b.or_(b.and_(b.lshr(qh, ir.Constant(vec(I16, 8), [11] * 8)), ir.Constant(vec(I16, 8), [14] * 8)),
-                       ir.Constant(vec(I16, 8), [1] * 8))
-            ss = _signed(b, ls, b.ashr(qh, ir.Constant(vec(I16, 8), [15] * 8)))
-            ss16 = shuffle(b, ss, [k // 2 for k in range(16)])
-            for tt in range(nt):
-                lanes2[r * nt + tt] = _x86_madd(b, bsums[tt], ss16)
+    if t == T.IQ1_M:
+        lanes2 = [sum_pairs_i16_256(b, v) for v in d16]
+    elif t == T.IQ1_S:  # per output <8 x i32> whose total is sum over ib of scale * sign * (bsums 2ib, 2ib+1)
+        lanes2 = [_x86_madd(b, bsums[i % nt], srcs[i // nt][1]) for i in range(n)]
     new = dict(accs)
     if path == VEC_DOT:
         ds = [b.fmul(dxs[i % nt], dws[i // nt]) for i in range(n)]
