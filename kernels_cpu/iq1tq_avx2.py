@@ -137,26 +137,37 @@ def _iq1_group(b, t, g: int, grid, slot, scales, signs):
     return b.bitcast(v, V32I8), _pshufb(b, scales, [2 * g] * 16 + [2 * g + 1] * 16), _pshufb(b, signs, pair * 2)
 
 
-_POW3 = [3 ** n for n in range(5)]
+def _trits(b, q, pows):
+    """<32 x i8> trits ((uint8)(q * p) * 3) >> 8 (dequantize_row_tq1_0) of the bytes q, p = pows[i]
+    for bytes 2i, 2i + 1: the even and odd bytes apart in 16-bit lanes, (q p mod 256) << 8 by
+    vpmullw, the trit in the high half of the product with 3 (vpmulhuw)."""
+    q16 = b.bitcast(q, V16I16)
+    three = _i16([3] * 16)
+    even = b.mul(b.and_(q16, _i16([0xFF] * 16)), _i16(256 * p for p in pows))
+    odd = b.mul(b.and_(q16, _i16([0xFF00] * 16)), _i16(pows))
+    t_even = _x86_call(b, "llvm.x86.avx2.pmulhu.w", [even, three])
+    t_odd = b.shl(_x86_call(b, "llvm.x86.avx2.pmulhu.w", [odd, three]), _i16([8] * 16))
+    return b.bitcast(b.or_(t_even, t_odd), V32I8)
 
 
-def _tq_group(b, t, p, g: int):
-    """<32 x i8> codes (TQ1_0 trits 0..2, TQ2_0 0..3) of 32-value group g of the block at p
-    (kernels_cpu.iq1tq._tq1_codes / _tq2_codes)."""
+def _i16(values):
+    return ir.Constant(V16I16, list(values))
+
+
+def _tq_codes(b, t, p):
+    """The 8 groups' <32 x i8> codes (TQ1_0 trits 0..2, TQ2_0 0..3) of the block at p, value
+    32 g + i in byte i of group g (kernels_cpu.iq1tq._tq1_codes / _tq2_codes)."""
     if t == T.TQ2_0:  # value 128 j + 32 l + m: bits 2l of qs[32 j + m]
-        q = load(b, p, 32 * (g // 4), V32I8)
-        return b.and_(b.lshr(q, ir.Constant(V32I8, [2 * (g % 4)] * 32)), ir.Constant(V32I8, [3] * 32))
-    if g < 5:  # qs[0:32] x 3**g
-        q, pows = load(b, p, 0, V32I8), [_POW3[g]] * 32
-    else:  # qs[32:48] x 3**(2(g-5)), 3**(2(g-5)+1); group 7: qs[32:48] x 81, qh[0:4] x 3**0..3
-        q16 = load(b, p, 32, vec(I8, 16))
-        if g < 7:
-            q, pows = shuffle(b, q16, list(range(16)) * 2), [_POW3[2 * g - 10]] * 16 + [_POW3[2 * g - 9]] * 16
-        else:
-            qh = shuffle(b, load(b, p, 48, vec(I8, 4)), list(range(4)) * 4)
-            q, pows = shuffle(b, q16, list(range(16)) + list(range(16, 32)), qh), [81] * 16 + [_POW3[k // 4] for k in range(16)]
-    prod = b.and_(b.mul(b.zext(q, V32I16), ir.Constant(V32I16, pows)), ir.Constant(V32I16, [0xFF] * 32))
-    return b.trunc(b.lshr(b.mul(prod, ir.Constant(V32I16, [3] * 32)), ir.Constant(V32I16, [8] * 32)), V32I8)
+        return [b.and_(b.lshr(load(b, p, 32 * (g // 4), V32I8), ir.Constant(V32I8, [2 * (g % 4)] * 32)),
+                       ir.Constant(V32I8, [3] * 32)) for g in range(8)]
+    q = load(b, p, 0, V32I8)  # groups 0..4: qs[0:32] x 3**g
+    x = shuffle(b, load(b, p, 32, vec(I8, 16)), list(range(16)) * 2)  # groups 5, 6: qs[32:48] x 3**(2g-10) | 3**(2g-9)
+    qh = shuffle(b, load(b, p, 48, vec(I8, 4)), list(range(4)) * 4)  # group 7: qs[32:48] x 81 | qh[k % 4] x 3**(k // 4)
+    codes = [_trits(b, q, [3 ** g] * 16) for g in range(5)]
+    codes += [_trits(b, x, [3 ** (2 * g - 10)] * 8 + [3 ** (2 * g - 9)] * 8) for g in (5, 6)]
+    codes.append(_trits(b, shuffle(b, shuffle(b, x, range(16)), range(32), qh),
+                        [81] * 8 + [3 ** (i // 2) for i in range(8)]))
+    return codes
 
 
 def _block(b, t, path, rows, blk, accs, x16: bool, grid):
@@ -177,13 +188,15 @@ def _block(b, t, path, rows, blk, accs, x16: bool, grid):
         entry.position_at_start(b.block.parent.entry_basic_block)
         slots = [entry.alloca(V32I16) for _ in ptrs]
         srcs = [_iq1_block(b, t, p, slot) for p, slot in zip(ptrs, slots)]
+    else:
+        tq_codes = [_tq_codes(b, t, p) for p in ptrs]
     for g in range(8):
         xs = [_quants(b, xq, b.add(x_at, ir.Constant(I64, 32 * g)), x16) for xq in rows["xq"]]
         for r, p in enumerate(ptrs):
             if iq1:
                 vals, scale8, sign8 = _iq1_group(b, t, g, grid, slots[r], *srcs[r])
             else:
-                codes = _tq_group(b, t, p, g)
+                codes = tq_codes[r][g]
             for tt in range(nt):
                 i = r * nt + tt
                 if iq1:
