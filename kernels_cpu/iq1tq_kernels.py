@@ -28,49 +28,33 @@ _IQ1_S, _IQ1_M, _TQ1_0, _TQ2_0 = int(T_.IQ1_S), int(T_.IQ1_M), int(T_.TQ1_0), in
 AVX2_TYPES = frozenset({"iq1_s", "iq1_m", "tq1_0", "tq2_0"}) if HAS_AVX2 else frozenset()  # types on the vector tiles
 
 
-@njit(cache=True, inline="always")
-def _iq1(fmt, w, xqs, xd, xbsums, out):
-    """The TILED tile for T >= 8 (ggml_tiled_min_batch), else VEC_DOT (ND x 1 tiles for decode)."""
-    if xqs.shape[0] >= 8:
-        _blocks(fmt, TILED, NR, True, w, xqs, xd, xbsums, out)
-    else:
+def _kernel(name: str, fmt: int, tiled: bool, doc: str):
+    """A parallel kernel ``(w, xqs, xd, xbsums, out)`` of GGML type ``fmt``: qdot_tile's TILED tile
+    for T >= 8 (ggml_tiled_min_batch) when ``tiled``, else VEC_DOT (ND x 1 tiles for decode).
+    numba caches each on disk apart (its key holds the closure's values)."""
+
+    def vec_dot(w, xqs, xd, xbsums, out):
         _tiled(fmt, VEC_DOT, NR, w, xqs, xd, xbsums, out)
 
+    def plain(w, xqs, xd, xbsums, out):
+        if xqs.shape[0] >= 8:
+            _blocks(fmt, TILED, NR, True, w, xqs, xd, xbsums, out)
+        else:
+            _tiled(fmt, VEC_DOT, NR, w, xqs, xd, xbsums, out)
 
-@njit(parallel=True, cache=True, nogil=True)
-def _iq1_s(w, xqs, xd, xbsums, out):
-    """IQ1_S x Q8_K: ggml_vec_dot_iq1_s_q8_K (AVX2) for T < 8, tiled for T >= 8."""
-    _iq1(_IQ1_S, w, xqs, xd, xbsums, out)
+    kernel = plain if tiled else vec_dot
 
-
-@njit(parallel=True, cache=True, nogil=True)
-def _iq1_s_bi(w, xqs, xd, xbsums, out):
-    """IQ1_S x Q8_K, batch-invariant: ggml_vec_dot_iq1_s_q8_K for every T."""
-    _tiled(_IQ1_S, VEC_DOT, NR, w, xqs, xd, xbsums, out)
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _iq1_m(w, xqs, xd, xbsums, out):
-    """IQ1_M x Q8_K: ggml_vec_dot_iq1_m_q8_K (AVX2) for T < 8, tiled for T >= 8."""
-    _iq1(_IQ1_M, w, xqs, xd, xbsums, out)
+    kernel.__name__ = kernel.__qualname__ = name
+    kernel.__doc__ = doc
+    return njit(parallel=True, cache=True, nogil=True)(kernel)
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def _iq1_m_bi(w, xqs, xd, xbsums, out):
-    """IQ1_M x Q8_K, batch-invariant: ggml_vec_dot_iq1_m_q8_K for every T."""
-    _tiled(_IQ1_M, VEC_DOT, NR, w, xqs, xd, xbsums, out)
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _tq1_0(w, xqs, xd, xbsums, out):
-    """TQ1_0 x Q8_K: ggml_vec_dot_tq1_0_q8_K (AVX2) for every T."""
-    _tiled(_TQ1_0, VEC_DOT, NR, w, xqs, xd, xbsums, out)
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _tq2_0(w, xqs, xd, xbsums, out):
-    """TQ2_0 x Q8_K: ggml_vec_dot_tq2_0_q8_K (AVX2) for every T."""
-    _tiled(_TQ2_0, VEC_DOT, NR, w, xqs, xd, xbsums, out)
+_iq1_s = _kernel("_iq1_s", _IQ1_S, True, "IQ1_S x Q8_K: ggml_vec_dot_iq1_s_q8_K (AVX2) for T < 8, tiled for T >= 8.")
+_iq1_s_bi = _kernel("_iq1_s_bi", _IQ1_S, False, "IQ1_S x Q8_K, batch-invariant: ggml_vec_dot_iq1_s_q8_K for every T.")
+_iq1_m = _kernel("_iq1_m", _IQ1_M, True, "IQ1_M x Q8_K: ggml_vec_dot_iq1_m_q8_K (AVX2) for T < 8, tiled for T >= 8.")
+_iq1_m_bi = _kernel("_iq1_m_bi", _IQ1_M, False, "IQ1_M x Q8_K, batch-invariant: ggml_vec_dot_iq1_m_q8_K for every T.")
+_tq1_0 = _kernel("_tq1_0", _TQ1_0, False, "TQ1_0 x Q8_K: ggml_vec_dot_tq1_0_q8_K (AVX2) for every T.")
+_tq2_0 = _kernel("_tq2_0", _TQ2_0, False, "TQ2_0 x Q8_K: ggml_vec_dot_tq2_0_q8_K (AVX2) for every T.")
 
 
 def _pick(name: str, fast, fast_bi=None):
