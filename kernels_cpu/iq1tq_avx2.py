@@ -1,9 +1,11 @@
 """IQ1_S / IQ1_M / TQ1_0 / TQ2_0 matmul tiles for x86 CPUs with AVX2: per 32-value group of a
-weight row its codes in one <32 x i8> vector (IQ1: four iq1s_grid rows gathered by scalar loads;
-TQ1_0: base-3 trits by byte multiplies; TQ2_0: 2-bit fields by shifts), products with ``vpmaddubsw``
-summed in int16 over the 8 groups of a block, then ``vpmaddwd`` into ggml's 8 int32 lanes, as the
-__AVX2__ branches of ggml_vec_dot_iq1_s_q8_K, _iq1_m_, _tq1_0_ and _tq2_0_q8_K
-(ggml-cpu/arch/x86/quants.c).
+weight row its codes in one <32 x i8> vector (IQ1: four iq1s_grid rows by scalar loads, at byte
+offsets computed for the whole block in one vector; TQ1_0: base-3 trits by 16-bit multiplies;
+TQ2_0: 2-bit fields by shifts), products with ``vpmaddubsw`` (IQ1: scale bytes times the quants
+signed by the grid, ``vpsignb``) summed in int16 over the 8 groups of a block, then ``vpmaddwd``
+into ggml's 8 int32 lanes, as the __AVX2__ branches of ggml_vec_dot_iq1_s_q8_K, _iq1_m_, _tq1_0_
+and _tq2_0_q8_K (ggml-cpu/arch/x86/quants.c). They run on every AVX2 CPU, with AVX-512 too (no
+other vector kernel covers these types).
 
 They reproduce kernels_cpu.iq1tq's numba kernels bit for bit (that module's docstring gives the
 float order): integer sums are exact in both, the float operations are the same per output.

@@ -43,6 +43,8 @@ weight row per lane), Q5_0 / Q8_0 and Q6_K on the VEC_DOT path from kernels_cpu.
 (vpdpbusd / vpmaddubsw + vpdpwssd straight into ggml's 8 lanes); those types take int8 quants.
 On AVX2 CPUs without VNNI (simd.HAS_AVX2_INT8), Q4_0 / Q5_0 / Q8_0 on the VEC_DOT path come from
 kernels_cpu.matmul_avx2 (vpmaddubsw + vpmaddwd into the same 8 lanes); Q5_0 / Q8_0 take int8 quants.
+IQ4_* / MXFP4 and IQ2_* / IQ3_* have AVX2 tiles there too (kernels_cpu.iq4_avx2, iq23_avx2), and
+IQ1_S / IQ1_M / TQ1_0 / TQ2_0 on every AVX2 CPU (kernels_cpu.iq1tq_avx2); they take int8 quants.
 
 Not reproduced: F32/F16/BF16 weights (tinyBLAS / ggml_vec_dot_f16 orders); they agree to
 float32 rounding.
