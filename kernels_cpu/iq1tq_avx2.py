@@ -42,10 +42,11 @@ from kernels_cpu.iq4_avx2 import _by_output, _lane_map, _totals, _x86_madd
 from kernels_cpu.iq23_avx2 import Format, _c, _table
 from kernels_cpu.matmul_avx2 import _quants
 from kernels_cpu.matmul_tiles import TILED, VEC_DOT
-from kernels_cpu.simd import (BYTE_PTR, F32, I8, I16, I32, I64, _x86_call, fma, hsum_float_8, load, load_half, madd_u8_s8_256, shuffle,
-                              sign_i8_256, splat, sum_pairs_i16_256, tile_function, vec)
+from kernels_cpu.simd import (BYTE_PTR, F32, I8, I16, I32, I64, _x86_call, fma, hsum_float_8, load, load_half,
+                              madd_u8_s8_256, shuffle, sign_i8_256, splat, sum_pairs_i16_256, tile_function, vec)
 
-V8I32, V8F32, V16I16, V32I16, V32I8, V4I64 = vec(I32, 8), vec(F32, 8), vec(I16, 16), vec(I16, 32), vec(I8, 32), vec(I64, 4)
+V8I32, V8F32, V16I16, V32I16 = vec(I32, 8), vec(F32, 8), vec(I16, 16), vec(I16, 32)
+V32I8, V4I64 = vec(I8, 32), vec(I64, 4)
 AVX2_IQ1TQ_PATHS = frozenset({(T.IQ1_S, VEC_DOT), (T.IQ1_S, TILED), (T.IQ1_M, VEC_DOT), (T.IQ1_M, TILED),
                               (T.TQ1_0, VEC_DOT), (T.TQ2_0, VEC_DOT)})
 FORMATS = {t: Format(t) for t in (T.IQ1_S, T.IQ1_M, T.TQ1_0, T.TQ2_0)}
@@ -79,8 +80,9 @@ def _iq1_block(b, t, p, slot):
     """Decode the IQ1 block at p into what its 8 groups need: the byte offsets of its 32 grid rows
     (8 * index, stored to the i16[32] at ``slot``, read back by _iq1_group), and <32 x i8> sources
     for _iq1_group's vpshufb: the scales 2s + 1 (IQ1_S: ls_ib in byte ib of each half; IQ1_M: the
-    16 scales of 16 values), IQ1_M: the delta signs +1 / -1 of each 8 values (32: 4ib + 0, 1 in
-    bytes 2ib, 2ib + 1 of the low half, 4ib + 2, 3 of the high half). IQ1_S blocks: d | qs[32] at
+    16 scales of 16 values), and IQ1_M: the delta signs +1 / -1 of each 8 values (32: 4ib + 0, 1 in
+    bytes 2ib, 2ib + 1 of the low half, 4ib + 2, 3 of the high half), IQ1_S: <16 x i16> scale *
+    delta sign of each bsums entry (for the delta term's vpmaddwd). IQ1_S blocks: d | qs[32] at
     2 | u16 qh[8] at 34 (3 index bits per 8 values, in bits 12..15 the scale and the sign);
     IQ1_M: qs[32] | qh[16] at 32 (a nibble per 8 values: 3 index bits, the sign) | u16 scales[4] at 48."""
     qs = b.shl(b.zext(load(b, p, 2 if t == T.IQ1_S else 0, V32I8), V32I16), ir.Constant(V32I16, [3] * 32))
@@ -90,7 +92,8 @@ def _iq1_block(b, t, p, slot):
         ls = b.or_(b.and_(b.lshr(qh, ir.Constant(vec(I16, 8), [11] * 8)), ir.Constant(vec(I16, 8), [14] * 8)),
                    ir.Constant(vec(I16, 8), [1] * 8))
         ss = _signed(b, ls, b.ashr(qh, ir.Constant(vec(I16, 8), [15] * 8)))  # scale * delta sign, per 32 values
-        scales, signs = shuffle(b, b.trunc(ls, vec(I8, 8)), list(range(8)) * 4), shuffle(b, ss, [k // 2 for k in range(16)])
+        scales = shuffle(b, b.trunc(ls, vec(I8, 8)), list(range(8)) * 4)
+        signs = shuffle(b, ss, [k // 2 for k in range(16)])
     else:
         qh8 = load(b, p, 32, vec(I8, 16))
         high = _u16_lanes(b, b.zext(qh8, vec(I16, 16)), [k // 2 for k in range(32)], [1 << 11, 1 << 7] * 16)

@@ -35,7 +35,8 @@ from kernels_cpu.matmul_vnni import build_vnni_tile
 from kernels_cpu.simd import BYTE_PTR, HAS_AVX2, HAS_AVX2_INT8, HAS_VNNI, I64
 
 T_ = GGMLQuantizationType
-FORMATS = {**FORMATS, **IQ4_FORMATS, **IQ23_FORMATS, **IQ1TQ_FORMATS}  # every quantized type's IR decoder (IQ1/2/3, TQ: AVX2 tiles only)
+# every quantized type's IR decoder (IQ1 / IQ2 / IQ3 / TQ: their AVX2 tiles only)
+FORMATS = {**FORMATS, **IQ4_FORMATS, **IQ23_FORMATS, **IQ1TQ_FORMATS}
 NR, NT = 4, 4  # prefill tile: weight rows x activation rows
 TC = 64  # activation rows per prefill chunk
 ND = 4  # decode tile rows, R // ND apart (adjacent rows in one tile stream from DRAM at half speed)
