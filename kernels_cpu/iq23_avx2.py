@@ -32,7 +32,7 @@ from kernels_cpu.iq4_avx2 import _by_output, _lane_map, _totals, _x86_madd
 from kernels_cpu.iq23 import IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS
 from kernels_cpu.matmul_avx2 import _quants
 from kernels_cpu.matmul_tiles import TILED, VEC_DOT
-from kernels_cpu.simd import (F32, I8, I16, I32, I64, _x86_call, fmuladd, load, load_half, madd_u8_s8_256, shuffle,
+from kernels_cpu.simd import (F32, I8, I16, I32, I64, _x86_call, fmuladd, hsum_float_8, load, load_half, madd_u8_s8_256, shuffle,
                               splat, tile_function, vec)
 
 V8I32, V8F32, V16I16, V32I8, V4I64 = vec(I32, 8), vec(F32, 8), vec(I16, 16), vec(I8, 32), vec(I64, 4)
@@ -215,11 +215,9 @@ def build_avx2_iq23_tile(module: ir.Module, t: T, path: int, nr: int, nt: int, n
 
     def finish(b, new):
         out = {}
-        if path == VEC_DOT:  # factor * hsum_float_8 = ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+        if path == VEC_DOT:  # factor * hsum_float_8
             for i, v in enumerate(new["acc"]):
-                for step in (4, 2, 1):
-                    v = b.fadd(v, shuffle(b, v, [lane ^ step for lane in range(8)]))
-                s = b.extract_element(v, _c(0))
+                s = hsum_float_8(b, v)
                 out[divmod(i, nt)] = s if FACTOR[t] == 1.0 else b.fmul(factor, s)
             return out
         for i, (g, lane) in enumerate(_lane_map(n)):

@@ -37,9 +37,9 @@ from kernels_cpu.ggml_types import TYPES
 from kernels_cpu.iq4_decoders import KVALUES_IQ4NL, KVALUES_MXFP4, e8m0_half, lookup16
 from kernels_cpu.matmul_avx2 import _quants
 from kernels_cpu.matmul_tiles import GEMV, TILED, VEC_DOT
-from kernels_cpu.simd import (F32, HAS_VNNI, I8, I16, I32, I64, _x86_call, dot_i16, dot_u8_s8, fmuladd, load,
-                              load_half, madd_u8_s8_256, shuffle, sign_i8_256, splat, sum_pairs_i16_256,
-                              tile_function, vec)
+from kernels_cpu.simd import (F32, HAS_VNNI, I8, I16, I32, I64, _x86_call, dot_i16, dot_u8_s8, fmuladd,
+                              hsum_float_8, load, load_half, madd_u8_s8_256, shuffle, sign_i8_256, splat,
+                              sum_pairs_i16_256, tile_function, vec)
 
 V8I32, V8F32, V16I16, V32I8 = vec(I32, 8), vec(F32, 8), vec(I16, 16), vec(I8, 32)
 _ZERO8 = ir.Constant(V8I32, [0] * 8)
@@ -254,11 +254,9 @@ def build_avx2_iq4_tile(module: ir.Module, t: T, path: int, nr: int, nt: int, na
 
     def finish(b, new):
         out = {}
-        if path == VEC_DOT:  # hsum_float_8 = ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+        if path == VEC_DOT:
             for i, v in enumerate(new["acc"]):
-                for step in (4, 2, 1):
-                    v = b.fadd(v, shuffle(b, v, [lane ^ step for lane in range(8)]))
-                out[divmod(i, nt)] = b.extract_element(v, ir.Constant(I32, 0))
+                out[divmod(i, nt)] = hsum_float_8(b, v)
             return out
         for i, (g, lane) in enumerate(_lane_map(n)):
             out[divmod(i, nt)] = b.extract_element(new["acc"][g], ir.Constant(I32, lane))

@@ -44,8 +44,10 @@ weight row per lane), Q5_0 / Q8_0 and Q6_K on the VEC_DOT path from kernels_cpu.
 On AVX2 CPUs without VNNI (simd.HAS_AVX2_INT8), Q4_0 / Q5_0 / Q8_0 on the VEC_DOT path come from
 kernels_cpu.matmul_avx2 (vpmaddubsw + vpmaddwd into the same 8 lanes); Q5_0 / Q8_0 take int8 quants.
 On every CPU with AVX2 (simd.HAS_AVX2), Q4_1 / Q5_1 come from kernels_cpu.matmul_avx2 too, IQ4_NL /
-IQ4_XS / MXFP4 from kernels_cpu.iq4_avx2 and the IQ2 / IQ3 types from kernels_cpu.iq23_avx2 (with
-VNNI instructions where the CPU has them); they take int8 quants.
+IQ4_XS / MXFP4 from kernels_cpu.iq4_avx2, the IQ2 / IQ3 types from kernels_cpu.iq23_avx2 and IQ1_S /
+IQ1_M / TQ1_0 / TQ2_0 from kernels_cpu.iq1tq_avx2 (with VNNI instructions where the CPU has them,
+and on AVX-512 VNNI GEMV-path IQ4_NL / MXFP4 / Q4_0 and TILED-path IQ4_XS from
+kernels_cpu.matmul_rows); they take int8 quants.
 
 Not reproduced: F32/F16/BF16 weights (tinyBLAS / ggml_vec_dot_f16 orders); they agree to
 float32 rounding.

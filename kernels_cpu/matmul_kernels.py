@@ -21,8 +21,9 @@ from numba import njit, prange
 
 from kernels_cpu.f16 import f16_to_f32, f32_to_f16
 from kernels_cpu.ggml_types import QUANTIZED_TYPES, TYPES, kernels
-from kernels_cpu.iq1tq import (matmul_iq1_m_q8_k, matmul_iq1_m_q8_k_bi, matmul_iq1_s_q8_k,  # noqa: F401
-                               matmul_iq1_s_q8_k_bi, matmul_tq1_0_q8_k, matmul_tq2_0_q8_k)
+from kernels_cpu.iq1tq_kernels import (matmul_iq1_m_q8_k, matmul_iq1_m_q8_k_bi, matmul_iq1_s_q8_k,  # noqa: F401
+                                       matmul_iq1_s_q8_k_bi, matmul_tq1_0_q8_k, matmul_tq2_0_q8_k)
+from kernels_cpu.iq1tq_kernels import AVX2_TYPES as IQ1TQ_AVX2_TYPES
 from kernels_cpu.iq23_kernels import (matmul_iq2_s_q8_k, matmul_iq2_s_q8_k_bi, matmul_iq2_xs_q8_k,  # noqa: F401
                                       matmul_iq2_xs_q8_k_bi, matmul_iq2_xxs_q8_k, matmul_iq2_xxs_q8_k_bi,
                                       matmul_iq3_s_q8_k, matmul_iq3_s_q8_k_bi, matmul_iq3_xxs_q8_k,
@@ -283,7 +284,7 @@ from kernels_cpu.iq4_kernels import (matmul_iq4_nl_q8_0, matmul_iq4_nl_q8_0_bi, 
 # types whose kernels take int8 activation quants: the VNNI kernels, the AVX2 vpmaddubsw tiles
 ROWS_TYPES = ((T_.Q4_0, T_.Q5_0, T_.Q8_0, T_.Q4_K, T_.Q6_K) if HAS_VNNI else (T_.Q5_0, T_.Q8_0) if HAS_AVX2_INT8 else ())
 ROWS_TYPES += (T_.Q4_1, T_.Q5_1, T_.IQ4_NL, T_.IQ4_XS, T_.MXFP4) if HAS_AVX2 else ()  # matmul_avx2, iq4_avx2 tiles
-ROWS_TYPES += tuple(T_[name.upper()] for name in sorted(IQ23_AVX2_TYPES))  # kernels_cpu.iq23_avx2 tiles
+ROWS_TYPES += tuple(T_[name.upper()] for name in sorted(IQ23_AVX2_TYPES | IQ1TQ_AVX2_TYPES))  # iq23_avx2, iq1tq_avx2
 
 _REPACKED_TYPES = tuple(t for t in QUANTIZED_TYPES if TYPES[t].repacked)
 QUANT_KERNELS = kernels(globals(), "matmul", types=QUANTIZED_TYPES)  # llama.cpp's plain CPU buffer

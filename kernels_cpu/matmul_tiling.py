@@ -10,7 +10,8 @@ kernels_cpu.matmul_rows / kernels_cpu.matmul_vnni (same float operations), on AV
 without it for Q4_0 / Q5_0 / Q8_0 on path VEC_DOT from kernels_cpu.matmul_avx2, and on every CPU
 with AVX2 for Q4_1 / Q5_1 (VEC_DOT) from kernels_cpu.matmul_avx2, for IQ4_NL / IQ4_XS / MXFP4
 from kernels_cpu.iq4_avx2 and for IQ2_XXS / IQ2_XS / IQ2_S / IQ3_XXS / IQ3_S (their only
-tiles) from kernels_cpu.iq23_avx2.
+tiles) from kernels_cpu.iq23_avx2; for IQ1_S / IQ1_M / TQ1_0 /
+TQ2_0 (their only tiles) from kernels_cpu.iq1tq_avx2.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from kernels_cpu.iq1tq_avx2 import AVX2_IQ1TQ_PATHS, build_avx2_iq1tq_tile
+from kernels_cpu.iq1tq_avx2 import FORMATS as IQ1TQ_FORMATS
 from kernels_cpu.iq4_avx2 import AVX2_IQ4_PATHS, build_avx2_iq4_tile
 from kernels_cpu.iq4_decoders import FORMATS as IQ4_FORMATS
 from kernels_cpu.iq23_avx2 import AVX2_IQ23_PATHS, build_avx2_iq23_tile
@@ -33,7 +36,8 @@ from kernels_cpu.matmul_vnni import build_vnni_tile
 from kernels_cpu.simd import BYTE_PTR, HAS_AVX2, HAS_AVX2_INT8, HAS_VNNI, I64
 
 T_ = GGMLQuantizationType
-FORMATS = {**FORMATS, **IQ4_FORMATS, **IQ23_FORMATS}  # every quantized type's IR decoder (IQ2/IQ3: AVX2 tiles only)
+# every quantized type's IR decoder (IQ1 / IQ2 / IQ3 / TQ: their AVX2 tiles only)
+FORMATS = {**FORMATS, **IQ4_FORMATS, **IQ23_FORMATS, **IQ1TQ_FORMATS}
 NR, NT = 4, 4  # prefill tile: weight rows x activation rows
 TC = 64  # activation rows per prefill chunk
 ND = 4  # decode tile rows, R // ND apart (adjacent rows in one tile stream from DRAM at half speed)
@@ -78,6 +82,8 @@ def qdot_tile(typingctx, fmt, path, nr, nt, w, r0, r_step, xq, xd, xa, t0, out):
             fn = build_avx2_iq4_tile(builder.module, f.ggml_type, p, n_r, n_t, name, x16)
         elif HAS_AVX2 and (f.ggml_type, p) in AVX2_IQ23_PATHS:
             fn = build_avx2_iq23_tile(builder.module, f.ggml_type, p, n_r, n_t, name, x16)
+        elif HAS_AVX2 and (f.ggml_type, p) in AVX2_IQ1TQ_PATHS:
+            fn = build_avx2_iq1tq_tile(builder.module, f.ggml_type, p, n_r, n_t, name, x16)
         elif n_r == ROWS and HAS_VNNI and (f.ggml_type in (T_.Q4_K, T_.Q6_K)
                                            or (p == GEMV and f.ggml_type in (T_.Q8_0, T_.Q5_0))):
             fn = build_rows_tile(builder.module, f.ggml_type.name, PATH_NAMES[p], n_t, name, x16)

@@ -178,6 +178,19 @@ def fmuladd(b: ir.IRBuilder, x, y, acc):
     return b.call(fn, [x, y, acc])
 
 
+def fma(b: ir.IRBuilder, x, y, acc):
+    """x * y + acc rounded once (llvm.fma: scalar or vector float32; vfmadd with FMA)."""
+    name = f"llvm.fma.v{x.type.count}f32" if isinstance(x.type, ir.VectorType) else "llvm.fma.f32"
+    return _x86_call(b, name, [x, y, acc])
+
+
+def hsum_float_8(b: ir.IRBuilder, v):
+    """ggml's hsum_float_8 of a <8 x float>: ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7))."""
+    for step in (4, 2, 1):
+        v = b.fadd(v, shuffle(b, v, [lane ^ step for lane in range(8)]))
+    return b.extract_element(v, ir.Constant(I32, 0))
+
+
 def target_features() -> frozenset:
     """Features (``"+avx512vnni"`` ...) of the CPU numba compiles for: NUMBA_CPU_FEATURES when set,
     else the host's. They are part of the key of numba's on-disk cache entries (codegen

@@ -101,3 +101,78 @@ def test_type_rows():
         row = TYPES[T[name]]
         assert (row.block_size, row.type_size) == GGML_QUANT_SIZES[T[name]]
         assert row.vec_dot_type == T.Q8_K
+
+
+# ---------------------------------------------------------------------------------------------
+# the AVX2 tiles (kernels_cpu.iq1tq_avx2 through kernels_cpu.iq1tq_kernels) against the numba
+# kernels of kernels_cpu.iq1tq, bit for bit
+
+_F16_AT = {"IQ1_S": 0, "TQ1_0": 52, "TQ2_0": 64}  # byte offset of the f16 d (IQ1_M: top nibbles of its scales)
+
+
+def _set_d(blocks, name, bits):
+    """Give every block of uint8[..., type_size] the f16 scale ``bits``."""
+    if name == "IQ1_M":
+        sc = blocks[..., 48:56].view(np.uint16)
+        for k in range(4):
+            sc[..., k] = (sc[..., k] & 0x0FFF) | (((bits >> (4 * k)) & 0xF) << 12)
+    else:
+        blocks[..., _F16_AT[name]:_F16_AT[name] + 2].view(np.uint16)[..., 0] = bits
+
+
+def _weights(name, R, K, rng):
+    """uint8[R, row_bytes]: random blocks with finite f16 scales, then edge-case rows: a zero row,
+    the f16 max and a subnormal scale, every byte 0xFF (top scales, delta signs set), all 0x00."""
+    size = TYPES[T[name]].type_size
+    w = rng.integers(0, 256, (R, K // 256, size), dtype=np.uint8)
+    _set_d(w, name, rng.integers(0x2000, 0x3C00, (R, K // 256), dtype=np.uint16))
+    for r, (fill, bits) in enumerate(((0, 0), (None, 0x7BFF), (None, 0x0003), (0xFF, 0x3555), (0x00, 0x2E66))):
+        if r < R:
+            if fill is not None:
+                w[r] = fill
+            _set_d(w[r], name, bits)
+    return np.ascontiguousarray(w.reshape(R, -1))
+
+
+def _activations(T_, K, rng):
+    x = rng.normal(0, 1, (T_, K)).astype(np.float32)
+    x[0, :256] = 0  # a zero block: d = 0
+    if T_ > 1:
+        x[1] *= 1e4
+    if T_ > 2:
+        x[2, ::7] = -300  # many quants at -127
+    return x
+
+
+def _numba_ref(name, bi, w, xq):
+    from kernels_cpu import iq1tq
+    qs, d, bsums = xq.arrays
+    out = np.full((qs.shape[0], w.shape[0]), np.nan, np.float32)
+    suffix = "_bi" if bi and name.startswith("IQ1") else ""
+    getattr(iq1tq, f"matmul_{name.lower()}_q8_k{suffix}")(w, qs, d, bsums, out)
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("K", (256, 2560))
+def test_avx2_tiles_equal_numba_kernels(name, K):
+    """Every R (tile edges: R < 4, R % 4 != 0, R % 8 != 0) and T (decode tiles, VEC_DOT, TILED at
+    T >= 8, the _bi kernels), int8 and int16 activation quants: the vector tiles' outputs equal the
+    numba kernels' bit for bit."""
+    from kernels_cpu import iq1tq_kernels
+    from kernels_cpu.matmul_kernels import quant_kernel
+    if name.lower() not in iq1tq_kernels.AVX2_TYPES:
+        pytest.skip("no AVX2: the numba kernels run")
+    rng = np.random.default_rng(K + len(name))
+    t = T[name]
+    for R in (1, 3, 6, 13, 40):
+        w = _weights(name, R, K, rng)
+        for T_ in MM_T:
+            xq = quantize_activations(t, _activations(T_, K, rng))
+            qs, d, bsums = xq.arrays
+            for bi in (False, True):
+                want = _bits(_numba_ref(name, bi, w, xq))
+                for q in (qs, qs.astype(np.int16)):
+                    out = np.full((T_, R), np.nan, np.float32)
+                    quant_kernel(t, R, bi)(w, q, d, bsums, out)
+                    np.testing.assert_array_equal(_bits(out), want, err_msg=f"R={R} T={T_} bi={bi} {q.dtype}")
