@@ -42,9 +42,10 @@ JSON (``edge bench --json``), one object:
         bandwidth), int8_gmacs (int8 multiply-adds per second, in G), weight_bytes_per_token
         (bytes of weight matrices one token reads: all but token_embd unless it is the output;
         experts counted as n_expert_used / n_expert of theirs), macs_per_token (their
-        multiply-adds)}; each RESULT then has ``ceiling_fraction``: tgN tokens/s x
-        weight_bytes_per_token / read bandwidth; ppN and tgN xB tokens/s x macs_per_token / int8
-        throughput (the roofline each kind of test is bound by; attention not counted).
+        multiply-adds)}; each RESULT then has ``ceiling_fraction``, the share of the roofline
+        reached: ppN tokens/s x macs_per_token / int8 throughput; tgN and tgN xB the larger of
+        steps/s x weight_bytes_per_token / read bandwidth (a step of B rows reads the weights
+        once) and tokens/s x macs_per_token / int8 throughput (attention not counted).
     llama_cpp: null when not asked, else {python, version, error}; error (str | null) says why
         llama.cpp's numbers are missing (not importable, failed test: that test's RESULT is null).
 """
@@ -426,10 +427,12 @@ def add_ceiling_fractions(result: dict) -> None:
             r = row[name]
             if r is None:
                 continue
-            if row["kind"] == "tg":
-                r["ceiling_fraction"] = r["tps"] * c["weight_bytes_per_token"] / (c["read_gb_s"] * 1e9)
+            compute = r["tps"] * c["macs_per_token"] / (c["int8_gmacs"] * 1e9)
+            if row["kind"] == "pp":
+                r["ceiling_fraction"] = compute
             else:
-                r["ceiling_fraction"] = r["tps"] * c["macs_per_token"] / (c["int8_gmacs"] * 1e9)
+                memory = r["tps"] / row["n_seq"] * c["weight_bytes_per_token"] / (c["read_gb_s"] * 1e9)
+                r["ceiling_fraction"] = max(memory, compute)
 
 
 def _run_tests(cfg: BenchConfig, b: _Bench, edge: EdgeRunner) -> None:

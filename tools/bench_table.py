@@ -110,8 +110,8 @@ def markdown(results: list[dict]) -> str:
         c = ceil[0][1]
         lines += ["", f"Ceilings measured in the run (`edge bench`, kernels_cpu/ceilings.py; path {c['kernel_path']}): "
                       f"memory read {c['read_gb_s']:.1f} GB/s, int8 {c['int8_gmacs']:.0f} G multiply-adds/s. "
-                      "Of ceiling: tg tokens/s x weight bytes per token / read bandwidth; pp and batched "
-                      "tokens/s x multiply-adds per token / int8 rate. Per token: "
+                      "Of ceiling: the share of the roofline, pp tokens/s x multiply-adds per token / int8 rate; "
+                      "tg and batched the larger of that and steps/s x weight bytes / read bandwidth. Per token: "
                       + "; ".join(f"{n} {x['weight_bytes_per_token'] / 1e6:.0f} MB, {x['macs_per_token'] / 1e9:.2f} G"
                                   for n, x in ceil) + "."]
     if errors:

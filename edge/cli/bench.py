@@ -102,8 +102,9 @@ def print_result(result: dict, console=None) -> None:
         console.print(f"ceilings ({c['kernel_path']}, {result['threads']} threads): memory read {c['read_gb_s']:.1f} GB/s, "
                       f"int8 {c['int8_gmacs']:.0f} G multiply-adds/s; a token reads "
                       f"{c['weight_bytes_per_token'] / 1e6:.0f} MB of weights and takes "
-                      f"{c['macs_per_token'] / 1e9:.2f} G multiply-adds. \"of ceiling\": tg tokens/s x bytes "
-                      "over the bandwidth; pp and batched tokens/s x multiply-adds over the int8 rate", markup=False)
+                      f"{c['macs_per_token'] / 1e9:.2f} G multiply-adds. \"of ceiling\": the share of the roofline, pp "
+                      "multiply-adds/s over the int8 rate, tg and batched the larger of that and weight bytes read "
+                      "per second (once per step) over the bandwidth", markup=False)
 
     m = Table(title="memory and start-up")
     for col in ["", "edge"] + (["llama.cpp", "edge / llama.cpp"] if vs else []):
