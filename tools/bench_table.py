@@ -142,7 +142,7 @@ def main() -> int:
         results.append(res)
         if args.save_json:
             args.save_json.mkdir(parents=True, exist_ok=True)
-            (args.save_json / f"{Path(model).stem}.json").write_text(json.dumps(res, indent=1))
+            (args.save_json / f"{Path(model).name.removesuffix('.gguf')}.json").write_text(json.dumps(res, indent=1))
     table = markdown(results)
     print(table, end="")
     if args.readme:
