@@ -42,8 +42,9 @@ JSON (``edge bench --json``), one object:
         bandwidth), int8_gmacs (int8 multiply-adds per second, in G), weight_bytes_per_token
         (bytes of weight matrices one token reads: all but token_embd unless it is the output;
         experts counted as n_expert_used / n_expert of theirs), macs_per_token (their
-        multiply-adds)}; each RESULT then has ``ceiling_fraction``, the share of the roofline
-        reached: ppN tokens/s x macs_per_token / int8 throughput; tgN and tgN xB the larger of
+        multiply-adds), macs_per_prompt_token (without the output matrix: prefill computes the
+        logits of its last row only)}; each RESULT then has ``ceiling_fraction``, the share of the
+        roofline reached: ppN tokens/s x macs_per_prompt_token / int8 throughput; tgN and tgN xB the larger of
         steps/s x weight_bytes_per_token / read bandwidth (a step of B rows reads the weights
         once) and tokens/s x macs_per_token / int8 throughput (attention not counted).
     llama_cpp: null when not asked, else {python, version, error}; error (str | null) says why
@@ -104,6 +105,9 @@ class BenchConfig:
             raise ValueError("-p 0 and -n 0 leave no test to run")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError(f"batch sizes must be at least 1, got {list(self.batch_sizes)}")
+        if self.n_gen and max(self.batch_sizes) > self.n_batch:
+            raise ValueError(f"-B {max(self.batch_sizes)} exceeds -b/--batch-size {self.n_batch}: a step of B "
+                             "sequences is one batch of B rows (raise -b or lower -B)")
         if self.n_prompt > self.n_ctx:
             raise ValueError(f"-p {self.n_prompt} does not fit the context size -c {self.n_ctx}")
         if 32 + self.n_gen > self.n_ctx:
@@ -387,7 +391,8 @@ def run_bench(cfg: BenchConfig, log=lambda msg: print(msg, file=sys.stderr, flus
 def step_cost(model) -> tuple[int, int]:
     """(weight bytes, multiply-adds) of the matrices one token goes through in ``model``'s forward:
     every Weight but token_embd unless it is the output (a row lookup, not a product), each
-    expert tensor as n_expert_used / n_expert of its bytes."""
+    expert tensor as n_expert_used / n_expert of its bytes. (A prefill token skips the output
+    matrix: model.output.n_in * n_out of the multiply-adds.)"""
     from edge.models.weights import ExpertWeights, Weight
 
     used = getattr(model.args, "n_expert_used", 0)
@@ -414,9 +419,11 @@ def measure_ceilings(threads: int, model) -> dict:
     from kernels_cpu import ceilings
 
     n_bytes, macs = step_cost(model)
+    out = model.output
     return {"kernel_path": ceilings.kernel_path(), "features": ceilings.features(),
             "read_gb_s": ceilings.read_bandwidth() / 1e9, "int8_gmacs": ceilings.int8_throughput(threads) / 1e9,
-            "weight_bytes_per_token": n_bytes, "macs_per_token": macs}
+            "weight_bytes_per_token": n_bytes, "macs_per_token": macs,
+            "macs_per_prompt_token": macs - out.n_in * out.n_out}
 
 
 def add_ceiling_fractions(result: dict) -> None:
@@ -428,8 +435,8 @@ def add_ceiling_fractions(result: dict) -> None:
             if r is None:
                 continue
             compute = r["tps"] * c["macs_per_token"] / (c["int8_gmacs"] * 1e9)
-            if row["kind"] == "pp":
-                r["ceiling_fraction"] = compute
+            if row["kind"] == "pp":  # logits of the last row only
+                r["ceiling_fraction"] = r["tps"] * c["macs_per_prompt_token"] / (c["int8_gmacs"] * 1e9)
             else:
                 memory = r["tps"] / row["n_seq"] * c["weight_bytes_per_token"] / (c["read_gb_s"] * 1e9)
                 r["ceiling_fraction"] = max(memory, compute)

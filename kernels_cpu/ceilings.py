@@ -7,8 +7,9 @@ throughput (what prefill, batched decode and verification are bound by).
   returns the best bytes per second of a few passes.
 * :func:`int8_throughput` runs, on every thread, a register-only loop of the instruction edge's
   int8 tiles use on this CPU (:func:`kernel_path`): ``vpdpbusd`` zmm with AVX-512 VNNI (64
-  multiply-adds each), else ``vpmaddubsw`` + ``vpmaddwd`` + ``vpaddd`` ymm with AVX2 (32), in 8
-  independent chains so that the latency is hidden; returns int8 multiply-adds per second.
+  multiply-adds each), else ``vpmaddubsw`` + ``vpmaddwd`` + ``vpaddd`` ymm with AVX2 (32), else
+  16 int8 products widened to int32 (plain LLVM vectors), in 8 independent chains so that the
+  latency is hidden; returns int8 multiply-adds per second.
 
 Both return the best of ``repeats`` timings: a ceiling is what the machine can do, not its
 average under load. numba's on-disk cache keys these kernels on this file.
@@ -96,7 +97,7 @@ def _madd_fn(module: ir.Module) -> ir.Function:
     fn.linkage = "internal"
     n, seed = fn.args
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    width = 16 if HAS_VNNI else 8  # i32 lanes: zmm / ymm
+    width = 16 if HAS_VNNI else 8 if HAS_AVX2 else 16  # i32 lanes: zmm / ymm / plain vectors
     vi = vec(I32, width)
     s = b.insert_element(ir.Constant(vi, ir.Undefined), seed, ir.Constant(I32, 0))
     s = b.shuffle_vector(s, ir.Constant(vi, ir.Undefined), ir.Constant(vec(I32, width), [0] * width))
@@ -105,6 +106,10 @@ def _madd_fn(module: ir.Module) -> ir.Function:
     def step(b, i, accs):
         if HAS_VNNI:
             return [_x86_call(b, "llvm.x86.avx512.vpdpbusd.512", [acc, ops[8], ops[k]]) for k, acc in enumerate(accs)]
+        if not HAS_AVX2:  # no int8 instruction edge uses: 16 widened products per chain (what LLVM makes of them)
+            a = b.sext(b.trunc(ops[8], vec(I8, width)), vi)
+            return [b.add(acc, b.mul(a, b.sext(b.trunc(b.xor(ops[k], acc), vec(I8, width)), vi)))
+                    for k, acc in enumerate(accs)]
         ones = ir.Constant(vec(I16, 16), [1] * 16)
         out = []
         for k, acc in enumerate(accs):
@@ -121,7 +126,7 @@ def _madd_fn(module: ir.Module) -> ir.Function:
     return fn
 
 
-MACS_PER_STEP = 8 * (64 if HAS_VNNI else 32)  # int8 multiply-adds per step of edge_int8_loop
+MACS_PER_STEP = 8 * (64 if HAS_VNNI else 32 if HAS_AVX2 else 16)  # int8 multiply-adds per step of edge_int8_loop
 
 
 @intrinsic

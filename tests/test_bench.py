@@ -77,9 +77,11 @@ def test_ceilings_and_fractions(bench_json, gemma_path):
     mats = [t for t in gf.tensors.values() if len(t.shape) == 2]
     assert c["weight_bytes_per_token"] == sum(int(t.n_bytes) for t in mats)
     assert c["macs_per_token"] == sum(int(t.shape[0]) * int(t.shape[1]) for t in mats)
+    embd = gf.tensors["token_embd.weight"].shape
+    assert c["macs_per_prompt_token"] == c["macs_per_token"] - int(embd[0]) * int(embd[1])
     for row in bench_json["tests"]:
         e = row["edge"]
-        want = e["tps"] * c["macs_per_token"] / (c["int8_gmacs"] * 1e9)
+        want = e["tps"] * c["macs_per_prompt_token" if row["kind"] == "pp" else "macs_per_token"] / (c["int8_gmacs"] * 1e9)
         if row["kind"] != "pp":
             want = max(want, e["tps"] / row["n_seq"] * c["weight_bytes_per_token"] / (c["read_gb_s"] * 1e9))
         assert e["ceiling_fraction"] == pytest.approx(want, rel=1e-12) and 0 < want < 2, row["test"]
@@ -95,7 +97,7 @@ def test_ceiling_kernels():
     out = np.zeros(3, np.uint64)
     ceilings._read_all(buf, out)
     assert out.tolist() == [0, 0, 0x40 << (8 * (12345 % 8))]
-    assert ceilings.MACS_PER_STEP == (512 if ceilings.kernel_path() == "avx512-vnni" else 256)
+    assert ceilings.MACS_PER_STEP == {"avx512-vnni": 512, "avx2": 256, "generic": 128}[ceilings.kernel_path()]
     assert ceilings.int8_throughput(1, seconds=0.01, repeats=1) > 1e9
 
 
@@ -149,6 +151,13 @@ def test_zero_skips_a_test_as_llama_bench(gemma_path, capsys):
 def test_prompt_larger_than_context(gemma_path, capsys):
     assert main(["bench", "-m", str(gemma_path), "-c", "64", "-p", "128"]) == 1
     assert "edge bench: error: -p 128 does not fit the context size -c 64" in capsys.readouterr().err
+
+
+def test_batch_larger_than_n_batch(gemma_path, capsys):
+    """-B above -b is refused before any test runs (a step of B sequences is one batch)."""
+    assert main(["bench", "-m", str(gemma_path), "-b", "4", "-B", "1,5", "-p", "0", "-n", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "edge bench: error: -B 5 exceeds -b/--batch-size 4" in err and "tokens/s" not in err
 
 
 def _bench_table():

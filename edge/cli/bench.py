@@ -73,7 +73,7 @@ def print_result(result: dict, console=None) -> None:
     vs = result["llama_cpp"] is not None
     batched = any(row["kind"] == "batched" for row in result["tests"])
     types = f" ({format_type_counts(result['tensor_types'])})" if result.get("tensor_types") else ""
-    t = Table(title=f"edge bench: {escape(result['model'])}, {_size(result['model_bytes'])}{types}, {result['threads']} threads, "
+    t = Table(title=f"edge bench: {escape(result['model'])}, {_size(result['model_bytes'])}{types}, {result['threads']} thread{'s' if result['threads'] != 1 else ''}, "
                     f"n_ctx {result['n_ctx']}, n_batch {result['n_batch']}, KV {result['cache_type_k']}/{result['cache_type_v']}; "
                     f"tokens/s, median of {result['reps']}")
     engines = ("edge", "llama_cpp") if vs else ("edge",)
@@ -99,12 +99,13 @@ def print_result(result: dict, console=None) -> None:
     console.print(t)
     c = result.get("ceilings")
     if c:
-        console.print(f"ceilings ({c['kernel_path']}, {result['threads']} threads): memory read {c['read_gb_s']:.1f} GB/s, "
-                      f"int8 {c['int8_gmacs']:.0f} G multiply-adds/s; a token reads "
-                      f"{c['weight_bytes_per_token'] / 1e6:.0f} MB of weights and takes "
-                      f"{c['macs_per_token'] / 1e9:.2f} G multiply-adds. \"of ceiling\": the share of the roofline, pp "
-                      "multiply-adds/s over the int8 rate, tg and batched the larger of that and weight bytes read "
-                      "per second (once per step) over the bandwidth", markup=False)
+        threads = f"{result['threads']} thread{'s' if result['threads'] != 1 else ''}"
+        console.print(f"ceilings ({c['kernel_path']}, {threads}): memory read {c['read_gb_s']:.1f} GB/s, "
+                      f"int8 {c['int8_gmacs']:.0f}\u00a0G\u00a0multiply-adds/s. A token reads "
+                      f"{c['weight_bytes_per_token'] / 1e6:.1f} MB of weights, "
+                      f"{c['macs_per_token'] / 1e6:.1f} M multiply-adds.", markup=False)
+        console.print("of ceiling: share of the roofline. pp: multiply-adds/s over the int8 rate; tg: the "
+                      "larger of that and weight bytes/s (read once per step) over the bandwidth.", markup=False)
 
     m = Table(title="memory and start-up")
     for col in ["", "edge"] + (["llama.cpp", "edge / llama.cpp"] if vs else []):
