@@ -11,7 +11,8 @@ Tests (each the median of ``reps`` timed repetitions after one short untimed war
   on as llama-bench does); tokens/s = N / seconds of those N steps (the prompt and its first
   token are not timed).
 - ``tgN xB``: B sequences (distinct random prompts of BATCH_PROMPT_LEN ids) decoding together,
-  each step one forward pass of B rows (one token per sequence); tokens/s = B * N / seconds;
+  each step one forward pass of B rows (one token per sequence), in batch-invariant mode as
+  ``edge serve`` runs its batches (Transformer.set_batch_invariant); tokens/s = B * N / seconds;
   ``vs_1_seq`` divides it by the B = 1 result (by tgN when 1 is not among the B values).
   Each sequence has a KV cache of n_ctx_seq = BATCH_PROMPT_LEN + N rounded up to 256 rows.
 
@@ -163,7 +164,13 @@ class EdgeRunner:
         return self._decode([ids], n, self.engine.n_ctx, single=True)
 
     def batched(self, prompts, n: int, n_ctx_seq: int) -> dict:
-        return self._decode(prompts, n, n_ctx_seq, single=False)
+        """B sequences decoding together, as ``edge serve`` runs them: in batch-invariant mode
+        (Transformer.set_batch_invariant; a sequence's tokens do not depend on its neighbours)."""
+        self.model.set_batch_invariant(True)
+        try:
+            return self._decode(prompts, n, n_ctx_seq, single=False)
+        finally:
+            self.model.set_batch_invariant(False)
 
     def _decode(self, prompts, n: int, n_ctx: int, single: bool) -> dict:
         """Prefill each prompt into its own slot and sample its first token (untimed), then n
