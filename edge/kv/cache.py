@@ -427,7 +427,8 @@ def _check_fits_memory(full_bytes: int, n_ctx: int, n_seq: int) -> None:
     if full_bytes > ram:
         seqs = f" x {n_seq} sequences" if n_seq > 1 else ""
         raise ValueError(f"a KV cache of {n_ctx} positions{seqs} needs {full_bytes / 2**30:.1f} GiB when full, "
-                         f"more than this machine's {ram / 2**30:.1f} GiB of RAM; lower -c/--ctx-size")
+                         f"more than this machine's {ram / 2**30:.1f} GiB of RAM; lower -c/--ctx-size"
+                         + (" or the number of sequences" if n_seq > 1 else ""))
 
 
 def _map_memory(size: int, storage: str, home: Path | None) -> tuple[mmap.mmap, io.FileIO | None, Path | None]:
