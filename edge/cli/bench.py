@@ -15,7 +15,9 @@ def add_parser(sub) -> None:
     """The bench subcommand."""
     bench = sub.add_parser("bench", help="prefill, decode and batched decode tokens/s (llama-bench style)",
                            description="Throughput of one model, each number the median of -r runs; "
-                                       "--vs-llama-cpp runs the same tests through llama-cpp-python.")
+                                       "--vs-llama-cpp runs the same tests through llama-cpp-python. After the "
+                                       "tests, a few seconds measure this machine's memory read bandwidth and int8 "
+                                       "multiply-add rate; 'of ceiling' is each test's share of them (its roofline).")
     add_model_args(bench)
     bench.add_argument("-p", "--n-prompt", type=non_negative_int, default=512,
                        help="prompt tokens of ppN (default: 512; 0 skips the prefill test, as llama-bench)")
