@@ -58,3 +58,30 @@ def test_server_state_reports_a_load_failure_once(tmp_path):
     state = ServerState(ServerConfig(model=missing))
     state.load()
     assert state.load_error == f"StoreError: {got[0]}"
+
+
+def test_uncompiled_weight_types_names_the_missing(monkeypatch, tmp_path):
+    """The note before a compile of a new weight type names the types whose matmul kernel has
+    no numba cache index yet, each once, float types never."""
+    from types import SimpleNamespace as NS
+
+    import numpy as np
+
+    from gguf import GGMLQuantizationType as T
+
+    import kernels_cpu.matmul_kernels as mk
+    from edge.cli.options import uncompiled_weight_types
+
+    present = tmp_path / "kernel.nbi"
+    present.write_bytes(b"")
+
+    def fake_kernel(t, n_rows, batch_invariant=False):
+        path = present if t == T.Q8_0 else tmp_path / "missing.nbi"
+        return NS(_cache=NS(_cache_file=NS(_index_path=str(path))))
+
+    monkeypatch.setattr(mk, "quant_kernel", fake_kernel)
+    weight = lambda t: NS(ggml_type=t, rows=np.zeros((8, 34), np.uint8))  # noqa: E731
+    model = NS(weights=lambda: [weight(T.Q8_0), weight(T.IQ4_XS), weight(T.F32), weight(T.IQ4_XS), weight(T.Q4_K)])
+    assert uncompiled_weight_types(model) == ["IQ4_XS", "Q4_K"]
+    monkeypatch.setattr(mk, "quant_kernel", lambda t, n, bi=False: present)  # no numba cache layout: say nothing
+    assert uncompiled_weight_types(model) == []

@@ -99,6 +99,25 @@ def kernels_compiled() -> bool:
         return True
 
 
+def uncompiled_weight_types(model) -> list[str]:
+    """GGML type names of ``model``'s weights whose matmul kernel numba's on-disk cache does not
+    hold yet (the first model of a new type compiles its kernels: seconds, said up front)."""
+    from kernels_cpu.matmul_kernels import quant_kernel
+
+    missing = []
+    for w in model.weights():
+        name = w.ggml_type.name
+        if name in missing or name in ("F32", "F16", "BF16"):
+            continue
+        try:
+            index = Path(quant_kernel(w.ggml_type, w.rows.shape[0])._cache._cache_file._index_path)
+        except (AttributeError, KeyError):  # another numba version's cache layout, or no such kernel
+            continue
+        if not index.is_file():
+            missing.append(name)
+    return missing
+
+
 def check_output_file(out: str | Path, flag: str, replaceable: Callable[[Path], bool], kind: str,
                        **inputs: str | None) -> None:
     """Checks, before any work, the file an option writes (``flag``, e.g. ``-o``): a file path in
@@ -130,6 +149,11 @@ def load_engine(args):
     if not kernels_compiled():
         print("note: first run: compiling edge's kernels for this CPU (about half a minute, once; "
               "later runs load them from numba's cache)", file=sys.stderr, flush=True)
+    else:
+        missing = uncompiled_weight_types(engine.model)
+        if missing:
+            print(f"note: compiling edge's kernels for {', '.join(missing)} weights (seconds, once; later runs "
+                  "load them from numba's cache)", file=sys.stderr, flush=True)
     return engine
 
 
