@@ -1,5 +1,5 @@
-"""Q4_K / Q6_K (and GEMV-path Q8_0 / Q5_0 / Q4_0 / IQ4_NL / MXFP4, TILED-path IQ4_XS) matmul tiles with one weight row per
-vector lane, for CPUs with AVX-512 VNNI.
+"""Q4_K / Q6_K (and GEMV-path Q8_0 / Q5_0 / Q4_0 / IQ4_NL / MXFP4, TILED-path IQ4_XS) matmul
+tiles with one weight row per vector lane, for CPUs with AVX-512 VNNI.
 
 The generic tiles of kernels_cpu.matmul multiply each (weight row, activation row) pair in its own
 vectors and reduce them across lanes afterwards. Here a tile is 8 weight rows x nt activation
@@ -200,6 +200,21 @@ def _q6_k_block(b, w_rows, acts, kind, accs):
 
 
 IQ4_XS_BYTES = TYPES[T.IQ4_XS].type_size
+_IQ4_TABLES = {"IQ4_NL": KVALUES_IQ4NL, "IQ4_XS": KVALUES_IQ4NL, "MXFP4": KVALUES_MXFP4}
+
+
+def _nibble_chunks(b, qs: list, table=None) -> list:
+    """8 transposed chunk vectors of 32 values packed as nibbles: qs[k] holds bytes 4k..4k+3 of
+    each row; chunk c < 4 is their low nibbles (values 4c..4c+3), chunk c >= 4 the high ones
+    (values 16 + 4(c - 4)..). With ``table`` (16 values), each nibble n becomes table[n] + 128
+    (vpshufb), the unsigned codes vpdpbusd takes."""
+    out = []
+    for c in range(8):
+        nib = b.and_(qs[c % 4], _c(0x0F0F0F0F)) if c < 4 else b.and_(b.lshr(qs[c % 4], _c(4)), _c(0x0F0F0F0F))
+        if table is not None:
+            nib = b.bitcast(lookup16(b, [v + 128 for v in table], b.bitcast(nib, V32I8)), V8I32)
+        out.append(nib)
+    return out
 
 
 def _iq4_xs_block(b, w_rows, acts, kind, accs):
@@ -209,17 +224,12 @@ def _iq4_xs_block(b, w_rows, acts, kind, accs):
     head = _load_rows(b, w_rows, 0, 4)                              # d | scales_h, scales_l[4]
     d = _halves_to_f32(b, head[0], 0)
     sh, sl = b.lshr(head[0], _c(16)), head[1]
-    table = [v + 128 for v in KVALUES_IQ4NL]
     totals = [None] * len(acts)
     for j in range(8):
         ls = b.or_(b.and_(b.lshr(sl, _c(8 * (j // 2) + 4 * (j % 2))), _c(0xF)),
                    b.shl(b.and_(b.lshr(sh, _c(2 * j)), _c(3)), _c(4)))
         scale = b.sub(ls, _c(32))
-        qs = _load_rows(b, w_rows, TYPES[T.IQ4_XS].offset("qs") + 16 * j, 4)
-        codes = []
-        for c in range(8):  # low nibbles: values 32j + 4c..; high nibbles: 32j + 16 + 4(c - 4)..
-            nib = b.and_(qs[c % 4], _c(0x0F0F0F0F)) if c < 4 else b.and_(b.lshr(qs[c % 4], _c(4)), _c(0x0F0F0F0F))
-            codes.append(b.bitcast(lookup16(b, table, b.bitcast(nib, V32I8)), V8I32))
+        codes = _nibble_chunks(b, _load_rows(b, w_rows, TYPES[T.IQ4_XS].offset("qs") + 16 * j, 4), KVALUES_IQ4NL)
         for t, a in enumerate(acts):
             pair = b.sext(shuffle(b, a.bsums, [2 * j, 2 * j + 1]), vec(I32, 2))
             start = splat(b, b.mul(b.add(b.extract_element(pair, ir.Constant(I32, 0)),
@@ -232,10 +242,10 @@ def _iq4_xs_block(b, w_rows, acts, kind, accs):
     return {"acc": acc}
 
 
-Q0_ROWS = {"Q8_0": (TYPES[T.Q8_0].type_size, 128), "Q5_0": (TYPES[T.Q5_0].type_size, 16),  # block bytes, offset
-           "IQ4_NL": (TYPES[T.IQ4_NL].type_size, 128), "MXFP4": (TYPES[T.MXFP4].type_size, 128),  # that makes the
-           "Q4_0": (TYPES[T.Q4_0].type_size, 8)}
-# codes unsigned
+# GEMV rows tiles of 32-value blocks: type -> (block bytes, offset that makes the codes unsigned)
+Q0_ROWS = {"Q8_0": (TYPES[T.Q8_0].type_size, 128), "Q5_0": (TYPES[T.Q5_0].type_size, 16),
+           "Q4_0": (TYPES[T.Q4_0].type_size, 8), "IQ4_NL": (TYPES[T.IQ4_NL].type_size, 128),
+           "MXFP4": (TYPES[T.MXFP4].type_size, 128)}
 _SPREAD = 0x02040810  # t * _SPREAD puts bit i of a 4-bit t at bit 8 * i + 4 (no carries)
 
 
@@ -254,11 +264,7 @@ def _q0_rows_block(b, name, w_rows, rows, blk, accs, x16):
         at = TYPES[T[name]].offset("qs")
         head = _load_rows(b, w_rows, 0, 4)[0]                       # bytes 0..3
         qs = _load_rows(b, w_rows, at, 4)                           # qs[4k..4k+3] in vector k (ends at the block's end)
-        table = [v + 128 for v in (KVALUES_IQ4NL if name == "IQ4_NL" else KVALUES_MXFP4)] if name != "Q4_0" else None
-        codes = []
-        for c in range(8):  # low nibbles: values 4c..4c+3; high nibbles: values 16 + 4(c - 4)..
-            nib = b.and_(qs[c % 4], _c(0x0F0F0F0F)) if c < 4 else b.and_(b.lshr(qs[c % 4], _c(4)), _c(0x0F0F0F0F))
-            codes.append(nib if table is None else b.bitcast(lookup16(b, table, b.bitcast(nib, V32I8)), V8I32))
+        codes = _nibble_chunks(b, qs, _IQ4_TABLES.get(name))
         if name == "MXFP4":
             d = e8m0_half(b, b.trunc(head, vec(I8, ROWS)))
     else:  # Q5_0: f16 d | u32 qh | u8 qs[16]; value j: low nibble of qs[j] (j < 16) or high of qs[j - 16]
@@ -266,11 +272,8 @@ def _q0_rows_block(b, name, w_rows, rows, blk, accs, x16):
         head = words[0]
         qh = b.or_(b.lshr(words[0], _c(16)), b.shl(words[1], _c(16)))  # bytes 2..5
         qs = _load_rows(b, w_rows, 6, 4)                            # bytes 6..21: qs[4k..4k+3] in vector k
-        codes = []
-        for c in range(8):
-            nib = b.and_(qs[c % 4], _c(0x0F0F0F0F)) if c < 4 else b.and_(b.lshr(qs[c % 4], _c(4)), _c(0x0F0F0F0F))
-            bits = b.and_(b.lshr(qh, _c(4 * c)), _c(0xF))
-            codes.append(b.or_(nib, b.and_(b.mul(bits, _c(_SPREAD)), _c(0x10101010))))
+        codes = [b.or_(nib, b.and_(b.mul(b.and_(b.lshr(qh, _c(4 * c)), _c(0xF)), _c(_SPREAD)), _c(0x10101010)))
+                 for c, nib in enumerate(_nibble_chunks(b, qs))]
     if name != "MXFP4":
         d = _halves_to_f32(b, head, 0)
     acc = list(accs["acc"])
