@@ -12,7 +12,7 @@ from numba import njit
 
 from kernels_cpu.iq4 import _vec_dot_2acc
 from kernels_cpu.matmul_tiles import GEMV, TILED, VEC_DOT
-from kernels_cpu.matmul_tiling import NR, NR_ROWS, NT, NT_WIDE, _block_sums_32, _blocks, _rows, _tiled
+from kernels_cpu.matmul_tiling import NR, NR_ROWS, NT, NT_WIDE, _block_sums_32, _blocks, _rows, _tiled, many_rows
 from kernels_cpu.simd import HAS_VNNI
 
 T_ = GGMLQuantizationType
@@ -51,10 +51,10 @@ def _gemv_lanes(fmt, w, xqs, xd, out):
 
 @njit(cache=True, inline="always")
 def _gemv_rows(fmt, w, xqs, xd, out):
-    """The GEMV tile with one weight row per lane (kernels_cpu.matmul_rows, AVX-512 VNNI): 8 x 1
-    tiles for decode, 8 x NT (and NT_WIDE) tiles for more rows; xa = -128 * each activation
+    """The GEMV arithmetic with one weight row per lane (AVX-512 VNNI): 8 x 1 rows tiles for
+    decode, 16-row panels for more rows (matmul_tiling.many_rows); xa = -128 * each activation
     block's sum (the codes enter vpdpbusd as table value + 128)."""
-    _tiled(fmt, GEMV, NR_ROWS, w, xqs, xd, _block_sums_32(xqs, -128), out, NT_WIDE)
+    many_rows(fmt, GEMV, w, xqs, xd, _block_sums_32(xqs, -128), out)
 
 
 _gemv = _gemv_rows if HAS_VNNI else _gemv_lanes

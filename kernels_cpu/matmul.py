@@ -41,6 +41,9 @@ On CPUs with AVX-512 VNNI (simd.HAS_VNNI) some tiles come from other generators,
 same float operations: Q4_K (repacked) and Q6_K (tiled) from kernels_cpu.matmul_rows (one
 weight row per lane), Q5_0 / Q8_0 and Q6_K on the VEC_DOT path from kernels_cpu.matmul_vnni
 (vpdpbusd / vpmaddubsw + vpdpwssd straight into ggml's 8 lanes); those types take int8 quants.
+For two or more activation rows, the one-row-per-lane types (Q4_K GEMV / GEMM, Q6_K TILED and
+the GEMV path of Q8_0 / Q5_0 / Q4_0 / IQ4_NL / MXFP4) run in 16-row panels instead
+(kernels_cpu.matmul_panel: each weight block decoded once for all the rows; same bits).
 On AVX2 CPUs without VNNI (simd.HAS_AVX2_INT8), Q4_0 / Q5_0 / Q8_0 on the VEC_DOT path come from
 kernels_cpu.matmul_avx2 (vpmaddubsw + vpmaddwd into the same 8 lanes); Q5_0 / Q8_0 take int8 quants.
 On every CPU with AVX2 (simd.HAS_AVX2), Q4_1 / Q5_1 come from kernels_cpu.matmul_avx2 too, IQ4_NL /

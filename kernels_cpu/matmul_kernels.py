@@ -31,7 +31,8 @@ from kernels_cpu.iq23_kernels import (matmul_iq2_s_q8_k, matmul_iq2_s_q8_k_bi, m
 from kernels_cpu.iq23_kernels import AVX2_TYPES as IQ23_AVX2_TYPES
 from kernels_cpu.matmul_rows import Q0_ROWS
 from kernels_cpu.matmul_tiles import GEMM, GEMV, TILED, VEC_DOT
-from kernels_cpu.matmul_tiling import ND_Q6_K, NR, NR_Q0, NR_ROWS, NT_WIDE, _block_sums_32, _blocks, _rows, _tiled
+from kernels_cpu.matmul_tiling import (ND_Q6_K, NR, NR_Q0, NR_ROWS, NT_WIDE, _block_sums_32, _blocks, _rows, _tiled,
+                                      many_rows)
 from kernels_cpu.simd import HAS_AVX2, HAS_AVX2_INT8, HAS_VNNI, f32_from_bits
 
 T_ = GGMLQuantizationType
@@ -53,7 +54,7 @@ def matmul_q4_0_q8_0_repacked(w, xqs, xd, out):
     per 32 values). With AVX-512 VNNI: the rows tiles (kernels_cpu.matmul_rows: codes 0..15, from
     -8 * each activation block's sum), int8 quants."""
     if HAS_VNNI:
-        _tiled(_Q4_0, GEMV, NR_ROWS, w, xqs, xd, _block_sums_32(xqs, _Q4_0_NEG_OFFSET), out, NT_WIDE)
+        many_rows(_Q4_0, GEMV, w, xqs, xd, _block_sums_32(xqs, _Q4_0_NEG_OFFSET), out)
     else:
         _tiled(_Q4_0, GEMV, NR, w, xqs, xd, xd, out)
 
@@ -107,6 +108,28 @@ def _repacked_k(fmt, nr, w, xqs, xd, xbsums, out):
         _rows(fmt, GEMV, nr, w, xqs[n4:], xd[n4:], xbsums[n4:], out[n4:])
 
 
+@njit(cache=True, inline="always")
+def _repacked_q4_k(w, xqs, xd, xbsums, out):
+    """_repacked_k for Q4_K, every part through matmul_tiling.many_rows (16-row panels for
+    T >= 2 with AVX-512 VNNI; same arithmetic)."""
+    T = xqs.shape[0]
+    n4 = T - T % 4 if T > 3 else 0
+    if n4 > 0:
+        many_rows(_Q4_K, GEMM, w, xqs[:n4], xd[:n4], xbsums[:n4], out[:n4])
+    if n4 < T:
+        many_rows(_Q4_K, GEMV, w, xqs[n4:], xd[n4:], xbsums[n4:], out[n4:])
+
+
+@njit(cache=True, inline="always")
+def _plain_q6_k(w, xqs, xd, xbsums, out):
+    """_plain_k for Q6_K: the tiled kernel through matmul_tiling.many_rows for T >= 8, else
+    VEC_DOT in tiles of ND_Q6_K rows."""
+    if xqs.shape[0] >= 8:
+        many_rows(_Q6_K, TILED, w, xqs, xd, xbsums, out)
+    else:
+        _tiled(_Q6_K, VEC_DOT, ND_Q6_K, w, xqs, xd, xbsums, out)
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def matmul_q2_k_q8_k(w, xqs, xd, xbsums, out):
     """Q2_K weights x Q8_K activations (see _plain_k)."""
@@ -133,8 +156,8 @@ def matmul_q4_k_q8_k(w, xqs, xd, xbsums, out):
 
 @njit(parallel=True, cache=True, nogil=True)
 def matmul_q4_k_q8_k_repacked(w, xqs, xd, xbsums, out):
-    """Q4_K weights with R % 8 == 0 (see _repacked_k)."""
-    _repacked_k(_Q4_K, NR_ROWS, w, xqs, xd, xbsums, out)
+    """Q4_K weights with R % 8 == 0 (see _repacked_k, _repacked_q4_k)."""
+    _repacked_q4_k(w, xqs, xd, xbsums, out)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -145,8 +168,8 @@ def matmul_q5_k_q8_k(w, xqs, xd, xbsums, out):
 
 @njit(parallel=True, cache=True, nogil=True)
 def matmul_q6_k_q8_k(w, xqs, xd, xbsums, out):
-    """Q6_K weights x Q8_K activations (see _plain_k)."""
-    _plain_k(_Q6_K, NR_ROWS, ND_Q6_K, w, xqs, xd, xbsums, out)
+    """Q6_K weights x Q8_K activations (see _plain_k, _plain_q6_k)."""
+    _plain_q6_k(w, xqs, xd, xbsums, out)
 
 
 # float weights: ggml_vec_dot_f32 / _f16 / _bf16 (float32 accumulation, any summation order)
@@ -244,7 +267,7 @@ def matmul_q4_k_q8_k_bi(w, xqs, xd, xbsums, out):
 @njit(parallel=True, cache=True, nogil=True)
 def matmul_q4_k_q8_k_repacked_bi(w, xqs, xd, xbsums, out):
     """Q4_K repacked, batch-invariant (GEMV for every T)."""
-    _tiled(_Q4_K, GEMV, NR_ROWS, w, xqs, xd, xbsums, out, NT_WIDE)
+    many_rows(_Q4_K, GEMV, w, xqs, xd, xbsums, out)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -256,7 +279,7 @@ def matmul_q5_k_q8_k_bi(w, xqs, xd, xbsums, out):
 @njit(parallel=True, cache=True, nogil=True)
 def matmul_q6_k_q8_k_bi(w, xqs, xd, xbsums, out):
     """Q6_K, batch-invariant: the tiled kernel's arithmetic (llama.cpp's for T >= 8) for every T."""
-    _tiled(_Q6_K, TILED, NR_ROWS, w, xqs, xd, xbsums, out, NT_WIDE)
+    many_rows(_Q6_K, TILED, w, xqs, xd, xbsums, out)
 
 
 _Q5_0_NEG_OFFSET, _Q8_0_NEG_OFFSET = -Q0_ROWS["Q5_0"][1], -Q0_ROWS["Q8_0"][1]  # matmul_rows' unsigned codes
@@ -268,13 +291,13 @@ def matmul_q5_0_q8_0_bi(w, xqs, xd, out):
     """Q5_0, batch-invariant and faster than llama.cpp's VEC_DOT: GEMV structure (one float
     update of the exact block total per 32 values), VNNI tiles with one weight row per lane
     (kernels_cpu.matmul_rows, which take the activation quant sums of each block)."""
-    _tiled(_Q5_0, GEMV, NR_ROWS, w, xqs, xd, _block_sums_32(xqs, _Q5_0_NEG_OFFSET), out, NT_WIDE)
+    many_rows(_Q5_0, GEMV, w, xqs, xd, _block_sums_32(xqs, _Q5_0_NEG_OFFSET), out)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def matmul_q8_0_q8_0_bi(w, xqs, xd, out):
     """Q8_0, batch-invariant (see matmul_q5_0_q8_0_bi)."""
-    _tiled(_Q8_0, GEMV, NR_ROWS, w, xqs, xd, _block_sums_32(xqs, _Q8_0_NEG_OFFSET), out, NT_WIDE)
+    many_rows(_Q8_0, GEMV, w, xqs, xd, _block_sums_32(xqs, _Q8_0_NEG_OFFSET), out)
 
 
 from kernels_cpu.iq4_kernels import (matmul_iq4_nl_q8_0, matmul_iq4_nl_q8_0_bi,  # noqa: F401

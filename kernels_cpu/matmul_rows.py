@@ -249,14 +249,11 @@ Q0_ROWS = {"Q8_0": (TYPES[T.Q8_0].type_size, 128), "Q5_0": (TYPES[T.Q5_0].type_s
 _SPREAD = 0x02040810  # t * _SPREAD puts bit i of a 4-bit t at bit 8 * i + 4 (no carries)
 
 
-def _q0_rows_block(b, name, w_rows, rows, blk, accs, x16):
-    """One 32-value Q8_0 / Q5_0 / Q4_0 / IQ4_NL / MXFP4 block of the GEMV path: per output the exact integer block total
-    I (lanes = weight rows), then acc = fma(I, d_w * d_x, acc) (the structure of llama.cpp's
-    repacked q4_0 gemv; for IQ4_NL / MXFP4 that of ggml_gemv_iq4_nl_8x8_q8_0 / _mxfp4_8x8_, with
-    d_w the f16 d or the e8m0 scale halved). Codes are made unsigned (q + offset; IQ4_NL / MXFP4:
-    table value + 128, looked up with vpshufb) for vpdpbusd; xa gives, per
-    activation row and block, -offset * (sum of the block's activation quants) (int32), which
-    starts each total."""
+def q0_codes(b, name, w_rows):
+    """The unsigned codes and the scale of one 32-value Q8_0 / Q5_0 / Q4_0 / IQ4_NL / MXFP4 block
+    of 8 weight rows (i8* each, at the block): 8 transposed <8 x i32> chunk vectors (chunk c =
+    values 4c..4c+3, q + offset, or for IQ4_NL / MXFP4 table value + 128) and d_w <8 x float>
+    (the f16 d, or MXFP4's e8m0 scale halved)."""
     if name == "Q8_0":
         head = _load_rows(b, w_rows, 0, 4)[0]                       # f16 d | q0 q1
         codes = [b.xor(v, _c(0x80808080 - (1 << 32))) for v in _load_rows(b, w_rows, 2, 8)]
@@ -266,7 +263,7 @@ def _q0_rows_block(b, name, w_rows, rows, blk, accs, x16):
         qs = _load_rows(b, w_rows, at, 4)                           # qs[4k..4k+3] in vector k (ends at the block's end)
         codes = _nibble_chunks(b, qs, _IQ4_TABLES.get(name))
         if name == "MXFP4":
-            d = e8m0_half(b, b.trunc(head, vec(I8, ROWS)))
+            return codes, e8m0_half(b, b.trunc(head, vec(I8, ROWS)))
     else:  # Q5_0: f16 d | u32 qh | u8 qs[16]; value j: low nibble of qs[j] (j < 16) or high of qs[j - 16]
         words = _load_rows(b, w_rows, 0, 4)                         # bytes 0..15 (no read past the block)
         head = words[0]
@@ -274,8 +271,17 @@ def _q0_rows_block(b, name, w_rows, rows, blk, accs, x16):
         qs = _load_rows(b, w_rows, 6, 4)                            # bytes 6..21: qs[4k..4k+3] in vector k
         codes = [b.or_(nib, b.and_(b.mul(b.and_(b.lshr(qh, _c(4 * c)), _c(0xF)), _c(_SPREAD)), _c(0x10101010)))
                  for c, nib in enumerate(_nibble_chunks(b, qs))]
-    if name != "MXFP4":
-        d = _halves_to_f32(b, head, 0)
+    return codes, _halves_to_f32(b, head, 0)
+
+
+def _q0_rows_block(b, name, w_rows, rows, blk, accs, x16):
+    """One 32-value Q8_0 / Q5_0 / Q4_0 / IQ4_NL / MXFP4 block of the GEMV path: per output the exact integer block total
+    I (lanes = weight rows), then acc = fma(I, d_w * d_x, acc) (the structure of llama.cpp's
+    repacked q4_0 gemv; for IQ4_NL / MXFP4 that of ggml_gemv_iq4_nl_8x8_q8_0 / _mxfp4_8x8_, with
+    d_w the f16 d or the e8m0 scale halved). Codes are made unsigned (q0_codes) for vpdpbusd;
+    xa gives, per activation row and block, -offset * (sum of the block's activation quants)
+    (int32), which starts each total."""
+    codes, d = q0_codes(b, name, w_rows)
     acc = list(accs["acc"])
     acts = [_Q0Act(b, xq, x16, blk) for xq in rows["xq"]]
     totals = [splat(b, load(b, xa, b.mul(blk, ir.Constant(I64, 4)), I32), ROWS) for xa in rows["xa"]]  # -offset * sum

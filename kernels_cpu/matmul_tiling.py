@@ -1,9 +1,11 @@
 """qdot_tile, the numba intrinsic that calls one generated matmul tile, and the loops that tile
 a whole matmul with it.
 
-Only two tile shapes exist: NR x NT for T >= NT, over chunks of TC activation rows (so the chunk
-stays in cache), and ND x 1 for fewer rows (decode), with the ND rows R // ND apart (adjacent
-rows in one tile stream from DRAM at half the speed of one row). Results do not depend on the
+Tile shapes: NR x NT for T >= NT, over chunks of TC activation rows (so the chunk stays in
+cache), and ND x 1 for fewer rows (decode), with the ND rows R // ND apart (adjacent rows in one
+tile stream from DRAM at half the speed of one row); with AVX-512 VNNI, panels of 16 weight rows
+x up to PANEL_T activation rows (``qdot_panel``, kernels_cpu.matmul_panel) for the types and
+paths with one weight row per lane when T >= 2 (``many_rows``). Results do not depend on the
 tiling, so edge tiles overlap their neighbours instead of being smaller. The tile's IR comes
 from kernels_cpu.matmul_tiles, or on CPUs with AVX-512 VNNI for some types and paths from
 kernels_cpu.matmul_rows / kernels_cpu.matmul_vnni (same float operations), on AVX2 CPUs
@@ -30,6 +32,7 @@ from kernels_cpu.iq23_avx2 import AVX2_IQ23_PATHS, build_avx2_iq23_tile
 from kernels_cpu.iq23_avx2 import FORMATS as IQ23_FORMATS
 from kernels_cpu.matmul_avx2 import build_avx2_tile
 from kernels_cpu.matmul_decoders import FORMATS
+from kernels_cpu.matmul_panel import PANEL_ROWS, PANEL_T, build_panel
 from kernels_cpu.matmul_rows import ROWS, build_rows_tile
 from kernels_cpu.matmul_tiles import GEMV, PATH_NAMES, TILED, VEC_DOT, build_tile
 from kernels_cpu.matmul_vnni import build_vnni_tile
@@ -107,6 +110,57 @@ def qdot_tile(typingctx, fmt, path, nr, nt, w, r0, r_step, xq, xd, xa, t0, out):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@intrinsic
+def qdot_panel(typingctx, fmt, path, w, r0, xq, xd, xa, t0, nt, out):
+    """out[t0 + t, r0 + r] = the path's dot(w[r0 + r], x[t0 + t]) for r < PANEL_ROWS, t < nt <=
+    PANEL_T (kernels_cpu.matmul_panel; AVX-512 VNNI, int8 quants xq; other arguments as
+    qdot_tile's)."""
+    if not all(isinstance(a, types.IntegerLiteral) for a in (fmt, path)):
+        return None
+    if not isinstance(xq, types.Array) or xq.dtype != types.int8:
+        return None
+    f = FORMATS[GGMLQuantizationType(fmt.literal_value)]
+    p = path.literal_value
+    sig = types.void(fmt, path, w, r0, xq, xd, xa, t0, nt, out)
+
+    def codegen(context, builder, signature, args):
+        name = f"edge_panel_{f.ggml_type.name.lower()}_{PATH_NAMES[p]}"
+        fn = builder.module.globals.get(name) or build_panel(builder.module, f.ggml_type.name, PATH_NAMES[p], name)
+        aw, axq, axd, axa, aout = (context.make_array(signature.args[i])(context, builder, args[i])
+                                   for i in (2, 4, 5, 6, 9))
+        r0v, t0v, ntv = (builder.sext(v, I64) if v.type != I64 else v for v in (args[3], args[7], args[8]))
+        stride = lambda a: cgutils.unpack_tuple(builder, a.strides)[0]  # noqa: E731
+
+        def base(a, i):
+            return builder.gep(builder.bitcast(a.data, BYTE_PTR), [builder.mul(i, stride(a))])
+
+        out_stride = builder.sdiv(stride(aout), ir.Constant(I64, 4))
+        out_at = builder.gep(aout.data, [builder.add(builder.mul(t0v, out_stride), r0v)])
+        nb = builder.sdiv(cgutils.unpack_tuple(builder, aw.shape)[1], ir.Constant(I64, f.block_bytes))
+        builder.call(fn, [base(aw, r0v), stride(aw), base(axq, t0v), stride(axq), base(axd, t0v), stride(axd),
+                          base(axa, t0v), stride(axa), out_at, out_stride, ntv, nb])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True, inline="always")
+def _panels(fmt, path, w, xq, xd, xa, out):
+    """qdot_panel over all outputs (R >= PANEL_ROWS): panels of PANEL_ROWS weight rows (the last
+    overlapping its neighbour: results do not depend on tiling) x chunks of at most PANEL_T
+    activation rows (equal chunks, so that threads share evenly); a thread takes the row panels
+    of one chunk in order (the chunk's activations stay in cache)."""
+    R, T = w.shape[0], xq.shape[0]
+    n_rt = (R + PANEL_ROWS - 1) // PANEL_ROWS
+    n_tc = (T + PANEL_T - 1) // PANEL_T
+    chunk = (T + n_tc - 1) // n_tc
+    for job_ in prange(n_rt * n_tc):
+        job = np.int64(job_)
+        t_lo = (job // n_rt) * chunk
+        r0 = min((job % n_rt) * PANEL_ROWS, R - PANEL_ROWS)
+        qdot_panel(fmt, path, w, r0, xq, xd, xa, t_lo, min(T, t_lo + chunk) - t_lo, out)
 
 
 @njit(cache=True, inline="always")
@@ -187,3 +241,26 @@ def _tiled(fmt, path, nr, w, xq, xd, xa, out, wide=0):
         _rows(fmt, path, nr, w, xq, xd, xa, out)
     else:
         _blocks(fmt, path, nr, True, w, xq, xd, xa, out, wide)
+
+
+@njit(cache=True, inline="always")
+def _panels_first(fmt, path, w, xq, xd, xa, out):
+    """The tiles with one weight row per lane (AVX-512 VNNI: GEMV-path Q8_0 / Q5_0 / Q4_0 /
+    IQ4_NL / MXFP4, Q4_K GEMV / GEMM, Q6_K TILED): 16-row panels for T >= 2
+    (kernels_cpu.matmul_panel), 8 x 1 rows tiles R // 8 apart for decode and for R < 16
+    (kernels_cpu.matmul_rows). Bit-identical either way."""
+    if xq.shape[0] >= 2 and w.shape[0] >= PANEL_ROWS:
+        _panels(fmt, path, w, xq, xd, xa, out)
+    else:
+        _tiled(fmt, path, NR_ROWS, w, xq, xd, xa, out, NT_WIDE)
+
+
+@njit(cache=True, inline="always")
+def _tiles_only(fmt, path, w, xq, xd, xa, out):
+    """NR_ROWS x NT tiles (CPUs without AVX-512 VNNI)."""
+    _tiled(fmt, path, NR_ROWS, w, xq, xd, xa, out, NT_WIDE)
+
+
+# every T through the tiles with one weight row per lane (xa: as qdot_tile's, or for 32-value
+# blocks -offset * each block's activation sum)
+many_rows = _panels_first if HAS_VNNI else _tiles_only

@@ -123,9 +123,9 @@ def test_q0_batch_invariant_kernels_are_the_gemv_structure(qtype):
     generic = _generic_gemv_q5_0 if qtype == "Q5_0" else _generic_gemv_q8_0
 
     rng = np.random.default_rng(3)
-    for R, K in ((5, 64), (13, 256), (64, 96)):
-        w = random_weights(t, R, K, rng)
-        for n in (1, 3, 4, 9):
+    for R, K, ns in ((5, 64, (1, 3, 4, 9)), (13, 256, (1, 3, 4, 9)), (64, 96, (1, 3, 4, 9)), (40, 96, (2, 70))):
+        w = random_weights(t, R, K, rng)   # R >= 16: 16-row panels for n >= 2 (the last overlapping), n > 64: two chunks
+        for n in ns:
             x = rng.standard_normal((n, K)).astype(np.float32)
             got = M.matmul(w, t, x, batch_invariant=True)
             xq = M._quantize(t, x, M._allocate)

@@ -1,0 +1,287 @@
+"""Panel matmul kernels for many activation rows (prefill, batched decode, verification), for
+CPUs with AVX-512 VNNI: 16 weight rows, one per lane of a zmm vector, times any number of
+activation rows.
+
+A panel decodes each weight block of its 16 rows once (codes transposed so that lane r holds
+row r's; kernels_cpu.matmul_rows does it for 8 rows, twice here) and then runs every activation
+row of the call through it: ``vpdpbusd`` zmm of the codes with 4 activation quants broadcast to
+all lanes, the exact integer totals, and the float update of the path, lane-wise. The float
+accumulators of the activation rows live in a stack buffer (L1) across the blocks, so the cost
+of decoding a block is shared by all the rows and the integer products run at close to the
+CPU's int8 throughput. The float operations per output are those of the 8-row tiles of
+kernels_cpu.matmul_rows in the same order: results are bit-identical to them.
+
+Paths: GEMV for Q8_0 / Q5_0 / Q4_0 / IQ4_NL / MXFP4 (acc = fma(I, d_w * d_x, acc) per 32-value
+block, I the exact block total from -offset * the block's activation sum, as
+matmul_rows.q0_codes makes the codes unsigned).
+
+numba's on-disk cache keys matmul's kernels on matmul_kernels.py only: after editing this module,
+clear kernels_cpu/__pycache__/matmul_kernels.*.nbi / .nbc.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+
+from kernels_cpu.matmul_rows import (Q0_ROWS, Q4_K_BYTES, Q6_K_BYTES, ROWS, _byte, _halves_to_f32, _i16_pair,
+                                     _load_rows, _q6_k_codes, q0_codes)
+from kernels_cpu.simd import (BYTE_PTR, F32, I8, I16, I32, I64, concat, dot_i16, dot_u8_s8, fmuladd, load, shuffle,
+                              splat, vec)
+
+PANEL_ROWS = 16     # weight rows per panel: one per lane of a <16 x i32> (zmm) vector
+PANEL_T = 64        # most activation rows per panel call (the stack accumulators: 4 KB each)
+GROUP = 4           # activation rows sharing each loaded code vector
+V16I32, V16F32, V64I8, V32I16 = vec(I32, PANEL_ROWS), vec(F32, PANEL_ROWS), vec(I8, 64), vec(I16, 32)
+
+
+def _loop(b: ir.IRBuilder, fn: ir.Function, start, stop, step: int, body, name: str):
+    """Emit ``for (i = start; i + step <= stop; i += step) body(b, i)``; returns the i after the
+    loop (i64). ``body`` may add blocks; the builder ends positioned after the loop."""
+    head, work, done = (fn.append_basic_block(f"{name}_{k}") for k in ("head", "body", "done"))
+    pre = b.block
+    b.branch(head)
+    b.position_at_end(head)
+    i = b.phi(I64)
+    i.add_incoming(start, pre)
+    b.cbranch(b.icmp_signed("<=", b.add(i, ir.Constant(I64, step)), stop), work, done)
+    b.position_at_end(work)
+    body(b, i)
+    i.add_incoming(b.add(i, ir.Constant(I64, step)), b.block)
+    b.branch(head)
+    b.position_at_end(done)
+    return i
+
+
+def _splat16(b, value):
+    return splat(b, value, PANEL_ROWS)
+
+
+def _q0_decode(name):
+    def decode(b, w_rows, blk, scratch):
+        at = b.mul(blk, ir.Constant(I64, Q0_ROWS[name][0]))
+        halves = [q0_codes(b, name, [b.gep(p, [at]) for p in w_rows[h:h + ROWS]]) for h in (0, ROWS)]
+        codes = [concat(b, lo, hi) for lo, hi in zip(halves[0][0], halves[1][0])]
+        return codes, concat(b, halves[0][1], halves[1][1])
+
+    def rows(b, state, xs, blk, accs):
+        codes, d = state
+        totals = [_splat16(b, load(b, xa, b.mul(blk, ir.Constant(I64, 4)), I32)) for _, _, xa in xs]  # -offset * sum
+        q_at = b.mul(blk, ir.Constant(I64, 32))
+        for c, v in enumerate(codes):   # the activation rows interleaved: independent vpdpbusd chains
+            totals = [dot_u8_s8(b, total, b.bitcast(v, V64I8),
+                                b.bitcast(_splat16(b, load(b, xq, b.add(q_at, ir.Constant(I64, 4 * c)), I32)), V64I8))
+                      for total, (xq, _, _) in zip(totals, xs)]
+        out = []
+        for total, (_, xd, _), acc in zip(totals, xs, accs):
+            d_x = _splat16(b, load(b, xd, b.mul(blk, ir.Constant(I64, 4)), F32))
+            out.append([fmuladd(b, b.sitofp(total, V16F32), b.fmul(d, d_x), acc[0])])
+        return out
+
+    return decode, rows, 1, lambda b, accs: accs[0], 0
+
+
+def _both(b, w_rows, fn):
+    """fn(rows 0..7) and fn(rows 8..15), each a list of <8 x ...> vectors, joined lane-wise."""
+    return [concat(b, lo, hi) for lo, hi in zip(fn(w_rows[:ROWS]), fn(w_rows[ROWS:]))]
+
+
+def _stash(b, scratch, vectors) -> list:
+    """Store vectors in the panel's code buffer; returns their slots (pointers)."""
+    slots = [b.gep(scratch, [ir.Constant(I64, k)]) for k in range(len(vectors))]
+    for v, slot in zip(vectors, slots):
+        b.store(b.bitcast(v, V16I32), slot, align=64)
+    return slots
+
+
+def _c16(value: int):
+    return ir.Constant(V16I32, [value] * PANEL_ROWS)
+
+
+class _KAct:
+    """Activation row of a Q8_K block (quants, d_x, bsums) for the K-quant panels."""
+
+    def __init__(self, b, x, blk):
+        xq, xd, xa = x
+        self.b, self.xq = b, xq
+        self.x_at = b.mul(blk, ir.Constant(I64, 256))
+        self.d = _splat16(b, load(b, xd, b.mul(blk, ir.Constant(I64, 4)), F32))
+        self.bsums = load(b, xa, b.mul(blk, ir.Constant(I64, 32)), vec(I16, 16))
+
+    def bsum_pair(self, k: int, step: int = 1):
+        """As matmul_rows._Act.bsum_pair, in 16 lanes."""
+        b = self.b
+        if step == 1:
+            pair = shuffle(b, self.bsums, [k, k + 1])
+        else:
+            pair = b.add(shuffle(b, self.bsums, [k, k + 2]), shuffle(b, self.bsums, [k + 1, k + 3]))
+        return b.bitcast(_splat16(b, b.bitcast(pair, I32)), V32I16)
+
+
+def _dots(b, acts: list, slots, offset: int, starts=None) -> list:
+    """Per activation row a: starts[a] (default 0) + sum over chunks c of vpdpbusd(codes in
+    slots[c], quants offset + 4c .. offset + 4c + 3 of a); each code vector loaded once."""
+    accs = list(starts) if starts is not None else [_c16(0)] * len(acts)
+    for c, slot in enumerate(slots):
+        code = b.bitcast(b.load(slot, align=64), V64I8)
+        for i, a in enumerate(acts):
+            quad = _splat16(b, load(b, a.xq, b.add(a.x_at, ir.Constant(I64, offset + 4 * c)), I32))
+            accs[i] = dot_u8_s8(b, accs[i], code, b.bitcast(quad, V64I8))
+    return accs
+
+
+def _q4_k(kind):
+    """Q4_K, ggml_gemv_q4_K_8x8_q8_K ("gemv": one float update per 256 values) or
+    ggml_gemm_q4_K_8x8_q8_K ("gemm": per 64): as matmul_rows._q4_k_block."""
+
+    def decode(b, w_rows, blk, scratch):
+        at = b.mul(blk, ir.Constant(I64, Q4_K_BYTES))
+        rows = [b.gep(p, [at]) for p in w_rows]
+
+        def head(r8):
+            h0, u0, u1, u2 = _load_rows(b, r8, 0, 4)
+            sc_lo = b.and_(u0, _c8(0x3F3F3F3F))
+            sc_hi = b.or_(b.and_(u2, _c8(0x0F0F0F0F)), b.shl(b.and_(b.lshr(u0, _c8(6)), _c8(0x03030303)), _c8(4)))
+            mn_lo = b.and_(u1, _c8(0x3F3F3F3F))
+            mn_hi = b.or_(b.and_(b.lshr(u2, _c8(4)), _c8(0x0F0F0F0F)),
+                          b.shl(b.and_(b.lshr(u1, _c8(6)), _c8(0x03030303)), _c8(4)))
+            scales = [_byte(b, w, k) for w in (sc_lo, sc_hi) for k in range(4)]
+            mins = [_byte(b, w, k) for w in (mn_lo, mn_hi) for k in range(4)]
+            pairs = [_i16_pair(b, mins[2 * p], mins[2 * p + 1]) for p in range(4)]
+            return [_halves_to_f32(b, h0, 0), _halves_to_f32(b, h0, 16), *scales, *pairs]
+
+        d, dmin, *rest = _both(b, rows, head)
+        codes = []
+        for p in range(4):
+            def nibbles(r8, p=p):
+                raw = _load_rows(b, r8, 16 + 32 * p, 8)
+                return ([b.and_(v, _c8(0x0F0F0F0F)) for v in raw]
+                        + [b.and_(b.lshr(v, _c8(4)), _c8(0x0F0F0F0F)) for v in raw])
+            codes += _both(b, rows, nibbles)
+        return d, dmin, rest[:8], rest[8:], _stash(b, scratch, codes)
+
+    def rows(b, state, xs, blk, accs):
+        d, dmin, scales, min_pairs, slots = state
+        acts = [_KAct(b, x, blk) for x in xs]
+        out = [list(a) for a in accs]
+        d_wx, dmin_x = [b.fmul(d, a.d) for a in acts], [b.fmul(dmin, a.d) for a in acts]
+        tot_i, tot_m = [None] * len(acts), [None] * len(acts)
+        for p in range(4):
+            s_lo = _dots(b, acts, slots[16 * p:16 * p + 8], 64 * p)
+            s_hi = _dots(b, acts, slots[16 * p + 8:16 * p + 16], 64 * p + 32)
+            for t, a in enumerate(acts):
+                i_sum = b.add(b.mul(s_lo[t], scales[2 * p]), b.mul(s_hi[t], scales[2 * p + 1]))
+                tot_i[t] = i_sum if tot_i[t] is None else b.add(tot_i[t], i_sum)
+                tot_m[t] = dot_i16(b, _c16(0) if tot_m[t] is None else tot_m[t], b.bitcast(min_pairs[p], V32I16),
+                                   a.bsum_pair(4 * p, 2))
+                if kind == "gemm" or p == 3:
+                    out[t][0] = fmuladd(b, b.sitofp(tot_i[t], V16F32), d_wx[t], out[t][0])
+                    out[t][1] = fmuladd(b, b.sitofp(tot_m[t], V16F32), dmin_x[t], out[t][1])
+                    tot_i[t] = tot_m[t] = None
+        return out
+
+    return decode, rows, 2, lambda b, accs: b.fsub(accs[0], accs[1]), 64
+
+
+def _q6_k_tiled():
+    """Q6_K, tiled_run_micro_vnni_8x16's arithmetic (exact block total S1, r = S1 * d_w, acc =
+    fma(r, d_x, acc)): as matmul_rows._q6_k_block."""
+
+    def decode(b, w_rows, blk, scratch):
+        at = b.mul(blk, ir.Constant(I64, Q6_K_BYTES))
+        rows = [b.gep(p, [at]) for p in w_rows]
+
+        def head(r8):
+            d = _halves_to_f32(b, _load_rows(b, r8, 194, 4)[3], 16)
+            sw = _load_rows(b, r8, 192, 4)
+            scales = [_byte(b, sw[k // 4], k % 4, signed=True) for k in range(16)]
+            return [d, *scales, *[_i16_pair(b, scales[2 * k], scales[2 * k + 1]) for k in range(8)]]
+
+        d, *rest = _both(b, rows, head)
+        codes = []
+        for (offset, lo), (_, hi) in zip(_q6_k_codes(b, rows[:ROWS]), _q6_k_codes(b, rows[ROWS:])):
+            codes += [concat(b, x, y) for x, y in zip(lo, hi)]     # 32 values from ``offset``, in order
+        return d, rest[:16], rest[16:], _stash(b, scratch, codes)
+
+    def rows(b, state, xs, blk, accs):
+        d, scales, pairs, slots = state
+        acts = [_KAct(b, x, blk) for x in xs]
+        corr = [None] * len(acts)
+        for t, a in enumerate(acts):
+            for m in range(8):
+                corr[t] = dot_i16(b, _c16(0) if corr[t] is None else corr[t], b.bitcast(pairs[m], V32I16),
+                                  a.bsum_pair(2 * m))
+        s1 = [None] * len(acts)
+        for k, offset in enumerate(_Q6_K_OFFSETS):
+            g = offset // 16
+            for half in range(2):
+                parts = _dots(b, acts, slots[8 * k + 4 * half:8 * k + 4 * half + 4], offset + 16 * half)
+                for t, part in enumerate(parts):
+                    part = b.mul(part, scales[g + half])
+                    s1[t] = part if s1[t] is None else b.add(s1[t], part)
+        return [[fmuladd(b, b.fmul(b.sitofp(b.sub(s1[t], b.shl(corr[t], _c16(5))), V16F32), d), a.d, accs[t][0])]
+                for t, a in enumerate(acts)]
+
+    return decode, rows, 1, lambda b, accs: accs[0], 64
+
+
+def _c8(value: int):
+    return ir.Constant(vec(I32, ROWS), [value] * ROWS)
+
+
+_Q6_K_OFFSETS = [128 * half + 32 * g for half in range(2) for g in (0, 2, 1, 3)]  # matmul_rows._q6_k_codes' order
+
+PANEL_TYPES = {("gemv", name): _q0_decode(name) for name in Q0_ROWS}
+PANEL_TYPES.update({("gemv", "Q4_K"): _q4_k("gemv"), ("gemm", "Q4_K"): _q4_k("gemm"), ("tiled", "Q6_K"): _q6_k_tiled()})
+
+
+def build_panel(module: ir.Module, ggml_type_name: str, kind: str, name: str) -> ir.Function:
+    """Define ``void name(w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride,
+    nt, nb)``: out[t * out_stride + r] = the path's dot of weight row r (at w + r * w_stride,
+    r < 16) and activation row t (quants at xq + t * xq_stride, int8; scales xd, sums xa: as
+    kernels_cpu.matmul_tiling.qdot_tile takes them) for t < nt <= PANEL_T, over nb blocks."""
+    decode, rows, n_acc, finish, n_codes = PANEL_TYPES[(kind, ggml_type_name)]
+    args = [BYTE_PTR, I64] * 4 + [F32.as_pointer(), I64, I64, I64]
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), args), name)
+    fn.linkage = "internal"
+    w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride, nt, nb = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    accs = b.alloca(V16F32, ir.Constant(I64, PANEL_T * n_acc))
+    accs.align = 64
+    scratch = b.alloca(V16I32, ir.Constant(I64, max(n_codes, 1)))   # a block's decoded codes
+    scratch.align = 64
+    zero = ir.Constant(V16F32, [0.0] * PANEL_ROWS)
+    w_rows = [b.gep(w, [b.mul(ir.Constant(I64, r), w_stride)]) for r in range(PANEL_ROWS)]
+    zero_i = ir.Constant(I64, 0)
+
+    def clear(b, t):
+        for k in range(n_acc):
+            b.store(zero, b.gep(accs, [b.add(b.mul(t, ir.Constant(I64, n_acc)), ir.Constant(I64, k))]), align=64)
+
+    _loop(b, fn, zero_i, nt, 1, clear, "clear")
+
+    def block(b, blk):
+        state = decode(b, w_rows, blk, scratch)
+
+        def group(b, t, n):
+            ts = [b.add(t, ir.Constant(I64, i)) for i in range(n)]
+            xs = [[b.gep(p, [b.mul(ti, s)]) for p, s in ((xq, xq_stride), (xd, xd_stride), (xa, xa_stride))] for ti in ts]
+            ptrs = [[b.gep(accs, [b.add(b.mul(ti, ir.Constant(I64, n_acc)), ir.Constant(I64, k))]) for k in range(n_acc)]
+                    for ti in ts]
+            new = rows(b, state, xs, blk, [[b.load(p, align=64) for p in row] for row in ptrs])
+            for row, values in zip(ptrs, new):
+                for p, v in zip(row, values):
+                    b.store(v, p, align=64)
+
+        t = _loop(b, fn, zero_i, nt, GROUP, lambda b, t: group(b, t, GROUP), "groups")
+        _loop(b, fn, t, nt, 1, lambda b, t: group(b, t, 1), "tail")
+
+    _loop(b, fn, zero_i, nb, 1, block, "blocks")
+
+    def store(b, t):
+        values = [b.load(b.gep(accs, [b.add(b.mul(t, ir.Constant(I64, n_acc)), ir.Constant(I64, k))]), align=64)
+                  for k in range(n_acc)]
+        dst = b.bitcast(b.gep(out, [b.mul(t, out_stride)]), V16F32.as_pointer())
+        b.store(finish(b, values), dst, align=4)
+
+    _loop(b, fn, zero_i, nt, 1, store, "store")
+    b.ret_void()
+    return fn
