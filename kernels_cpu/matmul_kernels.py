@@ -31,8 +31,8 @@ from kernels_cpu.iq23_kernels import (matmul_iq2_s_q8_k, matmul_iq2_s_q8_k_bi, m
 from kernels_cpu.iq23_kernels import AVX2_TYPES as IQ23_AVX2_TYPES
 from kernels_cpu.matmul_rows import Q0_ROWS
 from kernels_cpu.matmul_tiles import GEMM, GEMV, TILED, VEC_DOT
-from kernels_cpu.matmul_tiling import (ND_Q6_K, NR, NR_Q0, NR_ROWS, NT_WIDE, _block_sums_32, _blocks, _rows, _tiled,
-                                      many_rows)
+from kernels_cpu.matmul_tiling import (ND_Q6_K, NR, NR_Q0, NR_ROWS, NT_WIDE, PANEL_ROWS, _block_sums_32, _blocks,
+                                      _panels, _rows, _tiled, many_rows)
 from kernels_cpu.simd import HAS_AVX2, HAS_AVX2_INT8, HAS_VNNI, f32_from_bits
 
 T_ = GGMLQuantizationType
@@ -109,6 +109,25 @@ def _repacked_k(fmt, nr, w, xqs, xd, xbsums, out):
 
 
 @njit(cache=True, inline="always")
+def _plain_k_panels(fmt, w, xqs, xd, xbsums, out):
+    """_plain_k with the tiled kernel in 16-row panels (kernels_cpu.matmul_panel, AVX-512 VNNI,
+    same bits) when R >= 16."""
+    if xqs.shape[0] >= 8 and w.shape[0] >= PANEL_ROWS:
+        _panels(fmt, TILED, w, xqs, xd, xbsums, out)
+    else:
+        _plain_k(fmt, NR, NR, w, xqs, xd, xbsums, out)
+
+
+@njit(cache=True, inline="always")
+def _plain_k_tiles(fmt, w, xqs, xd, xbsums, out):
+    """_plain_k in NR-row tiles (CPUs without AVX-512 VNNI)."""
+    _plain_k(fmt, NR, NR, w, xqs, xd, xbsums, out)
+
+
+_plain_k_fast = _plain_k_panels if HAS_VNNI else _plain_k_tiles  # Q4_K (R % 8 != 0) and Q5_K
+
+
+@njit(cache=True, inline="always")
 def _repacked_q4_k(w, xqs, xd, xbsums, out):
     """_repacked_k for Q4_K, every part through matmul_tiling.many_rows (16-row panels for
     T >= 2 with AVX-512 VNNI; same arithmetic)."""
@@ -151,7 +170,7 @@ def matmul_q3_k_q8_k(w, xqs, xd, xbsums, out):
 @njit(parallel=True, cache=True, nogil=True)
 def matmul_q4_k_q8_k(w, xqs, xd, xbsums, out):
     """Q4_K weights x Q8_K activations (see _plain_k)."""
-    _plain_k(_Q4_K, NR, NR, w, xqs, xd, xbsums, out)
+    _plain_k_fast(_Q4_K, w, xqs, xd, xbsums, out)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -163,7 +182,7 @@ def matmul_q4_k_q8_k_repacked(w, xqs, xd, xbsums, out):
 @njit(parallel=True, cache=True, nogil=True)
 def matmul_q5_k_q8_k(w, xqs, xd, xbsums, out):
     """Q5_K weights x Q8_K activations (see _plain_k)."""
-    _plain_k(_Q5_K, NR, NR, w, xqs, xd, xbsums, out)
+    _plain_k_fast(_Q5_K, w, xqs, xd, xbsums, out)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -305,7 +324,7 @@ from kernels_cpu.iq4_kernels import (matmul_iq4_nl_q8_0, matmul_iq4_nl_q8_0_bi, 
                                      matmul_mxfp4_q8_0, matmul_mxfp4_q8_0_repacked)
 
 # types whose kernels take int8 activation quants: the VNNI kernels, the AVX2 vpmaddubsw tiles
-ROWS_TYPES = ((T_.Q4_0, T_.Q5_0, T_.Q8_0, T_.Q4_K, T_.Q6_K) if HAS_VNNI else (T_.Q5_0, T_.Q8_0) if HAS_AVX2_INT8 else ())
+ROWS_TYPES = ((T_.Q4_0, T_.Q5_0, T_.Q8_0, T_.Q4_K, T_.Q5_K, T_.Q6_K) if HAS_VNNI else (T_.Q5_0, T_.Q8_0) if HAS_AVX2_INT8 else ())
 ROWS_TYPES += (T_.Q4_1, T_.Q5_1, T_.IQ4_NL, T_.IQ4_XS, T_.MXFP4) if HAS_AVX2 else ()  # matmul_avx2, iq4_avx2 tiles
 ROWS_TYPES += tuple(T_[name.upper()] for name in sorted(IQ23_AVX2_TYPES | IQ1TQ_AVX2_TYPES))  # iq23_avx2, iq1tq_avx2
 

@@ -13,7 +13,8 @@ kernels_cpu.matmul_rows in the same order: results are bit-identical to them.
 
 Paths: GEMV for Q8_0 / Q5_0 / Q4_0 / IQ4_NL / MXFP4 (acc = fma(I, d_w * d_x, acc) per 32-value
 block, I the exact block total from -offset * the block's activation sum, as
-matmul_rows.q0_codes makes the codes unsigned).
+matmul_rows.q0_codes makes the codes unsigned); Q4_K GEMV / GEMM (llama.cpp's repacked q4_K
+gemv / gemm) and TILED; Q5_K and Q6_K TILED (llama.cpp's tiled kernel, K-quants with T >= 8).
 
 numba's on-disk cache keys matmul's kernels on matmul_kernels.py only: after editing this module,
 clear kernels_cpu/__pycache__/matmul_kernels.*.nbi / .nbc.
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from kernels_cpu.matmul_rows import (Q0_ROWS, Q4_K_BYTES, Q6_K_BYTES, ROWS, _byte, _halves_to_f32, _i16_pair,
+from kernels_cpu.matmul_rows import (Q0_ROWS, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, ROWS, _byte, _halves_to_f32, _i16_pair,
                                      _load_rows, _q6_k_codes, q0_codes)
 from kernels_cpu.simd import (BYTE_PTR, F32, I8, I16, I32, I64, concat, dot_i16, dot_u8_s8, fmuladd, load, shuffle,
                               splat, vec)
@@ -55,6 +56,16 @@ def _splat16(b, value):
     return splat(b, value, PANEL_ROWS)
 
 
+def _quad(b, xq, at, x16: bool):
+    """<64 x i8>: the 4 activation quants at value index ``at`` (i64) of row xq, in every lane
+    (int8 quants, or with ``x16`` int16 ones narrowed)."""
+    if x16:
+        word = b.bitcast(b.trunc(load(b, xq, b.mul(at, ir.Constant(I64, 2)), vec(I16, 4)), vec(I8, 4)), I32)
+    else:
+        word = load(b, xq, at, I32)
+    return b.bitcast(_splat16(b, word), V64I8)
+
+
 def _q0_decode(name):
     def decode(b, w_rows, blk, scratch):
         at = b.mul(blk, ir.Constant(I64, Q0_ROWS[name][0]))
@@ -62,13 +73,12 @@ def _q0_decode(name):
         codes = [concat(b, lo, hi) for lo, hi in zip(halves[0][0], halves[1][0])]
         return codes, concat(b, halves[0][1], halves[1][1])
 
-    def rows(b, state, xs, blk, accs):
+    def rows(b, state, xs, blk, accs, x16):
         codes, d = state
         totals = [_splat16(b, load(b, xa, b.mul(blk, ir.Constant(I64, 4)), I32)) for _, _, xa in xs]  # -offset * sum
         q_at = b.mul(blk, ir.Constant(I64, 32))
         for c, v in enumerate(codes):   # the activation rows interleaved: independent vpdpbusd chains
-            totals = [dot_u8_s8(b, total, b.bitcast(v, V64I8),
-                                b.bitcast(_splat16(b, load(b, xq, b.add(q_at, ir.Constant(I64, 4 * c)), I32)), V64I8))
+            totals = [dot_u8_s8(b, total, b.bitcast(v, V64I8), _quad(b, xq, b.add(q_at, ir.Constant(I64, 4 * c)), x16))
                       for total, (xq, _, _) in zip(totals, xs)]
         out = []
         for total, (_, xd, _), acc in zip(totals, xs, accs):
@@ -99,9 +109,9 @@ def _c16(value: int):
 class _KAct:
     """Activation row of a Q8_K block (quants, d_x, bsums) for the K-quant panels."""
 
-    def __init__(self, b, x, blk):
+    def __init__(self, b, x, blk, x16):
         xq, xd, xa = x
-        self.b, self.xq = b, xq
+        self.b, self.xq, self.x16 = b, xq, x16
         self.x_at = b.mul(blk, ir.Constant(I64, 256))
         self.d = _splat16(b, load(b, xd, b.mul(blk, ir.Constant(I64, 4)), F32))
         self.bsums = load(b, xa, b.mul(blk, ir.Constant(I64, 32)), vec(I16, 16))
@@ -123,17 +133,21 @@ def _dots(b, acts: list, slots, offset: int, starts=None) -> list:
     for c, slot in enumerate(slots):
         code = b.bitcast(b.load(slot, align=64), V64I8)
         for i, a in enumerate(acts):
-            quad = _splat16(b, load(b, a.xq, b.add(a.x_at, ir.Constant(I64, offset + 4 * c)), I32))
-            accs[i] = dot_u8_s8(b, accs[i], code, b.bitcast(quad, V64I8))
+            accs[i] = dot_u8_s8(b, accs[i], code, _quad(b, a.xq, b.add(a.x_at, ir.Constant(I64, offset + 4 * c)), a.x16))
     return accs
 
 
-def _q4_k(kind):
+def _q4_k(kind, q5: bool = False):
     """Q4_K, ggml_gemv_q4_K_8x8_q8_K ("gemv": one float update per 256 values) or
-    ggml_gemm_q4_K_8x8_q8_K ("gemm": per 64): as matmul_rows._q4_k_block."""
+    ggml_gemm_q4_K_8x8_q8_K ("gemm": per 64), as matmul_rows._q4_k_block; or ("tiled") Q4_K /
+    with ``q5`` Q5_K (bit 4 of value 32j + i: bit j of qh[i]) through tiled_run_micro_vnni_8x16's
+    arithmetic, as kernels_cpu.matmul_tiles' TILED path: exact totals S1 (codes times sub-block
+    scales) and S2 (mins times 32-value activation sums), r = S1 * d_w, r = fma(-dmin, S2, r),
+    acc = fma(r, d_x, acc)."""
+    block_bytes, qs_at = (Q5_K_BYTES, 48) if q5 else (Q4_K_BYTES, 16)
 
     def decode(b, w_rows, blk, scratch):
-        at = b.mul(blk, ir.Constant(I64, Q4_K_BYTES))
+        at = b.mul(blk, ir.Constant(I64, block_bytes))
         rows = [b.gep(p, [at]) for p in w_rows]
 
         def head(r8):
@@ -152,15 +166,21 @@ def _q4_k(kind):
         codes = []
         for p in range(4):
             def nibbles(r8, p=p):
-                raw = _load_rows(b, r8, 16 + 32 * p, 8)
-                return ([b.and_(v, _c8(0x0F0F0F0F)) for v in raw]
-                        + [b.and_(b.lshr(v, _c8(4)), _c8(0x0F0F0F0F)) for v in raw])
+                raw = _load_rows(b, r8, qs_at + 32 * p, 8)
+                low = [b.and_(v, _c8(0x0F0F0F0F)) for v in raw]
+                high = [b.and_(b.lshr(v, _c8(4)), _c8(0x0F0F0F0F)) for v in raw]
+                if q5:  # qh bytes 4c..4c+3 in word c: bit j of each is bit 4 of sub-block j's value
+                    qh = _load_rows(b, r8, 16, 8)
+                    bit = lambda v, j: b.shl(b.and_(b.lshr(v, _c8(j)), _c8(0x01010101)), _c8(4))  # noqa: E731
+                    low = [b.or_(v, bit(h, 2 * p)) for v, h in zip(low, qh)]
+                    high = [b.or_(v, bit(h, 2 * p + 1)) for v, h in zip(high, qh)]
+                return low + high
             codes += _both(b, rows, nibbles)
         return d, dmin, rest[:8], rest[8:], _stash(b, scratch, codes)
 
-    def rows(b, state, xs, blk, accs):
+    def rows(b, state, xs, blk, accs, x16):
         d, dmin, scales, min_pairs, slots = state
-        acts = [_KAct(b, x, blk) for x in xs]
+        acts = [_KAct(b, x, blk, x16) for x in xs]
         out = [list(a) for a in accs]
         d_wx, dmin_x = [b.fmul(d, a.d) for a in acts], [b.fmul(dmin, a.d) for a in acts]
         tot_i, tot_m = [None] * len(acts), [None] * len(acts)
@@ -172,12 +192,17 @@ def _q4_k(kind):
                 tot_i[t] = i_sum if tot_i[t] is None else b.add(tot_i[t], i_sum)
                 tot_m[t] = dot_i16(b, _c16(0) if tot_m[t] is None else tot_m[t], b.bitcast(min_pairs[p], V32I16),
                                    a.bsum_pair(4 * p, 2))
-                if kind == "gemm" or p == 3:
+                if kind == "tiled" and p == 3:
+                    r = fmuladd(b, b.fneg(dmin), b.sitofp(tot_m[t], V16F32), b.fmul(b.sitofp(tot_i[t], V16F32), d))
+                    out[t][0] = fmuladd(b, r, a.d, out[t][0])
+                elif kind == "gemm" or p == 3:
                     out[t][0] = fmuladd(b, b.sitofp(tot_i[t], V16F32), d_wx[t], out[t][0])
                     out[t][1] = fmuladd(b, b.sitofp(tot_m[t], V16F32), dmin_x[t], out[t][1])
                     tot_i[t] = tot_m[t] = None
         return out
 
+    if kind == "tiled":
+        return decode, rows, 1, lambda b, accs: accs[0], 64
     return decode, rows, 2, lambda b, accs: b.fsub(accs[0], accs[1]), 64
 
 
@@ -201,9 +226,9 @@ def _q6_k_tiled():
             codes += [concat(b, x, y) for x, y in zip(lo, hi)]     # 32 values from ``offset``, in order
         return d, rest[:16], rest[16:], _stash(b, scratch, codes)
 
-    def rows(b, state, xs, blk, accs):
+    def rows(b, state, xs, blk, accs, x16):
         d, scales, pairs, slots = state
-        acts = [_KAct(b, x, blk) for x in xs]
+        acts = [_KAct(b, x, blk, x16) for x in xs]
         corr = [None] * len(acts)
         for t, a in enumerate(acts):
             for m in range(8):
@@ -230,14 +255,16 @@ def _c8(value: int):
 _Q6_K_OFFSETS = [128 * half + 32 * g for half in range(2) for g in (0, 2, 1, 3)]  # matmul_rows._q6_k_codes' order
 
 PANEL_TYPES = {("gemv", name): _q0_decode(name) for name in Q0_ROWS}
-PANEL_TYPES.update({("gemv", "Q4_K"): _q4_k("gemv"), ("gemm", "Q4_K"): _q4_k("gemm"), ("tiled", "Q6_K"): _q6_k_tiled()})
+PANEL_TYPES.update({("gemv", "Q4_K"): _q4_k("gemv"), ("gemm", "Q4_K"): _q4_k("gemm"), ("tiled", "Q4_K"): _q4_k("tiled"),
+                    ("tiled", "Q5_K"): _q4_k("tiled", q5=True), ("tiled", "Q6_K"): _q6_k_tiled()})
 
 
-def build_panel(module: ir.Module, ggml_type_name: str, kind: str, name: str) -> ir.Function:
+def build_panel(module: ir.Module, ggml_type_name: str, kind: str, name: str, x16: bool = False) -> ir.Function:
     """Define ``void name(w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride,
     nt, nb)``: out[t * out_stride + r] = the path's dot of weight row r (at w + r * w_stride,
-    r < 16) and activation row t (quants at xq + t * xq_stride, int8; scales xd, sums xa: as
-    kernels_cpu.matmul_tiling.qdot_tile takes them) for t < nt <= PANEL_T, over nb blocks."""
+    r < 16) and activation row t (quants at xq + t * xq_stride, int8, or int16 with ``x16``; scales
+    xd, sums xa: as kernels_cpu.matmul_tiling.qdot_tile takes them) for t < nt <= PANEL_T, over
+    nb blocks."""
     decode, rows, n_acc, finish, n_codes = PANEL_TYPES[(kind, ggml_type_name)]
     args = [BYTE_PTR, I64] * 4 + [F32.as_pointer(), I64, I64, I64]
     fn = ir.Function(module, ir.FunctionType(ir.VoidType(), args), name)
@@ -266,7 +293,7 @@ def build_panel(module: ir.Module, ggml_type_name: str, kind: str, name: str) ->
             xs = [[b.gep(p, [b.mul(ti, s)]) for p, s in ((xq, xq_stride), (xd, xd_stride), (xa, xa_stride))] for ti in ts]
             ptrs = [[b.gep(accs, [b.add(b.mul(ti, ir.Constant(I64, n_acc)), ir.Constant(I64, k))]) for k in range(n_acc)]
                     for ti in ts]
-            new = rows(b, state, xs, blk, [[b.load(p, align=64) for p in row] for row in ptrs])
+            new = rows(b, state, xs, blk, [[b.load(p, align=64) for p in row] for row in ptrs], x16)
             for row, values in zip(ptrs, new):
                 for p, v in zip(row, values):
                     b.store(v, p, align=64)

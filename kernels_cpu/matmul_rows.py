@@ -32,7 +32,7 @@ from kernels_cpu.simd import (F32, I8, I16, I32, I64, concat, dot_i16, dot_u8_s8
 
 ROWS = 8  # weight rows per tile: one per lane of a 256-bit vector
 V8I32, V8F32, V32I8 = vec(I32, ROWS), vec(F32, ROWS), vec(I8, 32)
-Q4_K_BYTES, Q6_K_BYTES = TYPES[T.Q4_K].type_size, TYPES[T.Q6_K].type_size
+Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES = TYPES[T.Q4_K].type_size, TYPES[T.Q5_K].type_size, TYPES[T.Q6_K].type_size
 
 
 def _c(value: int):

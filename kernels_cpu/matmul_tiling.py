@@ -115,19 +115,19 @@ def qdot_tile(typingctx, fmt, path, nr, nt, w, r0, r_step, xq, xd, xa, t0, out):
 @intrinsic
 def qdot_panel(typingctx, fmt, path, w, r0, xq, xd, xa, t0, nt, out):
     """out[t0 + t, r0 + r] = the path's dot(w[r0 + r], x[t0 + t]) for r < PANEL_ROWS, t < nt <=
-    PANEL_T (kernels_cpu.matmul_panel; AVX-512 VNNI, int8 quants xq; other arguments as
-    qdot_tile's)."""
+    PANEL_T (kernels_cpu.matmul_panel; AVX-512 VNNI; arguments as qdot_tile's)."""
     if not all(isinstance(a, types.IntegerLiteral) for a in (fmt, path)):
         return None
-    if not isinstance(xq, types.Array) or xq.dtype != types.int8:
+    if not isinstance(xq, types.Array) or xq.dtype not in (types.int8, types.int16):
         return None
     f = FORMATS[GGMLQuantizationType(fmt.literal_value)]
     p = path.literal_value
     sig = types.void(fmt, path, w, r0, xq, xd, xa, t0, nt, out)
 
     def codegen(context, builder, signature, args):
-        name = f"edge_panel_{f.ggml_type.name.lower()}_{PATH_NAMES[p]}"
-        fn = builder.module.globals.get(name) or build_panel(builder.module, f.ggml_type.name, PATH_NAMES[p], name)
+        x16 = signature.args[4].dtype == types.int16
+        name = f"edge_panel_{f.ggml_type.name.lower()}_{PATH_NAMES[p]}{'_x16' if x16 else ''}"
+        fn = builder.module.globals.get(name) or build_panel(builder.module, f.ggml_type.name, PATH_NAMES[p], name, x16)
         aw, axq, axd, axa, aout = (context.make_array(signature.args[i])(context, builder, args[i])
                                    for i in (2, 4, 5, 6, 9))
         r0v, t0v, ntv = (builder.sext(v, I64) if v.type != I64 else v for v in (args[3], args[7], args[8]))
