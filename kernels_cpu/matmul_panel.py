@@ -21,12 +21,14 @@ clear kernels_cpu/__pycache__/matmul_kernels.*.nbi / .nbc.
 """
 from __future__ import annotations
 
+from gguf import GGMLQuantizationType
 from llvmlite import ir
 
+from kernels_cpu.ggml_types import TYPES
 from kernels_cpu.matmul_rows import (Q0_ROWS, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, ROWS, _byte, _halves_to_f32, _i16_pair,
-                                     _load_rows, _q6_k_codes, q0_codes)
-from kernels_cpu.simd import (BYTE_PTR, F32, I8, I16, I32, I64, concat, dot_i16, dot_u8_s8, fmuladd, load, shuffle,
-                              splat, vec)
+                                     _load_rows, _q6_k_codes, q0_codes, q0_words)
+from kernels_cpu.simd import (BYTE_PTR, F32, I8, I16, I32, I64, concat, dot_i16, dot_u8_s8, fmuladd, load, prefetch,
+                              shuffle, splat, vec)
 
 PANEL_ROWS = 16     # weight rows per panel: one per lane of a <16 x i32> (zmm) vector
 PANEL_T = 64        # most activation rows per panel call (the stack accumulators: 4 KB each)
@@ -69,9 +71,7 @@ def _quad(b, xq, at, x16: bool):
 def _q0_decode(name):
     def decode(b, w_rows, blk, scratch):
         at = b.mul(blk, ir.Constant(I64, Q0_ROWS[name][0]))
-        halves = [q0_codes(b, name, [b.gep(p, [at]) for p in w_rows[h:h + ROWS]]) for h in (0, ROWS)]
-        codes = [concat(b, lo, hi) for lo, hi in zip(halves[0][0], halves[1][0])]
-        return codes, concat(b, halves[0][1], halves[1][1])
+        return q0_codes(b, name, _both(b, [b.gep(p, [at]) for p in w_rows], lambda r8: q0_words(b, name, r8)))
 
     def rows(b, state, xs, blk, accs, x16):
         codes, d = state
@@ -150,32 +150,27 @@ def _q4_k(kind, q5: bool = False):
         at = b.mul(blk, ir.Constant(I64, block_bytes))
         rows = [b.gep(p, [at]) for p in w_rows]
 
-        def head(r8):
-            h0, u0, u1, u2 = _load_rows(b, r8, 0, 4)
-            sc_lo = b.and_(u0, _c8(0x3F3F3F3F))
-            sc_hi = b.or_(b.and_(u2, _c8(0x0F0F0F0F)), b.shl(b.and_(b.lshr(u0, _c8(6)), _c8(0x03030303)), _c8(4)))
-            mn_lo = b.and_(u1, _c8(0x3F3F3F3F))
-            mn_hi = b.or_(b.and_(b.lshr(u2, _c8(4)), _c8(0x0F0F0F0F)),
-                          b.shl(b.and_(b.lshr(u1, _c8(6)), _c8(0x03030303)), _c8(4)))
-            scales = [_byte(b, w, k) for w in (sc_lo, sc_hi) for k in range(4)]
-            mins = [_byte(b, w, k) for w in (mn_lo, mn_hi) for k in range(4)]
-            pairs = [_i16_pair(b, mins[2 * p], mins[2 * p + 1]) for p in range(4)]
-            return [_halves_to_f32(b, h0, 0), _halves_to_f32(b, h0, 16), *scales, *pairs]
-
-        d, dmin, *rest = _both(b, rows, head)
+        h0, u0, u1, u2 = _both(b, rows, lambda r8: _load_rows(b, r8, 0, 4))    # 16 lanes from here on
+        sc_lo = b.and_(u0, _c16(0x3F3F3F3F))
+        sc_hi = b.or_(b.and_(u2, _c16(0x0F0F0F0F)), b.shl(b.and_(b.lshr(u0, _c16(6)), _c16(0x03030303)), _c16(4)))
+        mn_lo = b.and_(u1, _c16(0x3F3F3F3F))
+        mn_hi = b.or_(b.and_(b.lshr(u2, _c16(4)), _c16(0x0F0F0F0F)),
+                      b.shl(b.and_(b.lshr(u1, _c16(6)), _c16(0x03030303)), _c16(4)))
+        scales = [_byte(b, w, k) for w in (sc_lo, sc_hi) for k in range(4)]
+        mins = [_byte(b, w, k) for w in (mn_lo, mn_hi) for k in range(4)]
+        rest = scales + [_i16_pair(b, mins[2 * p], mins[2 * p + 1]) for p in range(4)]
+        d, dmin = _halves_to_f32(b, h0, 0), _halves_to_f32(b, h0, 16)
+        qh = _both(b, rows, lambda r8: _load_rows(b, r8, 16, 8)) if q5 else None
         codes = []
         for p in range(4):
-            def nibbles(r8, p=p):
-                raw = _load_rows(b, r8, qs_at + 32 * p, 8)
-                low = [b.and_(v, _c8(0x0F0F0F0F)) for v in raw]
-                high = [b.and_(b.lshr(v, _c8(4)), _c8(0x0F0F0F0F)) for v in raw]
-                if q5:  # qh bytes 4c..4c+3 in word c: bit j of each is bit 4 of sub-block j's value
-                    qh = _load_rows(b, r8, 16, 8)
-                    bit = lambda v, j: b.shl(b.and_(b.lshr(v, _c8(j)), _c8(0x01010101)), _c8(4))  # noqa: E731
-                    low = [b.or_(v, bit(h, 2 * p)) for v, h in zip(low, qh)]
-                    high = [b.or_(v, bit(h, 2 * p + 1)) for v, h in zip(high, qh)]
-                return low + high
-            codes += _both(b, rows, nibbles)
+            raw = _both(b, rows, lambda r8, p=p: _load_rows(b, r8, qs_at + 32 * p, 8))
+            low = [b.and_(v, _c16(0x0F0F0F0F)) for v in raw]
+            high = [b.and_(b.lshr(v, _c16(4)), _c16(0x0F0F0F0F)) for v in raw]
+            if q5:  # qh bytes 4c..4c+3 in word c: bit j of each is bit 4 of sub-block j's value
+                bit = lambda v, j: b.shl(b.and_(b.lshr(v, _c16(j)), _c16(0x01010101)), _c16(4))  # noqa: E731
+                low = [b.or_(v, bit(h, 2 * p)) for v, h in zip(low, qh)]
+                high = [b.or_(v, bit(h, 2 * p + 1)) for v, h in zip(high, qh)]
+            codes += low + high
         return d, dmin, rest[:8], rest[8:], _stash(b, scratch, codes)
 
     def rows(b, state, xs, blk, accs, x16):
@@ -248,10 +243,6 @@ def _q6_k_tiled():
     return decode, rows, 1, lambda b, accs: accs[0], 64
 
 
-def _c8(value: int):
-    return ir.Constant(vec(I32, ROWS), [value] * ROWS)
-
-
 _Q6_K_OFFSETS = [128 * half + 32 * g for half in range(2) for g in (0, 2, 1, 3)]  # matmul_rows._q6_k_codes' order
 
 PANEL_TYPES = {("gemv", name): _q0_decode(name) for name in Q0_ROWS}
@@ -285,7 +276,17 @@ def build_panel(module: ir.Module, ggml_type_name: str, kind: str, name: str, x1
 
     _loop(b, fn, zero_i, nt, 1, clear, "clear")
 
+    block_bytes = TYPES[GGMLQuantizationType[ggml_type_name]].type_size
+    w_next = [b.gep(w, [b.mul(ir.Constant(I64, PANEL_ROWS + r), w_stride)]) for r in range(PANEL_ROWS)]
+
     def block(b, blk):
+        # the same block of the next panel's rows (the rows this thread takes next; may lie past
+        # the matrix: a prefetch does not fault): with few activation rows the panel is bound by
+        # the weight stream, whose 16 interleaved rows the hardware prefetchers follow poorly
+        at = b.mul(blk, ir.Constant(I64, block_bytes))
+        for p in w_next:
+            for line in range(0, block_bytes, 64):
+                prefetch(b, b.gep(p, [at]), line)
         state = decode(b, w_rows, blk, scratch)
 
         def group(b, t, n):

@@ -35,8 +35,10 @@ V8I32, V8F32, V32I8 = vec(I32, ROWS), vec(F32, ROWS), vec(I8, 32)
 Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES = TYPES[T.Q4_K].type_size, TYPES[T.Q5_K].type_size, TYPES[T.Q6_K].type_size
 
 
-def _c(value: int):
-    return ir.Constant(V8I32, [value] * ROWS)
+def _c(value: int, like=None):
+    """Constant i32 vector of ``value`` in every lane: 8 lanes, or as many as vector ``like``."""
+    n = like.type.count if like is not None else ROWS
+    return ir.Constant(vec(I32, n), [value] * n)
 
 
 _UNPACK32 = ([0, 8, 1, 9, 4, 12, 5, 13], [2, 10, 3, 11, 6, 14, 7, 15])  # x86 vpunpck{l,h}dq
@@ -67,21 +69,23 @@ def _load_rows(b, w_rows: list, offset, n_i32: int) -> list:
 
 
 def _halves_to_f32(b, words, shift: int):
-    """f16 stored in bits shift..shift+15 of each i32 lane -> <8 x float> (exact)."""
-    h = b.trunc(b.lshr(words, _c(shift)) if shift else words, vec(I16, ROWS))
-    return b.fpext(b.bitcast(h, vec(ir.HalfType(), ROWS)), V8F32)
+    """f16 stored in bits shift..shift+15 of each i32 lane -> float lanes (exact). The helpers
+    from here on take <8 x i32> or <16 x i32> (kernels_cpu.matmul_panel) vectors."""
+    n = words.type.count
+    h = b.trunc(b.lshr(words, _c(shift, words)) if shift else words, vec(I16, n))
+    return b.fpext(b.bitcast(h, vec(ir.HalfType(), n)), vec(F32, n))
 
 
 def _byte(b, words, k: int, signed: bool = False):
     """Byte k of each i32 lane, zero- or sign-extended."""
     if signed:
-        return b.ashr(b.shl(words, _c(24 - 8 * k)), _c(24))
-    return b.and_(b.lshr(words, _c(8 * k)), _c(0xFF)) if k < 3 else b.lshr(words, _c(24))
+        return b.ashr(b.shl(words, _c(24 - 8 * k, words)), _c(24, words))
+    return b.and_(b.lshr(words, _c(8 * k, words)), _c(0xFF, words)) if k < 3 else b.lshr(words, _c(24, words))
 
 
 def _i16_pair(b, lo, hi):
     """i32 lanes lo, hi (16-bit values) -> lanes holding the i16 pair (lo, hi) (for dot_i16)."""
-    return b.or_(b.and_(lo, _c(0xFFFF)), b.shl(hi, _c(16)))
+    return b.or_(b.and_(lo, _c(0xFFFF, lo)), b.shl(hi, _c(16, hi)))
 
 
 class _Act:
@@ -209,10 +213,17 @@ def _nibble_chunks(b, qs: list, table=None) -> list:
     (values 16 + 4(c - 4)..). With ``table`` (16 values), each nibble n becomes table[n] + 128
     (vpshufb), the unsigned codes vpdpbusd takes."""
     out = []
+    mask = _c(0x0F0F0F0F, qs[0])
     for c in range(8):
-        nib = b.and_(qs[c % 4], _c(0x0F0F0F0F)) if c < 4 else b.and_(b.lshr(qs[c % 4], _c(4)), _c(0x0F0F0F0F))
+        nib = b.and_(qs[c % 4], mask) if c < 4 else b.and_(b.lshr(qs[c % 4], _c(4, qs[0])), mask)
         if table is not None:
-            nib = b.bitcast(lookup16(b, [v + 128 for v in table], b.bitcast(nib, V32I8)), V8I32)
+            values = [v + 128 for v in table]
+            if nib.type.count == ROWS:
+                nib = b.bitcast(lookup16(b, values, b.bitcast(nib, V32I8)), V8I32)
+            else:  # 16 lanes: the two 256-bit halves (vpshufb ymm)
+                halves = [b.bitcast(lookup16(b, values, b.bitcast(shuffle(b, nib, range(h, h + ROWS)), V32I8)), V8I32)
+                          for h in (0, ROWS)]
+                nib = concat(b, *halves)
         out.append(nib)
     return out
 
@@ -249,28 +260,33 @@ Q0_ROWS = {"Q8_0": (TYPES[T.Q8_0].type_size, 128), "Q5_0": (TYPES[T.Q5_0].type_s
 _SPREAD = 0x02040810  # t * _SPREAD puts bit i of a 4-bit t at bit 8 * i + 4 (no carries)
 
 
-def q0_codes(b, name, w_rows):
-    """The unsigned codes and the scale of one 32-value Q8_0 / Q5_0 / Q4_0 / IQ4_NL / MXFP4 block
-    of 8 weight rows (i8* each, at the block): 8 transposed <8 x i32> chunk vectors (chunk c =
-    values 4c..4c+3, q + offset, or for IQ4_NL / MXFP4 table value + 128) and d_w <8 x float>
-    (the f16 d, or MXFP4's e8m0 scale halved)."""
+def q0_words(b, name, w_rows) -> list:
+    """The transposed 4-byte words of one 32-value Q8_0 / Q5_0 / Q4_0 / IQ4_NL / MXFP4 block of 8
+    weight rows (i8* each, at the block) that q0_codes reads: <8 x i32> vectors, lane r = row r."""
+    if name == "Q8_0":                                              # f16 d | q0 q1, then q[2..33]
+        return [_load_rows(b, w_rows, 0, 4)[0], *_load_rows(b, w_rows, 2, 8)]
+    if name in ("IQ4_NL", "MXFP4", "Q4_0"):  # f16 d | u8 qs[16] (MXFP4: u8 e | qs[16]); value j: nibble of qs[j % 16]
+        return [_load_rows(b, w_rows, 0, 4)[0], *_load_rows(b, w_rows, TYPES[T[name]].offset("qs"), 4)]
+    # Q5_0: f16 d | u32 qh | u8 qs[16]; value j: low nibble of qs[j] (j < 16) or high of qs[j - 16]
+    return [*_load_rows(b, w_rows, 0, 4)[:2], *_load_rows(b, w_rows, 6, 4)]  # bytes 0..7, 6..21 (not past the block)
+
+
+def q0_codes(b, name, words):
+    """The unsigned codes and the scale of a 32-value block from its q0_words (8 or 16 lanes):
+    8 chunk vectors (chunk c = values 4c..4c+3, q + offset, or for IQ4_NL / MXFP4 table value +
+    128) and d_w (the f16 d, or MXFP4's e8m0 scale halved)."""
+    head = words[0]
     if name == "Q8_0":
-        head = _load_rows(b, w_rows, 0, 4)[0]                       # f16 d | q0 q1
-        codes = [b.xor(v, _c(0x80808080 - (1 << 32))) for v in _load_rows(b, w_rows, 2, 8)]
-    elif name in ("IQ4_NL", "MXFP4", "Q4_0"):  # f16 d | u8 qs[16] (MXFP4: u8 e | qs[16]); value j: nibble of qs[j % 16]
-        at = TYPES[T[name]].offset("qs")
-        head = _load_rows(b, w_rows, 0, 4)[0]                       # bytes 0..3
-        qs = _load_rows(b, w_rows, at, 4)                           # qs[4k..4k+3] in vector k (ends at the block's end)
-        codes = _nibble_chunks(b, qs, _IQ4_TABLES.get(name))
+        codes = [b.xor(v, _c(0x80808080 - (1 << 32), v)) for v in words[1:]]
+    elif name in ("IQ4_NL", "MXFP4", "Q4_0"):
+        codes = _nibble_chunks(b, words[1:], _IQ4_TABLES.get(name))
         if name == "MXFP4":
-            return codes, e8m0_half(b, b.trunc(head, vec(I8, ROWS)))
-    else:  # Q5_0: f16 d | u32 qh | u8 qs[16]; value j: low nibble of qs[j] (j < 16) or high of qs[j - 16]
-        words = _load_rows(b, w_rows, 0, 4)                         # bytes 0..15 (no read past the block)
-        head = words[0]
-        qh = b.or_(b.lshr(words[0], _c(16)), b.shl(words[1], _c(16)))  # bytes 2..5
-        qs = _load_rows(b, w_rows, 6, 4)                            # bytes 6..21: qs[4k..4k+3] in vector k
-        codes = [b.or_(nib, b.and_(b.mul(b.and_(b.lshr(qh, _c(4 * c)), _c(0xF)), _c(_SPREAD)), _c(0x10101010)))
-                 for c, nib in enumerate(_nibble_chunks(b, qs))]
+            return codes, e8m0_half(b, b.trunc(head, vec(I8, head.type.count)))
+    else:
+        qh = b.or_(b.lshr(head, _c(16, head)), b.shl(words[1], _c(16, head)))  # bytes 2..5
+        codes = [b.or_(nib, b.and_(b.mul(b.and_(b.lshr(qh, _c(4 * c, qh)), _c(0xF, qh)), _c(_SPREAD, qh)),
+                                   _c(0x10101010, qh)))
+                 for c, nib in enumerate(_nibble_chunks(b, words[2:]))]
     return codes, _halves_to_f32(b, head, 0)
 
 
@@ -281,7 +297,7 @@ def _q0_rows_block(b, name, w_rows, rows, blk, accs, x16):
     d_w the f16 d or the e8m0 scale halved). Codes are made unsigned (q0_codes) for vpdpbusd;
     xa gives, per activation row and block, -offset * (sum of the block's activation quants)
     (int32), which starts each total."""
-    codes, d = q0_codes(b, name, w_rows)
+    codes, d = q0_codes(b, name, q0_words(b, name, w_rows))
     acc = list(accs["acc"])
     acts = [_Q0Act(b, xq, x16, blk) for xq in rows["xq"]]
     totals = [splat(b, load(b, xa, b.mul(blk, ir.Constant(I64, 4)), I32), ROWS) for xa in rows["xa"]]  # -offset * sum
