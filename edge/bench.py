@@ -5,7 +5,8 @@ Tests (each the median of ``reps`` timed repetitions after one short untimed war
 - ``ppN``: prefill of N random token ids (fixed seed; the first is BOS when the model adds
   BOS, as llama-bench does) in chunks of n_batch into an empty paged KV cache of n_ctx tokens
   (edge's own, as ``edge run`` uses; KV types -ctk/-ctv, f16 by default);
-  tokens/s = N / seconds.
+  tokens/s = N / seconds. pp and tg run with llama.cpp's choice of kernel per batch size, or
+  with ``batch_invariant`` (--batch-invariant) in the mode ``edge serve`` computes in.
 - ``tgN``: N greedy tokens decoded one forward pass at a time after the short prompt
   FIRST_PROMPT, through the generation loop (edge.generate, end-of-generation tokens decoded
   on as llama-bench does); tokens/s = N / seconds of those N steps (the prompt and its first
@@ -93,6 +94,7 @@ class BenchConfig:
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
     llama_python: str | None = None   # interpreter with llama-cpp-python; None = edge only
+    batch_invariant: bool = False     # Engine.batch_invariant of pp and tg (tgN xB: always on)
 
     def check(self) -> None:
         """Raise ValueError for sizes that cannot be run."""
@@ -129,7 +131,9 @@ class EdgeRunner:
 
         t0 = time.perf_counter()
         self.engine = Engine(cfg.model, n_ctx=cfg.n_ctx, n_batch=cfg.n_batch,
-                             cache_type_k=cfg.cache_type_k, cache_type_v=cfg.cache_type_v)
+                             cache_type_k=cfg.cache_type_k, cache_type_v=cfg.cache_type_v,
+                             batch_invariant=cfg.batch_invariant)
+        self.batch_invariant = cfg.batch_invariant
         self.model = self.engine.model
         self.first_ids = self.engine.raw_prompt(FIRST_PROMPT)
         self.first_token(self.first_ids)
@@ -170,7 +174,7 @@ class EdgeRunner:
         try:
             return self._decode(prompts, n, n_ctx_seq, single=False)
         finally:
-            self.model.set_batch_invariant(False)
+            self.model.set_batch_invariant(self.batch_invariant)
 
     def _decode(self, prompts, n: int, n_ctx: int, single: bool) -> dict:
         """Prefill each prompt into its own slot and sample its first token (untimed), then n
@@ -367,7 +371,7 @@ def run_bench(cfg: BenchConfig, log=lambda msg: print(msg, file=sys.stderr, flus
               "tensor_types": tensor_types,
               "threads": cfg.threads, "n_ctx": cfg.n_ctx, "n_batch": cfg.n_batch, "reps": cfg.reps,
               "cache_type_k": cfg.cache_type_k, "cache_type_v": cfg.cache_type_v,
-              "seed": SEED, "tests": [],
+              "batch_invariant": cfg.batch_invariant, "seed": SEED, "tests": [],
               "peak_rss_mb": {"edge": None, "llama_cpp": None},
               "load_to_first_token_s": {"edge": edge.load_to_first_token_s, "llama_cpp": None},
               "process_first_token_wall_s": {"edge": wall, "llama_cpp": None},

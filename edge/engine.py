@@ -73,6 +73,11 @@ class Engine:
         cache_type_k, cache_type_v: KV cache types, "f16" (default), "q8_0" or "f32".
         kv_storage: "file" (the KV pool is a memory-mapped file under $EDGE_HOME/kv; anonymous
             memory when that file cannot be made) or "anon".
+        batch_invariant: False (default): llama.cpp's choice of kernel per batch size, its
+            bits on this CPU. True: one arithmetic for every row whatever the batch
+            (Transformer.set_batch_invariant), as ``edge serve`` computes: a prompt's logits
+            are the same prefilled in one chunk, in several, or decoded token by token (last
+            bits differ from llama.cpp's; prefill and batches of Q5_0 / Q8_0 weights faster).
 
     Generation goes through one paged KV cache (edge.kv.cache), kept for the engine's life:
     a prompt that starts like an earlier one (the next turn of a chat) reuses its cached
@@ -90,6 +95,7 @@ class Engine:
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
     kv_storage: str = "file"
+    batch_invariant: bool = False
     gguf: GGUFFile = field(init=False)
 
     def __post_init__(self):
@@ -97,6 +103,7 @@ class Engine:
             raise ValueError(f"n_ctx ({self.n_ctx}) and n_batch ({self.n_batch}) must be positive")
         self.gguf = GGUFFile(self.path)
         self.model = load_model(self.gguf)
+        self.model.set_batch_invariant(self.batch_invariant)
         self.tokenizer = Tokenizer.from_gguf(self.gguf)
         self.template: ChatTemplate | None = ChatTemplate.from_gguf(self.gguf)
         self.name = self.gguf.get_str("general.name", default=Path(self.path).stem)

@@ -87,8 +87,9 @@ def test_real_model_rows_do_not_depend_on_the_batch(qwen_path):
     """The default model (Q4_K repacked, Q6_K, Q5_0, Q8_0 weights): three prompts prefilled
     together in one batch of 27 rows and decoded together give the logits of each alone."""
     from edge.engine import Engine
-    m = Engine(qwen_path, n_ctx=128).model
-    m.set_batch_invariant(True)
+    m = Engine(qwen_path, n_ctx=128, batch_invariant=True).model     # as edge run --batch-invariant makes it
+    assert m.batch_invariant and all(w.batch_invariant for w in m.weights())
+    assert not Engine(qwen_path, n_ctx=128).model.batch_invariant    # the default: llama.cpp's kernel choice
     prompts = [[9707, 11, 1879, 0, 358, 1079, 264, 2025, 13], [785, 6722, 315, 9625, 374],
                [750, 38418, 1445, 982, 262, 470, 308, 421, 308, 366, 220, 17, 770, 15801, 1445]]
     nxt = [220, 16, 17]

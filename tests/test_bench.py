@@ -47,6 +47,7 @@ def test_json_keys_and_counts(bench_json, gemma_path):
     assert r["tensor_types"] == counted and sum(r["tensor_types"].values()) == len(gf.tensors)
     assert list(r["tensor_types"].values()) == sorted(counted.values(), reverse=True)
     assert (r["n_ctx"], r["n_batch"], r["reps"], r["cache_type_k"], r["cache_type_v"]) == (4096, 512, 1, "f16", "f16")
+    assert r["batch_invariant"] is False                      # pp / tg with llama.cpp's kernel choice
     assert [t["test"] for t in r["tests"]] == [f"pp{P}", f"tg{N}"] + [f"tg{N} x{b}" for b in BATCHED]
     asked = [P, N] + [b * N for b in BATCHED]
     for row, n_asked in zip(r["tests"], asked):
@@ -123,6 +124,18 @@ def test_runner_tokens_are_greedy(gemma_path):
     out = runner.batched([ids[:3], ids, ids[:4]], N, 256)["tokens"]
     assert np.asarray(out).shape == (3, N)
     assert out[1] == want[1:]
+    assert runner.model.batch_invariant is False              # batched ran batch-invariant, then back
+
+
+def test_batch_invariant_runner(gemma_path):
+    """--batch-invariant: pp and tg in the mode edge serve computes in, which batched keeps; a
+    sequence batched with others decodes its alone tokens."""
+    runner = EdgeRunner(BenchConfig(model=gemma_path, batch_invariant=True))
+    assert runner.model.batch_invariant
+    ids = runner.engine.raw_prompt(FIRST_PROMPT)
+    alone = runner.tg(ids, N)["tokens"]
+    assert runner.batched([ids[:3], ids], N, 256)["tokens"][1] == alone
+    assert runner.model.batch_invariant
 
 
 @pytest.mark.parametrize("opt, value, message", [

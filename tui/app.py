@@ -71,6 +71,7 @@ class ChatOptions:
     resume: bool = False
     folder: Path | None = None
     threads: int | None = None      # -t: the kernels' threads on the answer worker (None: numba's default)
+    batch_invariant: bool = False   # --batch-invariant (edge.engine.Engine.batch_invariant)
 
 
 def load_engine(model: str | None, options: ChatOptions):
@@ -79,7 +80,8 @@ def load_engine(model: str | None, options: ChatOptions):
     from edge.store import resolve_model
 
     return Engine(resolve_model(model), n_ctx=options.n_ctx, n_batch=options.n_batch,
-                  cache_type_k=options.cache_type_k, cache_type_v=options.cache_type_v)
+                  cache_type_k=options.cache_type_k, cache_type_v=options.cache_type_v,
+                  batch_invariant=options.batch_invariant)
 
 
 # ------------------------------------------------------------------------------------- widgets

@@ -46,7 +46,8 @@ def cmd_bench(args) -> int:
                       n_batch=args.batch_size, n_ctx=args.ctx_size, batch_sizes=args.batched,
                       reps=args.repetitions, threads=numba.get_num_threads(),
                       cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
-                      llama_python=args.llama_python if args.vs_llama_cpp else None)
+                      llama_python=args.llama_python if args.vs_llama_cpp else None,
+                      batch_invariant=args.batch_invariant)
     result = run_bench(cfg)
     if args.json:
         print(json.dumps(result, indent=1))

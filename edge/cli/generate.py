@@ -119,4 +119,5 @@ def cmd_chat(args) -> int:
     return run_chat(ChatOptions(model=args.model, system=args.system, settings=settings, n_ctx=args.ctx_size,
                                 n_batch=args.batch_size, cache_type_k=args.cache_type_k,
                                 cache_type_v=args.cache_type_v, resume=args.resume,
-                                threads=args.threads or physical_cores()))
+                                threads=args.threads or physical_cores(),
+                                batch_invariant=args.batch_invariant))

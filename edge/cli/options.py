@@ -24,7 +24,7 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
-def add_model_args(p: argparse.ArgumentParser, ctx_default: int | None = 4096) -> None:
+def add_model_args(p: argparse.ArgumentParser, ctx_default: int | None = 4096, kernels_flag: bool = True) -> None:
     p.add_argument("-m", "--model", default=None,
                    help="model name (see `edge list`) or path to a .gguf file; default: "
                         "qwen2.5-coder-0.5b-instruct, pulled on first use")
@@ -40,6 +40,12 @@ def add_model_args(p: argparse.ArgumentParser, ctx_default: int | None = 4096) -
                    help="KV cache type for K (default: f16)")
     p.add_argument("-ctv", "--cache-type-v", default="f16", choices=KV_TYPES,
                    help="KV cache type for V (default: f16)")
+    if kernels_flag:
+        p.add_argument("--batch-invariant", action="store_true",
+                       help="one arithmetic per row whatever the batch, as edge serve computes: a prompt's "
+                            "logits do not depend on how it is chunked or batched; prefill of Q5_0 / Q8_0 "
+                            "weights about 2x faster; last bits differ from llama.cpp's (default: llama.cpp's "
+                            "kernel choice per batch size, its bits on this CPU)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -142,7 +148,8 @@ def load_engine(args):
     check_sizes(args)
     path = resolve_with_bars(args.model)
     engine = Engine(path, n_ctx=args.ctx_size, n_batch=args.batch_size,
-                    cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
+                    cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
+                    batch_invariant=args.batch_invariant)
     if args.ctx_size > engine.model.args.n_ctx_train:
         print(f"warning: -c {args.ctx_size} is more than the {engine.model.args.n_ctx_train} tokens "
               f"{engine.name} was trained on; quality drops past that", file=sys.stderr)

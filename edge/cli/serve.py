@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
                                        "POST bodies must be sent as Content-Type: application/json. Web pages "
                                        "of other sites cannot use it (Host and Origin are checked; see "
                                        "--allowed-hosts, --cors-origins).")
-    add_model_args(serve)
+    add_model_args(serve, kernels_flag=False)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8080, help="TCP port (default: 8080)")
     serve.add_argument("--unix-socket", default=None, metavar="PATH",

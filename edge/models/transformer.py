@@ -69,7 +69,7 @@ class Transformer:
         else is being served. Attention and most K-quant matmuls keep llama.cpp's one-row
         arithmetic; Q5_0 / Q8_0 take the GEMV structure and Q6_K the tiled kernel's (faster in
         batches, last bits differ from llama.cpp's VEC_DOT). Default off: llama.cpp's choice
-        of kernel per batch size."""
+        of kernel per batch size (edge.engine.Engine.batch_invariant, --batch-invariant)."""
         for w in self.weights():
             w.batch_invariant = bool(on)
         self.batch_invariant = bool(on)
