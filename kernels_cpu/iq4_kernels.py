@@ -22,9 +22,13 @@ ND_GEMV = 8  # decode GEMV tile rows: their 8 block sums make one float vector (
 
 @njit(cache=True, inline="always")
 def _plain_k(fmt, nr, nd, w, xqs, xd, xbsums, out):
-    """As matmul_kernels._plain_k: the tiled kernel for T >= 8 (ggml_tiled_min_batch), else VEC_DOT."""
+    """As matmul_kernels._plain_k: the tiled kernel for T >= 8 (ggml_tiled_min_batch; with
+    AVX-512 VNNI in 16-row panels when R >= 16, matmul_tiling.many_rows), else VEC_DOT."""
     if xqs.shape[0] >= 8:
-        _blocks(fmt, TILED, nr, True, w, xqs, xd, xbsums, out, NT_WIDE)
+        if HAS_VNNI:
+            many_rows(fmt, TILED, w, xqs, xd, xbsums, out)
+        else:
+            _blocks(fmt, TILED, nr, True, w, xqs, xd, xbsums, out, NT_WIDE)
     else:
         _tiled(fmt, VEC_DOT, nd, w, xqs, xd, xbsums, out)
 

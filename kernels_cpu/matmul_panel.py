@@ -14,7 +14,7 @@ kernels_cpu.matmul_rows in the same order: results are bit-identical to them.
 Paths: GEMV for Q8_0 / Q5_0 / Q4_0 / IQ4_NL / MXFP4 (acc = fma(I, d_w * d_x, acc) per 32-value
 block, I the exact block total from -offset * the block's activation sum, as
 matmul_rows.q0_codes makes the codes unsigned); Q4_K GEMV / GEMM (llama.cpp's repacked q4_K
-gemv / gemm) and TILED; Q5_K and Q6_K TILED (llama.cpp's tiled kernel, K-quants with T >= 8).
+gemv / gemm) and TILED; Q5_K, Q6_K and IQ4_XS TILED (llama.cpp's tiled kernel, T >= 8).
 
 numba's on-disk cache keys matmul's kernels on matmul_kernels.py only: after editing this module,
 clear kernels_cpu/__pycache__/matmul_kernels.*.nbi / .nbc.
@@ -25,11 +25,14 @@ from gguf import GGMLQuantizationType
 from llvmlite import ir
 
 from kernels_cpu.ggml_types import TYPES
-from kernels_cpu.matmul_rows import (Q0_ROWS, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, ROWS, _byte, _halves_to_f32, _i16_pair,
-                                     _load_rows, _q6_k_codes, q0_codes, q0_words)
+from kernels_cpu.iq4_decoders import KVALUES_IQ4NL
+from kernels_cpu.matmul_rows import (IQ4_XS_BYTES, Q0_ROWS, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, ROWS, _byte,
+                                     _halves_to_f32, _i16_pair, _load_rows, _nibble_chunks, _q6_k_codes, q0_codes,
+                                     q0_words)
 from kernels_cpu.simd import (BYTE_PTR, F32, I8, I16, I32, I64, concat, dot_i16, dot_u8_s8, fmuladd, load, prefetch,
                               shuffle, splat, vec)
 
+_IQ4_XS_QS = TYPES[GGMLQuantizationType.IQ4_XS].offset("qs")
 PANEL_ROWS = 16     # weight rows per panel: one per lane of a <16 x i32> (zmm) vector
 PANEL_T = 64        # most activation rows per panel call (the stack accumulators: 4 KB each)
 GROUP = 4           # activation rows sharing each loaded code vector
@@ -243,11 +246,49 @@ def _q6_k_tiled():
     return decode, rows, 1, lambda b, accs: accs[0], 64
 
 
+def _iq4_xs_tiled():
+    """IQ4_XS, the tiled kernel (as matmul_rows._iq4_xs_block): S = sum_j (ls_j - 32) * I_j over
+    the 8 sub-blocks of 32 values (I_j exact: codes table value + 128 from -128 * the sub-block's
+    activation sum), r = float(S) * d_w, acc = fma(r, d_x, acc)."""
+
+    def decode(b, w_rows, blk, scratch):
+        at = b.mul(blk, ir.Constant(I64, IQ4_XS_BYTES))
+        rows = [b.gep(p, [at]) for p in w_rows]
+        head0, sl = _both(b, rows, lambda r8: _load_rows(b, r8, 0, 4)[:2])     # d | scales_h, scales_l[4]
+        sh = b.lshr(head0, _c16(16))
+        scales = [b.sub(b.or_(b.and_(b.lshr(sl, _c16(8 * (j // 2) + 4 * (j % 2))), _c16(0xF)),
+                              b.shl(b.and_(b.lshr(sh, _c16(2 * j)), _c16(3)), _c16(4))), _c16(32)) for j in range(8)]
+        codes = []
+        for j in range(8):
+            qs = _both(b, rows, lambda r8, j=j: _load_rows(b, r8, _IQ4_XS_QS + 16 * j, 4))
+            codes += _nibble_chunks(b, qs, KVALUES_IQ4NL)
+        return _halves_to_f32(b, head0, 0), scales, _stash(b, scratch, codes)
+
+    def rows(b, state, xs, blk, accs, x16):
+        d, scales, slots = state
+        acts = [_KAct(b, x, blk, x16) for x in xs]
+        totals = [None] * len(acts)
+        for j in range(8):
+            starts = []
+            for a in acts:
+                pair = b.sext(shuffle(b, a.bsums, [2 * j, 2 * j + 1]), vec(I32, 2))
+                total = b.add(b.extract_element(pair, ir.Constant(I32, 0)), b.extract_element(pair, ir.Constant(I32, 1)))
+                starts.append(_splat16(b, b.mul(total, ir.Constant(I32, -128))))
+            for t, part in enumerate(_dots(b, acts, slots[8 * j:8 * j + 8], 32 * j, starts)):
+                part = b.mul(part, scales[j])
+                totals[t] = part if totals[t] is None else b.add(totals[t], part)
+        return [[fmuladd(b, b.fmul(b.sitofp(total, V16F32), d), a.d, acc[0])]
+                for total, a, acc in zip(totals, acts, accs)]
+
+    return decode, rows, 1, lambda b, accs: accs[0], 64
+
+
 _Q6_K_OFFSETS = [128 * half + 32 * g for half in range(2) for g in (0, 2, 1, 3)]  # matmul_rows._q6_k_codes' order
 
 PANEL_TYPES = {("gemv", name): _q0_decode(name) for name in Q0_ROWS}
 PANEL_TYPES.update({("gemv", "Q4_K"): _q4_k("gemv"), ("gemm", "Q4_K"): _q4_k("gemm"), ("tiled", "Q4_K"): _q4_k("tiled"),
-                    ("tiled", "Q5_K"): _q4_k("tiled", q5=True), ("tiled", "Q6_K"): _q6_k_tiled()})
+                    ("tiled", "Q5_K"): _q4_k("tiled", q5=True), ("tiled", "Q6_K"): _q6_k_tiled(),
+                    ("tiled", "IQ4_XS"): _iq4_xs_tiled()})
 
 
 def build_panel(module: ir.Module, ggml_type_name: str, kind: str, name: str, x16: bool = False) -> ir.Function:
