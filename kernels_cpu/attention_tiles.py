@@ -212,29 +212,35 @@ def _transposed(typingctx, pool, slots, nblk, row, base, n, out):
 
 
 @intrinsic
-def _by_lane(typingctx, pool, slots, nblk, row, base, n, out):
-    """out[((c % 16) * nblk + c // 16) * n + d] = float32 of element d < n of the row of cell c
-    < 16 nblk (its row pool[slots[c] * row + base: ... + n]; pool uint16 f16 bits, slots int64,
-    out float32; 1-D C arrays; n a multiple of 16): the rows converted once, and ordered so that
-    the cells of one lane (c % 16) follow each other."""
+def _by_lane(typingctx, pool, slots, nblk, row, base, n, chunk, out):
+    """The rows of the cells c < 16 nblk converted to float32 and laid out for _kqv_cells: in
+    chunks of ``chunk`` elements (a multiple of 16 dividing n), chunk by chunk, and in a chunk
+    the cells of one lane (c % 16) after each other: out[((d // chunk) * 16 nblk + (c % 16) *
+    nblk + c // 16) * chunk + d % chunk] = element d < n of the row of cell c (its row
+    pool[slots[c] * row + base: ... + n]; pool uint16 f16 bits, slots int64, out float32; 1-D C
+    arrays)."""
     if not (_flat(pool, slots, out) and pool.dtype == types.uint16):
         return None
-    sig = types.void(pool, slots, nblk, row, base, n, out)
+    sig = types.void(pool, slots, nblk, row, base, n, chunk, out)
 
     def codegen(context, builder, signature, args):
         a = signature.args
-        pp, sp, outp = (_data(context, builder, a[i], args[i]) for i in (0, 1, 6))
-        nblk_, row_, base_, n_ = (_i64(context, builder, a[i], args[i]) for i in (2, 3, 4, 5))
+        pp, sp, outp = (_data(context, builder, a[i], args[i]) for i in (0, 1, 7))
+        nblk_, row_, base_, n_, chunk_ = (_i64(context, builder, a[i], args[i]) for i in (2, 3, 4, 5, 6))
         two, four = ir.Constant(I64, 2), ir.Constant(I64, 4)
-        with cgutils.for_range(builder, builder.mul(nblk_, ir.Constant(I64, 16))) as cell:
+        cells = builder.mul(nblk_, ir.Constant(I64, 16))
+        chunk_bytes = builder.mul(builder.mul(cells, chunk_), four)   # one chunk of every cell
+        with cgutils.for_range(builder, cells) as cell:
             slot = load(builder, sp, builder.mul(cell.index, ir.Constant(I64, 8)), I64)
             src = builder.gep(pp, [builder.mul(builder.add(builder.mul(slot, row_), base_), two)])
             lane = builder.and_(cell.index, ir.Constant(I64, 15))
             at = builder.add(builder.mul(lane, nblk_), builder.ashr(cell.index, ir.Constant(I64, 4)))
-            dst = builder.gep(outp, [builder.mul(builder.mul(at, n_), four)])
+            dst = builder.gep(outp, [builder.mul(builder.mul(at, chunk_), four)])
             with cgutils.for_range_slice(builder, ir.Constant(I64, 0), n_, ir.Constant(I64, 16)) as (d, _):
                 v = builder.fpext(load(builder, src, builder.mul(d, two), vec(ir.HalfType(), 16)), V16)
-                builder.store(v, builder.bitcast(builder.gep(dst, [builder.mul(d, four)]), V16.as_pointer()), align=4)
+                k = builder.sdiv(d, chunk_)
+                o = builder.add(builder.mul(k, chunk_bytes), builder.mul(builder.sub(d, builder.mul(k, chunk_)), four))
+                builder.store(v, builder.bitcast(builder.gep(dst, [o]), V16.as_pointer()), align=4)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -318,15 +324,16 @@ def _lane_mask(b, c, a, e):
 
 
 def _softmax_fn(module):
-    """void(row, a, e, scale): kernels_cpu.attention._softmax_row of the scores row[a:e]
-    (float32 at i8* row), the probabilities stored rounded to f16 (as KQV takes them), for the
-    16-cell blocks from a - a % 16 on (cells outside a..e-1 of those blocks get 0). row must
-    be readable and writable up to the end of the 256-cell group holding cell e - 1, counted
-    from a - a % 16."""
-    fn, b = _function(module, "edge_attn_softmax_f16", [BYTE_PTR, I64, I64, F32])
+    """void(row, a, e, scale, dst, nb): kernels_cpu.attention._softmax_row of the scores row[a:e]
+    (float32 at i8* row; a multiple of 16 cells from cell 0 of the tile), the probabilities
+    rounded to f16 (as KQV takes them) and stored by lane: probability of cell c at dst + (c %
+    16) * nb + c // 16 (float32; nb >= e / 16 + 16). For the 16-cell blocks from a - a % 16 on:
+    cells outside a..e-1 of those blocks get 0. The scores are overwritten; row must be
+    readable up to 256 cells past e."""
+    fn, b = _function(module, "edge_attn_softmax_f16", [BYTE_PTR, I64, I64, F32, BYTE_PTR, I64])
     if b is None:
         return fn
-    row, a, e, scale = fn.args
+    row, a, e, scale, dst, nb = fn.args
     a0 = b.and_(a, ir.Constant(I64, -16))
     n_blk = b.sdiv(b.add(b.sub(e, a0), ir.Constant(I64, 15)), ir.Constant(I64, 16))
     c64 = ir.Constant(I64, 64)
@@ -379,48 +386,56 @@ def _softmax_fn(module):
     with cgutils.for_range_slice(b, b.mul(n_groups, ir.Constant(I64, 16)), n_blk, ir.Constant(I64, 1)) as (blk, _):
         b.store(b.fadd(b.load(total), b.fpext(hsum_f32(b, b.load(at(blk), align=4)), f64)), total)
 
-    # probabilities e * float32(1 / total), rounded to f16
+    # probabilities e * float32(1 / total), rounded to f16, 16 blocks transposed at a time
     inv = splat(b, b.fptrunc(b.fdiv(ir.Constant(f64, 1.0), b.load(total)), F32), 16)
     h16 = vec(ir.HalfType(), 16)
-    with cgutils.for_range(b, n_blk) as loop:
-        p = b.fmul(b.load(at(loop.index), align=4), inv)
-        b.store(b.fpext(b.fptrunc(p, h16), V16), at(loop.index), align=4)
+    lane_bytes = b.mul(nb, ir.Constant(I64, 4))
+    with cgutils.for_range_slice(b, ir.Constant(I64, 0), n_blk, ir.Constant(I64, 16)) as (first, _):
+        ps = [b.fpext(b.fptrunc(b.fmul(b.load(at(b.add(first, ir.Constant(I64, i))), align=4), inv), h16), V16)
+              for i in range(16)]
+        m = b.add(b.ashr(a0, ir.Constant(I64, 4)), first)
+        for lane, v in enumerate(_transpose16(b, ps)):
+            at_lane = b.add(b.mul(ir.Constant(I64, lane), lane_bytes), b.mul(m, ir.Constant(I64, 4)))
+            b.store(v, b.bitcast(b.gep(dst, [at_lane]), V16.as_pointer()), align=4)
     b.ret_void()
     return fn
 
 
 @intrinsic
-def _softmax_f16(typingctx, kq, off, a, e, scale):
-    """_softmax_fn on the row kq[off:] (float32 1-D C), cells a..e-1 of it (scale float32)."""
-    if not (_flat(kq) and kq.dtype == types.float32 and scale == types.float32):
+def _softmax_f16(typingctx, kq, off, a, e, scale, pl, p_off, nb):
+    """_softmax_fn on the row kq[off:] (float32 1-D C), cells a..e-1 of it (scale float32), the
+    probabilities by lane into pl[p_off:] (float32 1-D C, lane rows of nb)."""
+    if not (_flat(kq, pl) and kq.dtype == types.float32 and pl.dtype == types.float32 and scale == types.float32):
         return None
-    sig = types.void(kq, off, a, e, scale)
+    sig = types.void(kq, off, a, e, scale, pl, p_off, nb)
 
     def codegen(context, builder, signature, args):
         s = signature.args
-        row = builder.gep(_data(context, builder, s[0], args[0]),
-                          [builder.mul(_i64(context, builder, s[1], args[1]), ir.Constant(I64, 4))])
+        four = ir.Constant(I64, 4)
+        row = builder.gep(_data(context, builder, s[0], args[0]), [builder.mul(_i64(context, builder, s[1], args[1]), four)])
+        dst = builder.gep(_data(context, builder, s[5], args[5]), [builder.mul(_i64(context, builder, s[6], args[6]), four)])
         builder.call(_softmax_fn(builder.module), [row, _i64(context, builder, s[2], args[2]),
-                                                   _i64(context, builder, s[3], args[3]), args[4]])
+                                                   _i64(context, builder, s[3], args[3]), args[4], dst,
+                                                   _i64(context, builder, s[7], args[7])])
         return context.get_dummy_value()
 
     return sig, codegen
 
 
 def _kqv_group(module, lanes, r, nv):
-    """void(vl, nblk, row_bytes, probs, p_stride, lo, start, end, w, out, out_stride): out[i][0:16 nv]
-    (float32 at out + i * out_stride bytes) = sum over the cells start <= j < end of V[j] *
-    probs[i][j - lo] for r queries i (probabilities float32 rounded to f16 at probs + i *
-    p_stride bytes; lo a multiple of 16), V[j] the 16 nv float32 values at vl + ((c % 16) *
-    nblk + c // 16) * row_bytes, c = j - lo (_by_lane's order): cell j into lane accumulator
+    """void(vl, nblk, row_bytes, probs, p_stride, lane_bytes, lo, start, end, w, out, out_stride):
+    out[i][0:16 nv] (float32 at out + i * out_stride bytes) = sum over the cells start <= j < end
+    of V[j] * p_i[j] for r queries i (probabilities float32 rounded to f16, by lane: p_i[j] at
+    probs + i * p_stride + (j % 16) * lane_bytes + (j - lo) // 16 * 4 bytes; lo a multiple of 16), V[j] the 16 nv float32 values at vl + ((c % 16) *
+    nblk + c // 16) * row_bytes, c = j - lo (a chunk of _by_lane's order): cell j into lane accumulator
     j % lanes, in order, and the lanes added as ggml does. Cells are taken by j % 16 (16 runs);
     for 64 lanes the 4 accumulators of lanes j % 16 + 16 k are kept together and combined
     (a0 + a2) + (a1 + a3) at the end of the run. w: scratch float32[r, 16, 16 nv]."""
     fn, b = _function(module, f"edge_attn_kqv_{lanes}_{r}_{nv}",
-                      [BYTE_PTR, I64, I64, BYTE_PTR, I64, I64, I64, I64, BYTE_PTR, BYTE_PTR, I64])
+                      [BYTE_PTR, I64, I64, BYTE_PTR, I64, I64, I64, I64, I64, BYTE_PTR, BYTE_PTR, I64])
     if b is None:
         return fn
-    vl, nblk, row_bytes, probs, p_stride, lo, start, end, w, out, out_stride = fn.args
+    vl, nblk, row_bytes, probs, p_stride, lane_bytes, lo, start, end, w, out, out_stride = fn.args
     ng = lanes // 16
     zero = ir.Constant(V16, [0.0] * 16)
     c16, c64 = ir.Constant(I64, 16), ir.Constant(I64, 64)
@@ -428,9 +443,9 @@ def _kqv_group(module, lanes, r, nv):
     accs = [[[cgutils.alloca_once(b, V16) for _ in range(ng)] for _ in range(nv)] for _ in range(r)]
 
     def cell(j, g):  # add cell j of this run's lane to the accumulators of lane group g
-        rel = b.sub(j, lo)
-        vp = b.gep(lane_rows, [b.mul(b.ashr(rel, ir.Constant(I64, 4)), row_bytes)])
-        ps = [splat(b, load(b, p, b.mul(rel, ir.Constant(I64, 4)), F32), 16) for p in prow]
+        m = b.ashr(b.sub(j, lo), ir.Constant(I64, 4))
+        vp = b.gep(lane_rows, [b.mul(m, row_bytes)])
+        ps = [splat(b, load(b, p, b.mul(m, ir.Constant(I64, 4)), F32), 16) for p in lane_probs]
         for c in range(nv):
             v = load(b, vp, 64 * c, V16)
             for i in range(r):
@@ -443,6 +458,7 @@ def _kqv_group(module, lanes, r, nv):
     with cgutils.for_range(b, c16) as lane_loop:
         lane = lane_loop.index
         lane_rows = b.gep(vl, [b.mul(b.mul(lane, nblk), row_bytes)])
+        lane_probs = [b.gep(p, [b.mul(lane, lane_bytes)]) for p in prow]
         for x in (x for i in accs for c in i for x in c):
             b.store(zero, x)
         if ng == 1:
@@ -486,28 +502,37 @@ def _kqv_pass(hd_v, lanes):
     return max(1, _KQV_REGS // (nv * lanes // 16)), nv
 
 
+def kqv_chunk(hd_v, lanes):
+    """The chunk of V row elements one pass of _kqv_cells takes (_by_lane's chunk)."""
+    return 16 * _kqv_pass(hd_v, lanes)[1]
+
+
 @intrinsic
-def _kqv_cells(typingctx, vl, nblk, kq, ld, q0, nq, lo, start, end, out, o0, w, hd_v, lanes):
-    """out[o0 + i * hd_v + d] = sum over cells start <= j < end of V[j, d] * kq[(q0 + i) * ld + j - lo]
-    for queries i < nq (probabilities rounded to f16, as _softmax_f16 leaves them), V the
-    float32 rows of the cells lo .. lo + 16 nblk - 1 in _by_lane's order in vl: llama.cpp's lane
+def _kqv_cells(typingctx, vl, nblk, pl, nb, q0, nq, lo, start, end, out, o0, w, hd_v, lanes):
+    """out[o0 + i * hd_v + d] = sum over cells start <= j < end of V[j, d] * p_i[j] for queries
+    i < nq, p_i[j] = pl[(q0 + i) * 16 nb + (j % 16) * nb + (j - lo) // 16] (probabilities rounded
+    to f16 by lane, as _softmax_f16 leaves them), V the
+    float32 rows of the cells lo .. lo + 16 nblk - 1 in _by_lane's order (chunks of
+    kqv_chunk(hd_v, lanes) elements) in vl: llama.cpp's lane
     j % lanes (16: tinyBLAS, 64: ggml_vec_dot_f16) then its lane sum (_kqv_group). hd_v (a
     multiple of 16) and lanes literal; arrays 1-D C float32; w: scratch float32[>= _KQV_REGS *
     256]."""
     if not (isinstance(hd_v, types.IntegerLiteral) and isinstance(lanes, types.IntegerLiteral)
-            and _flat(vl, kq, out, w)):
+            and _flat(vl, pl, out, w)):
         return None
     hd_v_, lanes_ = hd_v.literal_value, lanes.literal_value
     per, nv = _kqv_pass(hd_v_, lanes_)
-    sig = types.void(vl, nblk, kq, ld, q0, nq, lo, start, end, out, o0, w, hd_v, lanes)
+    sig = types.void(vl, nblk, pl, nb, q0, nq, lo, start, end, out, o0, w, hd_v, lanes)
 
     def codegen(context, builder, signature, args):
         s = signature.args
         vp, kqp, outp, wp = (_data(context, builder, s[i], args[i]) for i in (0, 2, 9, 11))
-        nblk_, ld_, q0_, nq_, lo_, start_, end_, o0_ = (_i64(context, builder, s[i], args[i])
+        nblk_, nb_, q0_, nq_, lo_, start_, end_, o0_ = (_i64(context, builder, s[i], args[i])
                                                         for i in (1, 3, 4, 5, 6, 7, 8, 10))
-        p_stride = builder.mul(ld_, ir.Constant(I64, 4))
-        row_bytes = ir.Constant(I64, 4 * hd_v_)
+        lane_bytes = builder.mul(nb_, ir.Constant(I64, 4))
+        p_stride = builder.mul(lane_bytes, ir.Constant(I64, 16))
+        row_bytes = ir.Constant(I64, 64 * nv)      # one chunk of a row
+        chunk_bytes = builder.mul(builder.mul(nblk_, ir.Constant(I64, 16)), row_bytes)
 
         def body(first, count):
             fn = _kqv_group(builder.module, lanes_, count, nv)
@@ -515,8 +540,9 @@ def _kqv_cells(typingctx, vl, nblk, kq, ld, q0, nq, lo, start, end, out, o0, w, 
             o = builder.gep(outp, [builder.mul(builder.add(o0_, builder.mul(first, ir.Constant(I64, hd_v_))),
                                                ir.Constant(I64, 4))])
             for d0 in range(0, hd_v_, 16 * nv):
-                builder.call(fn, [builder.gep(vp, [ir.Constant(I64, 4 * d0)]), nblk_, row_bytes, probs, p_stride, lo_,
-                                  start_, end_, wp, builder.gep(o, [ir.Constant(I64, 4 * d0)]), row_bytes])
+                builder.call(fn, [builder.gep(vp, [builder.mul(chunk_bytes, ir.Constant(I64, d0 // (16 * nv)))]), nblk_,
+                                  row_bytes, probs, p_stride, lane_bytes, lo_, start_, end_, wp,
+                                  builder.gep(o, [ir.Constant(I64, 4 * d0)]), ir.Constant(I64, 4 * hd_v_)])
         _groups(builder, nq_, per, body)
         return context.get_dummy_value()
 
