@@ -30,10 +30,14 @@ K in 16 float32 lanes; q8_0 K times the query quantized to Q8_0, block by block,
 ggml_vec_dot_q8_0_q8_0; q8_0 V dequantized times the probability).
 """
 import math
+from functools import lru_cache
 
 import numpy as np
-from numba import njit, prange
+import numba
+from numba import literally, njit, prange
 
+from kernels_cpu.attention_tiles import (_KQV_REGS, _by_lane, _f16_rounded, _kq_cells, _kqv_cells, _softmax_f16,
+                                        _transposed, kqv_chunk)
 from kernels_cpu.fmath import hsum16, v_expf
 from kernels_cpu.kv_rows import TINY_LANES, VEC_STEP, kq_block, kqv_block, prep_query, store_row
 
@@ -169,9 +173,176 @@ def _attention_par(q, k_pool, v_pool, tables, seq_ids, positions, window, scale,
                         tiny_kq, tiny_kqv)
 
 
+# Tiles (kernels_cpu.attention_tiles): up to TILE_ROWS rows of one sequence share the
+# transposed K and V of the cells they see; their scores and probabilities are made for
+# STEP_QUERIES queries (rows x query heads of a KV head) at a time.
+TILE_ROWS = 32
+STEP_QUERIES = 28
+
+
+@njit(cache=True, nogil=True)
+def _tiles(seq_ids, positions, rows):
+    """(first row, number of rows) int64[n] of the tiles: runs of up to ``rows`` batch rows of one
+    sequence at consecutive positions."""
+    T = positions.shape[0]
+    first = np.empty(T, np.int64)
+    count = np.empty(T, np.int64)
+    n = 0
+    t = 0
+    while t < T:
+        e = t + 1
+        while e < T and e - t < rows and seq_ids[e] == seq_ids[t] and positions[e] == positions[e - 1] + 1:
+            e += 1
+        first[n] = t
+        count[n] = e - t
+        n += 1
+        t = e
+    return first[:n], count[:n]
+
+
+@njit(cache=True, nogil=True)
+def _cell_slots(table, bs, lo, hi, slots):
+    """slots[c] = pool slot (block * bs + offset) of cell lo - lo % 16 + c, for the cells of the
+    16-cell blocks holding lo..hi-1; cells outside lo..hi-1 get the slot of the nearest one
+    (their scores are never used, and never is their V)."""
+    first = lo - lo % 16
+    for c in range(first, lo):
+        slots[c - first] = table[lo // bs] * bs + lo % bs
+    j = lo
+    while j < hi:
+        base = table[j // bs] * bs - (j // bs) * bs
+        end = min(hi, (j // bs + 1) * bs)
+        for c in range(j, end):
+            slots[c - first] = base + c
+        j = end
+    for c in range(hi, (hi + 15) // 16 * 16):
+        slots[c - first] = table[(hi - 1) // bs] * bs + (hi - 1) % bs
+
+
+@njit(cache=True, nogil=True)
+def _attend_tile(q, kflat, vflat, table, bs, H_kv, kh, t0, n, p0, window, scale, softcap, out, hd, hd_v, lanes,
+                 chunk, slots, kt, vl, qf, kq, pl, w):
+    """paged_attention's output for the rows t0..t0+n-1 (one sequence, positions p0..p0+n-1)
+    and the query heads of KV head kh, from f16 pools (kflat, vflat: the pools flattened;
+    table: the sequence's block table), in ``lanes`` (16: tinyBLAS, 64: ggml_vec_dot_f16)
+    (literal, as hd and hd_v); chunk: kqv_chunk(hd_v, lanes). slots, kt, vl, qf, kq, pl, w:
+    scratch (kernels_cpu.attention_tiles)."""
+    hd, hd_v, lanes = literally(hd), literally(hd_v), literally(lanes)
+    H = q.shape[1]
+    G = H // H_kv
+    lo = _visible(p0, window)
+    lo_a = lo - lo % 16
+    nblk = (p0 + n - lo_a + 15) // 16
+    ld = nblk * 16 + 256            # scores of a query (_softmax_f16 reads up to 256 cells past its last)
+    nb = nblk + 16                  # probabilities of a query: 16 lanes of nb
+    _cell_slots(table, bs, lo, p0 + n, slots)
+    _transposed(kflat, slots, nblk, H_kv * hd, kh * hd, hd, kt)
+    _by_lane(vflat, slots, nblk, H_kv * hd_v, kh * hd_v, hd_v, chunk, vl)
+    qflat = q.reshape(-1)
+    oflat = out.reshape(-1)
+    step = max(1, STEP_QUERIES // G)
+    for s0 in range(0, n, step):
+        m = min(step, n - s0)
+        for r in range(m):
+            _f16_rounded(qflat, ((t0 + s0 + r) * H + kh * G) * hd, qf, r * G * hd, G * hd)
+        first = (_visible(p0 + s0, window) - lo_a) // 16
+        _kq_cells(kt, first, (p0 + s0 + m - lo_a + 15) // 16, qf, m * G, kq, ld, hd, lanes)
+        for r in range(m):
+            p = p0 + s0 + r
+            start = _visible(p, window)
+            for g in range(G):
+                o = (r * G + g) * ld
+                if softcap > 0:
+                    inv = np.float32(1.0) / softcap
+                    for j in range(o + start - lo_a, o + p + 1 - lo_a):
+                        kq[j] = np.float32(math.tanh(kq[j] * inv)) * softcap
+                _softmax_f16(kq, o, start - lo_a, p + 1 - lo_a, scale, pl, (r * G + g) * 16 * nb, nb)
+            _kqv_cells(vl, nblk, pl, nb, r * G, G, lo_a, start, p + 1, oflat, ((t0 + s0 + r) * H + kh * G) * hd_v, w,
+                       hd_v, lanes)
+
+
+@njit(cache=True, nogil=True)
+def _shares(cost, n):
+    """Items (their indices) for n workers: (order int64[m], first int64[n + 1]), worker k taking
+    order[first[k]:first[k + 1]]; each item goes, largest first, to the worker with the least
+    cost so far (longest processing time first). cost: float64[m]."""
+    m = cost.shape[0]
+    load = np.zeros(n)
+    worker = np.empty(m, np.int64)
+    for i in np.argsort(-cost):
+        k = np.argmin(load)
+        worker[i] = k
+        load[k] += cost[i]
+    order = np.argsort(worker, kind="mergesort")
+    first = np.zeros(n + 1, np.int64)
+    for i in range(m):
+        first[worker[i] + 1] += 1
+    for k in range(n):
+        first[k + 1] += first[k]
+    return order, first
+
+
+@lru_cache(maxsize=None)
+def _tiled_kernel(hd, hd_v, lanes):
+    """The parallel kernel ``(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, softcap,
+    out, threads)`` of paged_attention for f16 pools by tiles of rows (_tiles) x KV heads, for
+    the head sizes hd, hd_v and ``lanes`` (16: tinyBLAS, 64: ggml_vec_dot_f16) as compile-time
+    constants (numba caches each on disk apart: its key holds the closure's values). The units
+    (tile, KV head) are shared out in advance among ``threads`` workers, a prange iteration
+    each, by their cost (_shares): numba's prange splits its range in contiguous parts, and
+    causal tiles grow with the position."""
+
+    chunk = kqv_chunk(hd_v, lanes)
+
+    def kernel(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, softcap, out, threads):
+        H = q.shape[1]
+        bs, H_kv = k_pool.shape[1], k_pool.shape[2]
+        G = H // H_kv
+        first, count = _tiles(seq_ids, positions, TILE_ROWS)
+        max_cells = 0
+        for i in range(first.shape[0]):
+            p0 = positions[first[i]]
+            lo = _visible(p0, window)
+            max_cells = max(max_cells, p0 + count[i] - (lo - lo % 16))
+        max_cells = (max_cells + 15) // 16 * 16
+        step = max(1, STEP_QUERIES // G)
+        kflat = k_pool.reshape(-1)
+        vflat = v_pool.reshape(-1)
+        # units: tile i x KV head kh; their cost: the cells the tile's rows see
+        n_units = first.shape[0] * H_kv
+        cost = np.empty(n_units)
+        for u in range(n_units):
+            i = u // H_kv
+            cells = 0
+            for t in range(first[i], first[i] + count[i]):
+                cells += positions[t] + 1 - _visible(positions[t], window)
+            cost[u] = cells + 64 * count[i]
+        n_workers = min(n_units, threads)
+        order, share = _shares(cost, n_workers)
+        for k in prange(n_workers):
+            slots = np.empty(max_cells, np.int64)
+            kt = np.empty(max_cells * hd, np.float32)
+            vl = np.empty(max_cells * hd_v, np.float32)
+            qf = np.empty(step * G * hd, np.float32)
+            kq = np.empty(step * G * (max_cells + 256), np.float32)
+            pl = np.empty(step * G * (max_cells + 256), np.float32)
+            w = np.empty(_KQV_REGS * 256, np.float32)
+            for j in range(share[k], share[k + 1]):
+                u = order[j]
+                i = u // H_kv
+                t0 = first[i]
+                _attend_tile(q, kflat, vflat, tables[seq_ids[t0]], bs, H_kv, u % H_kv, t0, count[i], positions[t0],
+                             window, scale, softcap, out, hd, hd_v, lanes, chunk, slots, kt, vl, qf, kq, pl, w)
+
+    kernel.__name__ = kernel.__qualname__ = f"_attention_tiled_{hd}_{hd_v}_{lanes}"
+    return njit(parallel=True, cache=True, nogil=True)(kernel)
+
+
 # Below this many multiply-adds (rows x heads x visible cells x head_dim) attention runs on the
 # calling thread: waking the worker threads costs more (a decode step at a short context).
 PARALLEL_MIN_MACS = 1 << 18
+# From this many rows f16 pools take the tiled path (_attention_tiled).
+TILE_MIN_ROWS = 2
 
 
 def paged_attention(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out, batch_invariant=False,
@@ -204,6 +375,12 @@ def paged_attention(q, k_pool, v_pool, tables, seq_ids, positions, window, scale
     tiny_kq, tiny_kqv = _paths(T, hd, out.shape[2], batch_invariant)
     cells = int(positions.max()) + 1 if window <= 0 else min(int(positions.max()) + 1, window)
     softcap = np.float32(softcap)
+    hd_v = out.shape[2]
+    if (T >= TILE_MIN_ROWS and k_pool.dtype == np.uint16 and v_pool.dtype == np.uint16 and hd % 16 == 0
+            and (tiny_kq or hd % 64 == 0) and hd_v % 16 == 0):
+        _tiled_kernel(hd, hd_v, 16 if tiny_kq else 64)(q, k_pool, v_pool, tables, seq_ids, positions, window, scale,
+                                                       softcap, out, numba.get_num_threads())
+        return
     if T * H * cells * hd >= PARALLEL_MIN_MACS:
         _attention_par(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, softcap, out, tiny_kq, tiny_kqv)
     else:

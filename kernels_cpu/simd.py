@@ -205,6 +205,8 @@ def target_features() -> frozenset:
 # AVX-512 VNNI on 256- and 512-bit vectors (EVEX vpdpbusd / vpdpwssd ymm need avx512vl too,
 # vpmaddubsw zmm avx512bw)
 HAS_VNNI = {"+avx512vnni", "+avx512vl", "+avx512bw"} <= target_features()
+# AVX-512 F: 512-bit float vectors (vscalefps for ggml_v_expf: kernels_cpu.attention_tiles)
+HAS_AVX512 = "+avx512f" in target_features()
 # AVX2 (also on AVX-512 CPUs): vpshufb / vpmaddubsw ymm tiles (kernels_cpu.iq4_avx2, iq23_avx2)
 HAS_AVX2 = "+avx2" in target_features()
 # AVX2 without VNNI: 8-bit products through vpmaddubsw ymm (kernels_cpu.matmul_avx2)
@@ -216,6 +218,11 @@ def _x86_call(b: ir.IRBuilder, name: str, args, ret: ir.Type | None = None):
     if fn is None:
         fn = ir.Function(b.module, ir.FunctionType(ret or args[0].type, [a.type for a in args]), name)
     return b.call(fn, args)
+
+
+def scalef(b: ir.IRBuilder, x, n):
+    """<16 x float> x * 2**floor(n) lane by lane, rounded once (x86 vscalefps, AVX-512 F only)."""
+    return _x86_call(b, "llvm.x86.avx512.mask.scalef.ps.512", [x, n, x, ir.Constant(I16, -1), ir.Constant(I32, 4)])
 
 
 def prefetch(b: ir.IRBuilder, ptr, offset: int):
