@@ -343,7 +343,9 @@ def _random_ids(rng: np.random.Generator, shape, n_vocab: int, bos: int | None) 
 def _process_wall(cfg: BenchConfig, log) -> float | None:
     """Wall seconds of a fresh ``edge run -n 1`` (greedy, raw FIRST_PROMPT); None if it failed."""
     cmd = [sys.executable, "-m", "edge.cli", "run", "-m", str(cfg.model), "-n", "1", "--temp", "0", "--raw",
-           "-t", str(cfg.threads), "-c", str(cfg.n_ctx), "-b", str(cfg.n_batch), FIRST_PROMPT]
+           "-t", str(cfg.threads), "-c", str(cfg.n_ctx), "-b", str(cfg.n_batch),
+           "-ctk", cfg.cache_type_k, "-ctv", cfg.cache_type_v, *(["--batch-invariant"] if cfg.batch_invariant else []),
+           FIRST_PROMPT]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:

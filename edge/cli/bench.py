@@ -78,6 +78,7 @@ def print_result(result: dict, console=None) -> None:
     types = f" ({format_type_counts(result['tensor_types'])})" if result.get("tensor_types") else ""
     t = Table(title=f"edge bench: {escape(result['model'])}, {_size(result['model_bytes'])}{types}, {result['threads']} thread{'s' if result['threads'] != 1 else ''}, "
                     f"n_ctx {result['n_ctx']}, n_batch {result['n_batch']}, KV {result['cache_type_k']}/{result['cache_type_v']}; "
+                    f"{'batch-invariant' if result.get('batch_invariant') else 'llama.cpp kernels'}; "
                     f"tokens/s, median of {result['reps']}")
     engines = ("edge", "llama_cpp") if vs else ("edge",)
     t.add_column("test")

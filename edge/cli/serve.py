@@ -17,8 +17,12 @@ def add_parser(sub) -> None:
                                        "/v1/completions; GET /v1/models, /health, /metrics) on loopback. "
                                        "POST bodies must be sent as Content-Type: application/json. Web pages "
                                        "of other sites cannot use it (Host and Origin are checked; see "
-                                       "--allowed-hosts, --cors-origins).")
+                                       "--allowed-hosts, --cors-origins). The server always computes "
+                                       "batch-invariantly: a request's text does not depend on what else is "
+                                       "being served.")
     add_model_args(serve, kernels_flag=False)
+    serve.add_argument("--batch-invariant", action="store_true",
+                       help="accepted for symmetry with edge run: the server always computes this way")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8080, help="TCP port (default: 8080)")
     serve.add_argument("--unix-socket", default=None, metavar="PATH",
