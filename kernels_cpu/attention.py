@@ -28,6 +28,11 @@ together each read their own slot; their rows choose the kernel lanes as one bat
 f32 and q8_0 pools take the same walk with their own row arithmetic (kernels_cpu.kv_rows: f32
 K in 16 float32 lanes; q8_0 K times the query quantized to Q8_0, block by block, as
 ggml_vec_dot_q8_0_q8_0; q8_0 V dequantized times the probability).
+
+f16 pools (the default cache) take tiles instead of that walk of one (row, head) pair at a
+time: runs of rows of one sequence x one KV head with all its query heads, each K and V row
+converted once for all of them (kernels_cpu.attention_tiles; same results bit for bit, the walk
+being the reference in tests/test_attention_tiles.py).
 """
 import math
 from functools import lru_cache
@@ -176,7 +181,7 @@ def _attention_par(q, k_pool, v_pool, tables, seq_ids, positions, window, scale,
 # Tiles (kernels_cpu.attention_tiles): up to TILE_ROWS rows of one sequence share the
 # transposed K and V of the cells they see; their scores and probabilities are made for
 # STEP_QUERIES queries (rows x query heads of a KV head) at a time.
-TILE_ROWS = 32
+TILE_ROWS = 64
 STEP_QUERIES = 28
 
 
@@ -283,14 +288,15 @@ def _shares(cost, n):
 
 
 @lru_cache(maxsize=None)
-def _tiled_kernel(hd, hd_v, lanes):
+def _tiled_kernel(hd, hd_v, lanes, parallel):
     """The parallel kernel ``(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, softcap,
     out, threads)`` of paged_attention for f16 pools by tiles of rows (_tiles) x KV heads, for
     the head sizes hd, hd_v and ``lanes`` (16: tinyBLAS, 64: ggml_vec_dot_f16) as compile-time
     constants (numba caches each on disk apart: its key holds the closure's values). The units
     (tile, KV head) are shared out in advance among ``threads`` workers, a prange iteration
     each, by their cost (_shares): numba's prange splits its range in contiguous parts, and
-    causal tiles grow with the position."""
+    causal tiles grow with the position. ``parallel`` False: a serial kernel (its prange a
+    plain loop), for work too small to wake the worker threads for."""
 
     chunk = kqv_chunk(hd_v, lanes)
 
@@ -334,15 +340,18 @@ def _tiled_kernel(hd, hd_v, lanes):
                 _attend_tile(q, kflat, vflat, tables[seq_ids[t0]], bs, H_kv, u % H_kv, t0, count[i], positions[t0],
                              window, scale, softcap, out, hd, hd_v, lanes, chunk, slots, kt, vl, qf, kq, pl, w)
 
-    kernel.__name__ = kernel.__qualname__ = f"_attention_tiled_{hd}_{hd_v}_{lanes}"
-    return njit(parallel=True, cache=True, nogil=True)(kernel)
+    kernel.__name__ = kernel.__qualname__ = f"_attention_tiled_{hd}_{hd_v}_{lanes}" + ("" if parallel else "_serial")
+    return njit(parallel=parallel, cache=True, nogil=True)(kernel)
 
 
 # Below this many multiply-adds (rows x heads x visible cells x head_dim) attention runs on the
 # calling thread: waking the worker threads costs more (a decode step at a short context).
 PARALLEL_MIN_MACS = 1 << 18
-# From this many rows f16 pools take the tiled path (_attention_tiled).
-TILE_MIN_ROWS = 2
+# f16 pools take the tiles when a tile would have this many queries (rows of a sequence in the
+# batch x query heads per KV head): the K and V rows it converts serve them all. Fewer (a decode
+# step of a model with 4 query heads per KV head: each row converted for 4 queries, to float32
+# and twice the bytes) are faster in the per-pair walk, which reads the f16 rows as they are.
+TILE_MIN_QUERIES = 6
 
 
 def paged_attention(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out, batch_invariant=False,
@@ -376,12 +385,16 @@ def paged_attention(q, k_pool, v_pool, tables, seq_ids, positions, window, scale
     cells = int(positions.max()) + 1 if window <= 0 else min(int(positions.max()) + 1, window)
     softcap = np.float32(softcap)
     hd_v = out.shape[2]
-    if (T >= TILE_MIN_ROWS and k_pool.dtype == np.uint16 and v_pool.dtype == np.uint16 and hd % 16 == 0
-            and (tiny_kq or hd % 64 == 0) and hd_v % 16 == 0):
-        _tiled_kernel(hd, hd_v, 16 if tiny_kq else 64)(q, k_pool, v_pool, tables, seq_ids, positions, window, scale,
-                                                       softcap, out, numba.get_num_threads())
+    parallel = T * H * cells * hd >= PARALLEL_MIN_MACS
+    rows_per_seq = 1 if T == 1 else T / len(np.unique(seq_ids))
+    if (k_pool.dtype == np.uint16 and v_pool.dtype == np.uint16 and hd % 16 == 0 and (tiny_kq or hd % 64 == 0)
+            and hd_v % 16 == 0 and rows_per_seq * (H // k_pool.shape[2]) >= TILE_MIN_QUERIES
+            and all(a.flags.c_contiguous for a in (q, k_pool, v_pool, out))):
+        kernel = _tiled_kernel(hd, hd_v, 16 if tiny_kq else 64, parallel)
+        kernel(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, softcap, out,
+               numba.get_num_threads() if parallel else 1)
         return
-    if T * H * cells * hd >= PARALLEL_MIN_MACS:
+    if parallel:
         _attention_par(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, softcap, out, tiny_kq, tiny_kqv)
     else:
         _attention_rows(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, softcap, out, 0, 1,
