@@ -267,85 +267,104 @@ def _attend_tile(q, kflat, vflat, table, bs, H_kv, kh, t0, n, p0, window, scale,
 
 
 @njit(cache=True, nogil=True)
-def _shares(cost, n):
-    """Items (their indices) for n workers: (order int64[m], first int64[n + 1]), worker k taking
-    order[first[k]:first[k + 1]]; each item goes, largest first, to the worker with the least
-    cost so far (longest processing time first). cost: float64[m]."""
-    m = cost.shape[0]
-    load = np.zeros(n)
-    worker = np.empty(m, np.int64)
-    for i in np.argsort(-cost):
-        k = np.argmin(load)
-        worker[i] = k
-        load[k] += cost[i]
-    order = np.argsort(worker, kind="mergesort")
-    first = np.zeros(n + 1, np.int64)
-    for i in range(m):
-        first[worker[i] + 1] += 1
-    for k in range(n):
-        first[k + 1] += first[k]
-    return order, first
+def _plan(seq_ids, positions, window, H_kv, threads):
+    """The units of the tiled path, tile x KV head, shared out among up to ``threads`` workers:
+    (first, count) of the tiles (_tiles); (order, share): worker k takes the units
+    order[share[k]:share[k + 1]] (unit u: tile u // H_kv, KV head u % H_kv); max_cells: the
+    most cells (16-cell blocks) a tile sees. Units go, the costliest first, to the worker with
+    the least cost so far (a unit's cost: the cells its rows see): numba's prange splits its
+    range in contiguous parts, and causal tiles grow with the position."""
+    first, count = _tiles(seq_ids, positions, TILE_ROWS)
+    n_units = first.shape[0] * H_kv
+    n_workers = min(n_units, threads)
+    max_cells = 0
+    cost = np.empty(first.shape[0])
+    for i in range(first.shape[0]):
+        p0 = positions[first[i]]
+        lo = _visible(p0, window)
+        max_cells = max(max_cells, p0 + count[i] - (lo - lo % 16))
+        cells = 0
+        for t in range(first[i], first[i] + count[i]):
+            cells += positions[t] + 1 - _visible(positions[t], window)
+        cost[i] = cells + 64 * count[i]
+    # tiles by cost, largest first (insertion sort: few tiles, and mostly in order already)
+    by_cost = np.arange(first.shape[0])
+    for i in range(1, by_cost.shape[0]):
+        x = by_cost[i]
+        j = i
+        while j > 0 and cost[by_cost[j - 1]] < cost[x]:
+            by_cost[j] = by_cost[j - 1]
+            j -= 1
+        by_cost[j] = x
+    load = np.zeros(n_workers)
+    worker = np.empty(n_units, np.int64)
+    for i in by_cost:
+        for kh in range(H_kv):
+            k = 0
+            for w in range(1, n_workers):
+                if load[w] < load[k]:
+                    k = w
+            worker[i * H_kv + kh] = k
+            load[k] += cost[i]
+    share = np.zeros(n_workers + 1, np.int64)
+    for u in range(n_units):
+        share[worker[u] + 1] += 1
+    for k in range(n_workers):
+        share[k + 1] += share[k]
+    order = np.empty(n_units, np.int64)
+    filled = share[:-1].copy()
+    for u in range(n_units):
+        order[filled[worker[u]]] = u
+        filled[worker[u]] += 1
+    return first, count, order, share, (max_cells + 15) // 16 * 16
+
+
+@njit(cache=True, nogil=True)
+def _run_share(q, kflat, vflat, tables, seq_ids, positions, window, scale, softcap, out, H_kv, bs, hd, hd_v, lanes,
+               chunk, first, count, units, max_cells):
+    """_attend_tile for the units ``units`` (of _plan) in turn, with one set of scratch arrays."""
+    hd, hd_v, lanes = literally(hd), literally(hd_v), literally(lanes)
+    G = q.shape[1] // H_kv
+    step = max(1, STEP_QUERIES // G)
+    slots = np.empty(max_cells, np.int64)
+    kt = np.empty(max_cells * hd, np.float32)
+    vl = np.empty(max_cells * hd_v, np.float32)
+    qf = np.empty(step * G * hd, np.float32)
+    kq = np.empty(step * G * (max_cells + 256), np.float32)
+    pl = np.empty(step * G * (max_cells + 256), np.float32)
+    w = np.empty(_KQV_REGS * 256, np.float32)
+    for u in units:
+        i = u // H_kv
+        t0 = first[i]
+        _attend_tile(q, kflat, vflat, tables[seq_ids[t0]], bs, H_kv, u % H_kv, t0, count[i], positions[t0], window,
+                     scale, softcap, out, hd, hd_v, lanes, chunk, slots, kt, vl, qf, kq, pl, w)
 
 
 @lru_cache(maxsize=None)
-def _tiled_kernel(hd, hd_v, lanes, parallel):
-    """The parallel kernel ``(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, softcap,
-    out, threads)`` of paged_attention for f16 pools by tiles of rows (_tiles) x KV heads, for
-    the head sizes hd, hd_v and ``lanes`` (16: tinyBLAS, 64: ggml_vec_dot_f16) as compile-time
-    constants (numba caches each on disk apart: its key holds the closure's values). The units
-    (tile, KV head) are shared out in advance among ``threads`` workers, a prange iteration
-    each, by their cost (_shares): numba's prange splits its range in contiguous parts, and
-    causal tiles grow with the position. ``parallel`` False: a serial kernel (its prange a
-    plain loop), for work too small to wake the worker threads for."""
-
+def _tiled_kernel(hd, hd_v, lanes):
+    """The parallel kernel ``(q, k_pool, v_pool, tables, seq_ids, positions, window, scale,
+    softcap, out, threads)`` of paged_attention for f16 pools by tiles of rows (_tiles) x KV
+    heads, for the head sizes hd, hd_v and ``lanes`` (16: tinyBLAS, 64: ggml_vec_dot_f16) as
+    compile-time constants (numba caches each on disk apart: its key holds the closure's
+    values): the units shared out among ``threads`` workers (_plan), a prange iteration each.
+    (No serial build for small work: a decode step at 32 cells took as long on 2 threads.)"""
     chunk = kqv_chunk(hd_v, lanes)
 
     def kernel(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, softcap, out, threads):
-        H = q.shape[1]
         bs, H_kv = k_pool.shape[1], k_pool.shape[2]
-        G = H // H_kv
-        first, count = _tiles(seq_ids, positions, TILE_ROWS)
-        max_cells = 0
-        for i in range(first.shape[0]):
-            p0 = positions[first[i]]
-            lo = _visible(p0, window)
-            max_cells = max(max_cells, p0 + count[i] - (lo - lo % 16))
-        max_cells = (max_cells + 15) // 16 * 16
-        step = max(1, STEP_QUERIES // G)
+        first, count, order, share, max_cells = _plan(seq_ids, positions, window, H_kv, threads)
         kflat = k_pool.reshape(-1)
         vflat = v_pool.reshape(-1)
-        # units: tile i x KV head kh; their cost: the cells the tile's rows see
-        n_units = first.shape[0] * H_kv
-        cost = np.empty(n_units)
-        for u in range(n_units):
-            i = u // H_kv
-            cells = 0
-            for t in range(first[i], first[i] + count[i]):
-                cells += positions[t] + 1 - _visible(positions[t], window)
-            cost[u] = cells + 64 * count[i]
-        n_workers = min(n_units, threads)
-        order, share = _shares(cost, n_workers)
-        for k in prange(n_workers):
-            slots = np.empty(max_cells, np.int64)
-            kt = np.empty(max_cells * hd, np.float32)
-            vl = np.empty(max_cells * hd_v, np.float32)
-            qf = np.empty(step * G * hd, np.float32)
-            kq = np.empty(step * G * (max_cells + 256), np.float32)
-            pl = np.empty(step * G * (max_cells + 256), np.float32)
-            w = np.empty(_KQV_REGS * 256, np.float32)
-            for j in range(share[k], share[k + 1]):
-                u = order[j]
-                i = u // H_kv
-                t0 = first[i]
-                _attend_tile(q, kflat, vflat, tables[seq_ids[t0]], bs, H_kv, u % H_kv, t0, count[i], positions[t0],
-                             window, scale, softcap, out, hd, hd_v, lanes, chunk, slots, kt, vl, qf, kq, pl, w)
+        for k in prange(share.shape[0] - 1):
+            _run_share(q, kflat, vflat, tables, seq_ids, positions, window, scale, softcap, out, H_kv, bs, hd, hd_v,
+                       lanes, chunk, first, count, order[share[k]:share[k + 1]], max_cells)
 
-    kernel.__name__ = kernel.__qualname__ = f"_attention_tiled_{hd}_{hd_v}_{lanes}" + ("" if parallel else "_serial")
-    return njit(parallel=parallel, cache=True, nogil=True)(kernel)
+    kernel.__name__ = kernel.__qualname__ = f"_attention_tiled_{hd}_{hd_v}_{lanes}"
+    return njit(parallel=True, cache=True, nogil=True)(kernel)
 
 
-# Below this many multiply-adds (rows x heads x visible cells x head_dim) attention runs on the
-# calling thread: waking the worker threads costs more (a decode step at a short context).
+# Below this many multiply-adds (rows x heads x visible cells x head_dim) the per-pair walk runs
+# on the calling thread: waking the worker threads costs more (a decode step at a short context).
 PARALLEL_MIN_MACS = 1 << 18
 # f16 pools take the tiles when a tile would have this many queries (rows of a sequence in the
 # batch x query heads per KV head): the K and V rows it converts serve them all. Fewer (a decode
@@ -385,16 +404,14 @@ def paged_attention(q, k_pool, v_pool, tables, seq_ids, positions, window, scale
     cells = int(positions.max()) + 1 if window <= 0 else min(int(positions.max()) + 1, window)
     softcap = np.float32(softcap)
     hd_v = out.shape[2]
-    parallel = T * H * cells * hd >= PARALLEL_MIN_MACS
     rows_per_seq = 1 if T == 1 else T / len(np.unique(seq_ids))
     if (k_pool.dtype == np.uint16 and v_pool.dtype == np.uint16 and hd % 16 == 0 and (tiny_kq or hd % 64 == 0)
             and hd_v % 16 == 0 and rows_per_seq * (H // k_pool.shape[2]) >= TILE_MIN_QUERIES
             and all(a.flags.c_contiguous for a in (q, k_pool, v_pool, out))):
-        kernel = _tiled_kernel(hd, hd_v, 16 if tiny_kq else 64, parallel)
-        kernel(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, softcap, out,
-               numba.get_num_threads() if parallel else 1)
+        _tiled_kernel(hd, hd_v, 16 if tiny_kq else 64)(q, k_pool, v_pool, tables, seq_ids, positions, window, scale,
+                                                       softcap, out, numba.get_num_threads())
         return
-    if parallel:
+    if T * H * cells * hd >= PARALLEL_MIN_MACS:
         _attention_par(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, softcap, out, tiny_kq, tiny_kqv)
     else:
         _attention_rows(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, softcap, out, 0, 1,
