@@ -28,6 +28,11 @@ together each read their own slot; their rows choose the kernel lanes as one bat
 f32 and q8_0 pools take the same walk with their own row arithmetic (kernels_cpu.kv_rows: f32
 K in 16 float32 lanes; q8_0 K times the query quantized to Q8_0, block by block, as
 ggml_vec_dot_q8_0_q8_0; q8_0 V dequantized times the probability).
+
+f16 pools (the default cache) take tiles instead of that walk of one (row, head) pair at a
+time: runs of rows of one sequence x one KV head with all its query heads, each K and V row
+converted once for all of them (kernels_cpu.attention_tiles; same results bit for bit, the walk
+being the reference in tests/test_attention_tiles.py).
 """
 import math
 from functools import lru_cache
@@ -176,7 +181,7 @@ def _attention_par(q, k_pool, v_pool, tables, seq_ids, positions, window, scale,
 # Tiles (kernels_cpu.attention_tiles): up to TILE_ROWS rows of one sequence share the
 # transposed K and V of the cells they see; their scores and probabilities are made for
 # STEP_QUERIES queries (rows x query heads of a KV head) at a time.
-TILE_ROWS = 32
+TILE_ROWS = 64
 STEP_QUERIES = 28
 
 
@@ -262,87 +267,110 @@ def _attend_tile(q, kflat, vflat, table, bs, H_kv, kh, t0, n, p0, window, scale,
 
 
 @njit(cache=True, nogil=True)
-def _shares(cost, n):
-    """Items (their indices) for n workers: (order int64[m], first int64[n + 1]), worker k taking
-    order[first[k]:first[k + 1]]; each item goes, largest first, to the worker with the least
-    cost so far (longest processing time first). cost: float64[m]."""
-    m = cost.shape[0]
-    load = np.zeros(n)
-    worker = np.empty(m, np.int64)
-    for i in np.argsort(-cost):
-        k = np.argmin(load)
-        worker[i] = k
-        load[k] += cost[i]
-    order = np.argsort(worker, kind="mergesort")
-    first = np.zeros(n + 1, np.int64)
-    for i in range(m):
-        first[worker[i] + 1] += 1
-    for k in range(n):
-        first[k + 1] += first[k]
-    return order, first
+def _plan(seq_ids, positions, window, H_kv, threads):
+    """The units of the tiled path, tile x KV head, shared out among up to ``threads`` workers:
+    (first, count) of the tiles (_tiles); (order, share): worker k takes the units
+    order[share[k]:share[k + 1]] (unit u: tile u // H_kv, KV head u % H_kv); max_cells: the
+    most cells (16-cell blocks) a tile sees. Units go, the costliest first, to the worker with
+    the least cost so far (a unit's cost: the cells its rows see): numba's prange splits its
+    range in contiguous parts, and causal tiles grow with the position."""
+    first, count = _tiles(seq_ids, positions, TILE_ROWS)
+    n_units = first.shape[0] * H_kv
+    n_workers = min(n_units, threads)
+    max_cells = 0
+    cost = np.empty(first.shape[0])
+    for i in range(first.shape[0]):
+        p0 = positions[first[i]]
+        lo = _visible(p0, window)
+        max_cells = max(max_cells, p0 + count[i] - (lo - lo % 16))
+        cells = 0
+        for t in range(first[i], first[i] + count[i]):
+            cells += positions[t] + 1 - _visible(positions[t], window)
+        cost[i] = cells + 64 * count[i]
+    # tiles by cost, largest first (insertion sort: few tiles, and mostly in order already)
+    by_cost = np.arange(first.shape[0])
+    for i in range(1, by_cost.shape[0]):
+        x = by_cost[i]
+        j = i
+        while j > 0 and cost[by_cost[j - 1]] < cost[x]:
+            by_cost[j] = by_cost[j - 1]
+            j -= 1
+        by_cost[j] = x
+    load = np.zeros(n_workers)
+    worker = np.empty(n_units, np.int64)
+    for i in by_cost:
+        for kh in range(H_kv):
+            k = 0
+            for w in range(1, n_workers):
+                if load[w] < load[k]:
+                    k = w
+            worker[i * H_kv + kh] = k
+            load[k] += cost[i]
+    share = np.zeros(n_workers + 1, np.int64)
+    for u in range(n_units):
+        share[worker[u] + 1] += 1
+    for k in range(n_workers):
+        share[k + 1] += share[k]
+    order = np.empty(n_units, np.int64)
+    filled = share[:-1].copy()
+    for u in range(n_units):
+        order[filled[worker[u]]] = u
+        filled[worker[u]] += 1
+    return first, count, order, share, (max_cells + 15) // 16 * 16
+
+
+@njit(cache=True, nogil=True)
+def _run_share(q, kflat, vflat, tables, seq_ids, positions, window, scale, softcap, out, H_kv, bs, hd, hd_v, lanes,
+               chunk, first, count, units, max_cells):
+    """_attend_tile for the units ``units`` (of _plan) in turn, with one set of scratch arrays."""
+    hd, hd_v, lanes = literally(hd), literally(hd_v), literally(lanes)
+    G = q.shape[1] // H_kv
+    step = max(1, STEP_QUERIES // G)
+    slots = np.empty(max_cells, np.int64)
+    kt = np.empty(max_cells * hd, np.float32)
+    vl = np.empty(max_cells * hd_v, np.float32)
+    qf = np.empty(step * G * hd, np.float32)
+    kq = np.empty(step * G * (max_cells + 256), np.float32)
+    pl = np.empty(step * G * (max_cells + 256), np.float32)
+    w = np.empty(_KQV_REGS * 256, np.float32)
+    for u in units:
+        i = u // H_kv
+        t0 = first[i]
+        _attend_tile(q, kflat, vflat, tables[seq_ids[t0]], bs, H_kv, u % H_kv, t0, count[i], positions[t0], window,
+                     scale, softcap, out, hd, hd_v, lanes, chunk, slots, kt, vl, qf, kq, pl, w)
 
 
 @lru_cache(maxsize=None)
 def _tiled_kernel(hd, hd_v, lanes):
-    """The parallel kernel ``(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, softcap,
-    out, threads)`` of paged_attention for f16 pools by tiles of rows (_tiles) x KV heads, for
-    the head sizes hd, hd_v and ``lanes`` (16: tinyBLAS, 64: ggml_vec_dot_f16) as compile-time
-    constants (numba caches each on disk apart: its key holds the closure's values). The units
-    (tile, KV head) are shared out in advance among ``threads`` workers, a prange iteration
-    each, by their cost (_shares): numba's prange splits its range in contiguous parts, and
-    causal tiles grow with the position."""
-
+    """The parallel kernel ``(q, k_pool, v_pool, tables, seq_ids, positions, window, scale,
+    softcap, out, threads)`` of paged_attention for f16 pools by tiles of rows (_tiles) x KV
+    heads, for the head sizes hd, hd_v and ``lanes`` (16: tinyBLAS, 64: ggml_vec_dot_f16) as
+    compile-time constants (numba caches each on disk apart: its key holds the closure's
+    values): the units shared out among ``threads`` workers (_plan), a prange iteration each.
+    (No serial build for small work: a decode step at 32 cells took as long on 2 threads.)"""
     chunk = kqv_chunk(hd_v, lanes)
 
     def kernel(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, softcap, out, threads):
-        H = q.shape[1]
         bs, H_kv = k_pool.shape[1], k_pool.shape[2]
-        G = H // H_kv
-        first, count = _tiles(seq_ids, positions, TILE_ROWS)
-        max_cells = 0
-        for i in range(first.shape[0]):
-            p0 = positions[first[i]]
-            lo = _visible(p0, window)
-            max_cells = max(max_cells, p0 + count[i] - (lo - lo % 16))
-        max_cells = (max_cells + 15) // 16 * 16
-        step = max(1, STEP_QUERIES // G)
+        first, count, order, share, max_cells = _plan(seq_ids, positions, window, H_kv, threads)
         kflat = k_pool.reshape(-1)
         vflat = v_pool.reshape(-1)
-        # units: tile i x KV head kh; their cost: the cells the tile's rows see
-        n_units = first.shape[0] * H_kv
-        cost = np.empty(n_units)
-        for u in range(n_units):
-            i = u // H_kv
-            cells = 0
-            for t in range(first[i], first[i] + count[i]):
-                cells += positions[t] + 1 - _visible(positions[t], window)
-            cost[u] = cells + 64 * count[i]
-        n_workers = min(n_units, threads)
-        order, share = _shares(cost, n_workers)
-        for k in prange(n_workers):
-            slots = np.empty(max_cells, np.int64)
-            kt = np.empty(max_cells * hd, np.float32)
-            vl = np.empty(max_cells * hd_v, np.float32)
-            qf = np.empty(step * G * hd, np.float32)
-            kq = np.empty(step * G * (max_cells + 256), np.float32)
-            pl = np.empty(step * G * (max_cells + 256), np.float32)
-            w = np.empty(_KQV_REGS * 256, np.float32)
-            for j in range(share[k], share[k + 1]):
-                u = order[j]
-                i = u // H_kv
-                t0 = first[i]
-                _attend_tile(q, kflat, vflat, tables[seq_ids[t0]], bs, H_kv, u % H_kv, t0, count[i], positions[t0],
-                             window, scale, softcap, out, hd, hd_v, lanes, chunk, slots, kt, vl, qf, kq, pl, w)
+        for k in prange(share.shape[0] - 1):
+            _run_share(q, kflat, vflat, tables, seq_ids, positions, window, scale, softcap, out, H_kv, bs, hd, hd_v,
+                       lanes, chunk, first, count, order[share[k]:share[k + 1]], max_cells)
 
     kernel.__name__ = kernel.__qualname__ = f"_attention_tiled_{hd}_{hd_v}_{lanes}"
     return njit(parallel=True, cache=True, nogil=True)(kernel)
 
 
-# Below this many multiply-adds (rows x heads x visible cells x head_dim) attention runs on the
-# calling thread: waking the worker threads costs more (a decode step at a short context).
+# Below this many multiply-adds (rows x heads x visible cells x head_dim) the per-pair walk runs
+# on the calling thread: waking the worker threads costs more (a decode step at a short context).
 PARALLEL_MIN_MACS = 1 << 18
-# From this many rows f16 pools take the tiled path (_attention_tiled).
-TILE_MIN_ROWS = 2
+# f16 pools take the tiles when a tile would have this many queries (rows of a sequence in the
+# batch x query heads per KV head): the K and V rows it converts serve them all. Fewer (a decode
+# step of a model with 4 query heads per KV head: each row converted for 4 queries, to float32
+# and twice the bytes) are faster in the per-pair walk, which reads the f16 rows as they are.
+TILE_MIN_QUERIES = 6
 
 
 def paged_attention(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, out, batch_invariant=False,
@@ -376,8 +404,10 @@ def paged_attention(q, k_pool, v_pool, tables, seq_ids, positions, window, scale
     cells = int(positions.max()) + 1 if window <= 0 else min(int(positions.max()) + 1, window)
     softcap = np.float32(softcap)
     hd_v = out.shape[2]
-    if (T >= TILE_MIN_ROWS and k_pool.dtype == np.uint16 and v_pool.dtype == np.uint16 and hd % 16 == 0
-            and (tiny_kq or hd % 64 == 0) and hd_v % 16 == 0):
+    rows_per_seq = 1 if T == 1 else T / len(np.unique(seq_ids))
+    if (k_pool.dtype == np.uint16 and v_pool.dtype == np.uint16 and hd % 16 == 0 and (tiny_kq or hd % 64 == 0)
+            and hd_v % 16 == 0 and rows_per_seq * (H // k_pool.shape[2]) >= TILE_MIN_QUERIES
+            and all(a.flags.c_contiguous for a in (q, k_pool, v_pool, out))):
         _tiled_kernel(hd, hd_v, 16 if tiny_kq else 64)(q, k_pool, v_pool, tables, seq_ids, positions, window, scale,
                                                        softcap, out, numba.get_num_threads())
         return

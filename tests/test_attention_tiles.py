@@ -94,18 +94,28 @@ CASES = [
 ]
 
 
+@pytest.fixture
+def tiles_used(monkeypatch):
+    """A list that gets an entry each time paged_attention takes the tiled path."""
+    used = []
+    kernel = attention._tiled_kernel
+    monkeypatch.setattr(attention, "_tiled_kernel", lambda *args: used.append(args) or kernel(*args))
+    return used
+
+
 @pytest.mark.parametrize("batch_invariant", [False, True])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "T{}-H{}-{}-hd{}-{}-c{}-w{}-cap{}-s{}{}-bs{}".format(
     *c[:9], "i" if c[9] else "", c[10]))
-def test_tiled_equals_pairs(case, batch_invariant):
+def test_tiled_equals_pairs(case, batch_invariant, tiles_used):
     T, H, H_kv, hd, hd_v, context, window, softcap, n_seq, interleave, bs = case
     rng = np.random.default_rng(sum(case[:6]))
     data = _case(rng, "f16", T, H, H_kv, hd, hd_v, context, n_seq, interleave, bs, window)
     _compare(*data, window, np.float32(1 / np.sqrt(hd)), softcap, batch_invariant, hd_v)
+    assert tiles_used
 
 
 @pytest.mark.parametrize("batch_invariant", [False, True])
-def test_zeros_and_large_scores(batch_invariant):
+def test_zeros_and_large_scores(batch_invariant, tiles_used):
     """Scores of +-0 (every product of a dot product +-0: the tiled KQ may give -0 where the
     walk gives +0, which the softmax cannot tell apart) and scores far apart (probabilities
     that underflow to 0, f16 subnormal probabilities)."""
@@ -113,6 +123,15 @@ def test_zeros_and_large_scores(batch_invariant):
     for zeros, spread in ((True, 1.0), (False, 6.0), (True, 8.0)):
         data = _case(rng, "f16", 64, 8, 2, 64, 64, 150, 1, False, 16, 0, spread, zeros)
         _compare(*data, 0, np.float32(0.125), 0.0, batch_invariant, 64)
+    assert len(tiles_used) == 3
+
+
+def test_few_queries_take_the_walk(tiles_used):
+    """A decode step of a model with 4 query heads per KV head: the walk (TILE_MIN_QUERIES)."""
+    rng = np.random.default_rng(4)
+    data = _case(rng, "f16", 1, 4, 1, 256, 256, 300, 3, True)
+    _compare(*data, 0, np.float32(0.0625), 0.0, True, 256)
+    assert not tiles_used
 
 
 @pytest.mark.parametrize("kind", ["f32", "q8_0"])
@@ -124,7 +143,7 @@ def test_other_pools_take_the_walk(kind, batch_invariant):
     _compare(*data, 33, np.float32(0.125), 0.0, batch_invariant, 64)
 
 
-def test_inf_in_a_later_rows_v():
+def test_inf_in_a_later_rows_v(tiles_used):
     """A V row of inf (an f16 overflow) seen only by later rows of a tile: the earlier rows stay
     finite, as in the walk (each row adds only the cells it sees)."""
     rng = np.random.default_rng(9)
@@ -132,6 +151,7 @@ def test_inf_in_a_later_rows_v():
     p = 45                                      # a position in the batch (rows at 20..59)
     v_pool[tables[0, p // 16], p % 16] = 0x7C00  # +inf
     _compare(q, k_pool, v_pool, tables, seq_ids, positions, 0, np.float32(0.125), 0.0, False, 64, finite=False)
+    assert tiles_used
 
 
 @intrinsic
