@@ -26,7 +26,7 @@ from llvmlite import ir
 
 from kernels_cpu.ggml_types import TYPES
 from kernels_cpu.iq4_decoders import KVALUES_IQ4NL
-from kernels_cpu.matmul_rows import (IQ4_XS_BYTES, Q0_ROWS, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, ROWS, _byte,
+from kernels_cpu.matmul_rows import (IQ4_XS_BYTES, _Act, Q0_ROWS, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, ROWS, _byte,
                                      _halves_to_f32, _i16_pair, _load_rows, _nibble_chunks, _q6_k_codes, q0_codes,
                                      q0_words)
 from kernels_cpu.simd import (BYTE_PTR, F32, I8, I16, I32, I64, concat, dot_i16, dot_u8_s8, fmuladd, load, prefetch,
@@ -120,13 +120,8 @@ class _KAct:
         self.bsums = load(b, xa, b.mul(blk, ir.Constant(I64, 32)), vec(I16, 16))
 
     def bsum_pair(self, k: int, step: int = 1):
-        """As matmul_rows._Act.bsum_pair, in 16 lanes."""
-        b = self.b
-        if step == 1:
-            pair = shuffle(b, self.bsums, [k, k + 1])
-        else:
-            pair = b.add(shuffle(b, self.bsums, [k, k + 2]), shuffle(b, self.bsums, [k + 1, k + 3]))
-        return b.bitcast(_splat16(b, b.bitcast(pair, I32)), V32I16)
+        """matmul_rows._Act.bsum_pair in 16 lanes, as <32 x i16> for dot_i16."""
+        return self.b.bitcast(_Act.bsum_pair(self, k, step, PANEL_ROWS), V32I16)
 
 
 def _dots(b, acts: list, slots, offset: int, starts=None) -> list:

@@ -107,16 +107,16 @@ class _Act:
             word = load(b, self.xq, at, I32)
         return splat(b, word, ROWS)
 
-    def bsum_pair(self, k: int, step: int = 1):
-        """<8 x i32> holding the i16 pair (bsum of group k, of group k + step) in every lane, where
-        a group is 16 values (step 1) or with ``step`` 2 sums of two groups (32 values)."""
+    def bsum_pair(self, k: int, step: int = 1, lanes: int = ROWS):
+        """<lanes x i32> holding the i16 pair (bsum of group k, of group k + step) in every lane,
+        where a group is 16 values (step 1) or with ``step`` 2 sums of two groups (32 values)."""
         b = self.b
         if step == 1:
             pair = shuffle(self.b, self.bsums, [k, k + 1])
         else:  # 32-value sums of sub-blocks k // 2 and k // 2 + 1 (groups k .. k + 3)
             lo, hi = shuffle(b, self.bsums, [k, k + 2]), shuffle(b, self.bsums, [k + 1, k + 3])
             pair = b.add(lo, hi)
-        return splat(b, b.bitcast(pair, I32), ROWS)
+        return splat(b, b.bitcast(pair, I32), lanes)
 
 
 def _dot_chunks(b, codes: list, act: _Act, offset: int, acc=None):
