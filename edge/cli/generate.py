@@ -111,7 +111,7 @@ def cmd_chat(args) -> int:
         resolve_with_bars(args.model)
     set_threads(args.threads)
     if not kernels_compiled():
-        print("note: first run: compiling edge's kernels for this CPU (about half a minute, once)",
+        print("note: first run: compiling edge's kernels for this CPU (about a minute on 2 cores, once)",
               file=sys.stderr, flush=True)
     # the terminal app lives outside edge/ (edge never imports textual); loaded for this command only
     from tui.app import ChatOptions, run_chat

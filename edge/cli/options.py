@@ -96,7 +96,7 @@ def set_threads(n: int | None) -> None:
 
 def kernels_compiled() -> bool:
     """True when numba's on-disk cache already holds edge's kernels (a kernel every forward
-    pass runs has its cache index), so this run will not spend half a minute compiling."""
+    pass runs has its cache index), so this run will not spend a minute compiling."""
     from kernels_cpu import ops
 
     try:
@@ -154,7 +154,7 @@ def load_engine(args):
         print(f"warning: -c {args.ctx_size} is more than the {engine.model.args.n_ctx_train} tokens "
               f"{engine.name} was trained on; quality drops past that", file=sys.stderr)
     if not kernels_compiled():
-        print("note: first run: compiling edge's kernels for this CPU (about half a minute, once; "
+        print("note: first run: compiling edge's kernels for this CPU (about a minute on 2 cores, once; "
               "later runs load them from numba's cache)", file=sys.stderr, flush=True)
     else:
         missing = uncompiled_weight_types(engine.model)
