@@ -74,11 +74,22 @@ def llama_cpp_tools() -> Path:
     return _need_oracle("llama-quantize", "llama-imatrix", "llama-perplexity").parent
 
 
+# Files whose tests share the session's GemmaQuantLab: under pytest-xdist they run in one worker,
+# so its quantizations, importance matrix and KLD base are made once.
+QUANT_LAB_FIXTURES = ("gemma_f16_path", "gemma_quant_lab")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests that use the oracle carry the ``oracle`` marker (``-m oracle`` runs just them)."""
+    """Tests that use the oracle carry the ``oracle`` marker (``-m oracle`` runs just them).
+    Every test gets an ``xdist_group``: its file's name, or "gemma-quant" for the files that use
+    the quantization fixtures, so ``-n N --dist loadgroup`` keeps each file's module fixtures (a
+    loaded model, compiled kernels) in one worker."""
+    lab_files = {item.path for item in items
+                 if any(f in getattr(item, "fixturenames", ()) for f in QUANT_LAB_FIXTURES)}
     for item in items:
         if any(f in getattr(item, "fixturenames", ()) for f in ORACLE_FIXTURES):
             item.add_marker(pytest.mark.oracle)
+        item.add_marker(pytest.mark.xdist_group("gemma-quant" if item.path in lab_files else item.path.stem))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
