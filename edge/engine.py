@@ -48,6 +48,8 @@ class GenerationStats:
     prompt_seconds: float = 0.0  # prefill time
     decode_seconds: float = 0.0  # from the first token to the last
     finish_reason: str | None = None  # "stop" (end of generation) or "length"
+    n_drafted: int = 0           # speculative decoding: drafted tokens verified
+    n_accepted: int = 0          # and those kept
 
     @property
     def prompt_tps(self) -> float:
@@ -112,6 +114,30 @@ class Engine:
         self._kv: PagedKVCache | None = None
         self._fingerprint: str | None = None
         self.threads = AdaptiveThreads.from_env()
+        self.speculator = None   # edge.speculative.Speculator: set_speculative
+
+    def set_speculative(self, params, draft_engine=None) -> None:
+        """Speculative decoding (edge.speculative) for the generations of :meth:`generate` and
+        :meth:`loop`: ``params`` an edge.speculative.SpecParams (spec_type "none" turns it
+        off), ``draft_engine`` the draft model's Engine for "draft". Speculation verifies drafts
+        in steps of many rows, so the model runs batch-invariant from here on (the tokens are
+        then those of batch-invariant decoding without speculation).
+
+        Raises:
+            edge.speculative.SpeculativeError: "draft" without a draft model or with one whose
+                vocabulary differs.
+        """
+        from edge.speculative import make_speculator
+
+        if self.speculator is not None:
+            self.speculator.close()
+        self.speculator = make_speculator(params, self, draft_engine)
+        if self.speculator is not None:
+            self.batch_invariant = True
+            self.model.set_batch_invariant(True)
+            if draft_engine is not None:
+                draft_engine.batch_invariant = True
+                draft_engine.model.set_batch_invariant(True)
 
     @property
     def kv(self) -> PagedKVCache:
@@ -134,7 +160,7 @@ class Engine:
         """The generation loop (edge.generate) over the model and ``cache`` (default: the
         engine's KV cache), with the engine's n_batch and thread policy."""
         return GenerationLoop(self.model, self.kv if cache is None else cache, self.tokenizer,
-                              self.n_batch, self.threads)
+                              self.n_batch, self.threads, self.speculator if cache is None else None)
 
     def clear_kv_cache(self) -> None:
         """Forget every cached prefix (the next generation computes its whole prompt, as a cold
@@ -224,7 +250,8 @@ class Engine:
         seq = loop.new(prompt_ids, params, Limits(max_tokens), processors)
         stats.n_prompt = len(prompt_ids)
         t0 = time.perf_counter()
-        seq.slot, seq.logits = self._start(prompt_ids, stats, session, save=session_save == "prompt", stop=stop)
+        seq.slot, seq.logits = self._start(prompt_ids, stats, session, save=session_save == "prompt", stop=stop,
+                                           lookahead=seq.lookahead)
         try:
             stats.prompt_seconds = time.perf_counter() - t0
             t_first = None
@@ -243,6 +270,8 @@ class Engine:
                 if out.finish_reason is not None:
                     stats.finish_reason = out.finish_reason
                     stats.context_full = seq.context_full
+                if seq.spec is not None:
+                    stats.n_drafted, stats.n_accepted = seq.spec.drafted, seq.spec.accepted
         finally:
             try:
                 if session is not None and session_save == "end":
@@ -251,7 +280,7 @@ class Engine:
                 loop.free(seq)
 
     def _start(self, prompt_ids: list[int], stats: GenerationStats, session, save: bool = True,
-               stop=None) -> tuple[int, np.ndarray]:
+               stop=None, lookahead: int = 0) -> tuple[int, np.ndarray]:
         """A new sequence holding the prompt, and the logits after it: from the session file
         where it matches, then from the prefix cache, the rest computed; with ``save``, the
         prompt's state written to the session file."""
@@ -271,9 +300,9 @@ class Engine:
                 if keep_file:
                     session = None
         if saved is None:
-            slot, stats.n_cached = kv.new_sequence(prompt_ids)
+            slot, stats.n_cached = kv.new_sequence(prompt_ids, lookahead=lookahead)
         else:
-            slot = kv.import_sequence(saved.tokens, saved.ks, saved.vs)
+            slot = kv.import_sequence(saved.tokens, saved.ks, saved.vs, lookahead=lookahead)
             stats.n_restored = len(saved.tokens)
         try:
             rest = prompt_ids[int(kv.pos[slot]) :]

@@ -133,6 +133,9 @@ class Sequence:
     logits: np.ndarray | None = None  # the logits after the last computed token, when known
     finish_reason: str | None = None  # "stop" or "length" once finished
     context_full: bool = False        # finished at n_ctx
+    spec: object = None               # edge.speculative.SpecState when the sequence speculates
+    spec_sampler: Sampler | None = None   # a draft model's sampler (its own random stream)
+    draft: object = None              # edge.speculative.Draft to verify in the next step
 
     @property
     def n_generated(self) -> int:
@@ -172,10 +175,11 @@ class GenerationLoop:
         threads: the caller's edge.threads.AdaptiveThreads, or None.
     """
 
-    def __init__(self, model, kv, tokenizer=None, n_batch: int = 512, threads=None):
+    def __init__(self, model, kv, tokenizer=None, n_batch: int = 512, threads=None, speculator=None):
         self.model, self.kv, self.tokenizer = model, kv, tokenizer
         self.n_batch = n_batch
         self.threads = threads
+        self.speculator = speculator
         self._paged = isinstance(kv, PagedKVCache)
 
     # ---- sequences -----------------------------------------------------------------------
@@ -192,12 +196,19 @@ class GenerationLoop:
             processors: the sampler's mask stage (edge.sampling.LogitsProcessor).
             logprobs: None, or how many top alternatives :meth:`sample` reports with each token.
             text: keep a text stream (released text in Sampled) even without stop strings.
-            lookahead: positions the sequence may take back (PagedKVCache.truncate).
+            lookahead: positions the sequence may take back (PagedKVCache.truncate); with a
+                speculator, at least its draft_max + 1.
         """
         prompt = [int(t) for t in prompt_ids]
         stream = TextStream(self.tokenizer, limits.stop) if text or limits.stop else None
-        return Sequence(prompt, list(prompt), Sampler(params or SamplingParams(), processors), limits,
-                        stream, logprobs, lookahead)
+        spec = self.speculator
+        if spec is not None:
+            lookahead = max(lookahead, spec.params.draft_max + 1)
+        seq = Sequence(prompt, list(prompt), Sampler(params or SamplingParams(), processors), limits,
+                       stream, logprobs, lookahead)
+        if spec is not None:
+            spec.start(seq)
+        return seq
 
     def admit(self, seq: Sequence) -> None:
         """Give ``seq`` a KV cache sequence holding its prompt (the prefix cache's share of it
@@ -205,7 +216,9 @@ class GenerationLoop:
         seq.slot, seq.n_cached = self.kv.new_sequence(seq.prompt_ids, lookahead=seq.lookahead)
 
     def free(self, seq: Sequence) -> None:
-        """End ``seq``'s KV cache sequence (its full blocks stay cached)."""
+        """End ``seq``'s KV cache sequence (its full blocks stay cached) and its drafter's."""
+        if seq.spec is not None and self.speculator is not None:
+            self.speculator.release(seq)
         if seq.slot is not None:
             self.kv.free(seq.slot)
             seq.slot = None
@@ -222,12 +235,46 @@ class GenerationLoop:
 
     def rows(self, seq: Sequence, budget: int) -> Rows | None:
         """``seq``'s next rows: up to ``budget`` of its tokens not yet computed, with logits for
-        the last when it is the last known token; None when every token is computed."""
+        the last when it is the last known token; None when every token is computed. A
+        sequence with a draft (:meth:`propose`) decodes its last token and the drafted tokens
+        (as many as the budget leaves), with logits for every row."""
         done = int(self.kv.pos[seq.slot])
         chunk = seq.tokens[done : done + budget]
         if not chunk:
             return None
+        if seq.draft is not None:
+            if done + 1 == len(seq.tokens) and budget > 1:
+                seq.draft.tokens = seq.draft.tokens[: budget - 1]
+                if seq.draft.q is not None:
+                    seq.draft.q = seq.draft.q[: budget - 1]
+                tokens = chunk + seq.draft.tokens
+                return Rows(seq.slot, tokens, len(tokens))
+            seq.draft = None
         return Rows(seq.slot, chunk, int(done + len(chunk) == len(seq.tokens)))
+
+    def propose(self, seqs: Seq[Sequence], budget: int | None = None) -> None:
+        """Let the speculator draft for each sequence of ``seqs`` that speculates and is ready to
+        decode (every token but its last computed; not finished): seq.draft is set (or None).
+        Drafts stay within n_ctx, max_tokens (one token always comes from the target) and
+        ``budget`` (rows of the step per sequence, default n_batch)."""
+        spec = self.speculator
+        if spec is None:
+            return
+        budget = self.n_batch if budget is None else budget
+        ready, caps = [], []
+        for seq in seqs:
+            seq.draft = None
+            if seq.spec is None or seq.finish_reason is not None or seq.slot is None:
+                continue
+            if int(self.kv.pos[seq.slot]) + 1 != len(seq.tokens) or seq.n_generated == 0:
+                continue
+            cap = min(budget - 1, self.kv.n_ctx - len(seq.tokens))
+            if seq.limits.max_tokens is not None:
+                cap = min(cap, seq.limits.max_tokens - seq.n_generated - 1)
+            ready.append(seq)
+            caps.append(max(0, cap))
+        if ready:
+            spec.propose(ready, caps)
 
     def reserve(self, rows: Rows) -> None:
         """Give the KV cache positions to ``rows``: append the tokens it does not know yet, then
@@ -303,6 +350,58 @@ class GenerationLoop:
             out = Sampled(tok, logprob=lp, top=top)
         else:
             out = Sampled(seq.sampler.sample(logits, seq.tokens))
+        return self._take(seq, out)
+
+    def sample_rows(self, seq: Sequence, logits: np.ndarray) -> list[Sampled]:
+        """The tokens of ``seq`` from its rows' logits (f32[n, n_vocab]): one sample
+        (:meth:`sample`) without a draft; with one (n = 1 + drafted tokens), each drafted token
+        verified in turn (Sampler.verify) and taken through the finish rules until one is
+        replaced, the sequence finishes, or all are kept and one more is sampled from the last
+        row. The KV cache keeps the rows of the kept drafts; the speculator learns the count.
+
+        Raises:
+            edge.sampling.SamplingError: as :meth:`sample` (tokens taken before it stand).
+        """
+        draft, seq.draft = seq.draft, None
+        logits = np.asarray(logits)
+        if logits.ndim == 1:
+            logits = logits[None]
+        if draft is None or logits.shape[0] == 1:
+            return [self.sample(seq, logits[-1])]
+        k = logits.shape[0] - 1
+        n_before = len(seq.tokens)
+        outs, kept, accepted = [], 0, 0
+        try:
+            for i in range(k + 1):
+                limits = seq.limits
+                if limits.max_tokens is not None and seq.n_generated >= limits.max_tokens:
+                    outs.append(self._finish(seq, Sampled(None), "length"))
+                    break
+                if i < k:
+                    q = draft.q[i] if draft.q is not None else None
+                    tok, ok = seq.sampler.verify(logits[i], seq.tokens, draft.tokens[i], q)
+                else:
+                    tok, ok = seq.sampler.sample(logits[i], seq.tokens), False
+                out = Sampled(tok)
+                if seq.logprobs is not None:
+                    out.logprob, out.top = seq.sampler.logprobs(logits[i], tok, seq.logprobs)
+                out = self._take(seq, out)
+                outs.append(out)
+                accepted += ok
+                kept += ok and out.generated
+                if out.finish_reason is not None or not ok:
+                    break
+        finally:
+            n_keep = n_before + kept
+            if self._paged and self.kv.num_tokens(seq.slot) > n_keep:
+                self.kv.truncate(seq.slot, n_keep)
+            if self.speculator is not None and seq.spec is not None:
+                self.speculator.update(seq, k, accepted)
+        return outs
+
+    def _take(self, seq: Sequence, out: Sampled) -> Sampled:
+        """The finish rules 2-5 for a chosen token (module docstring)."""
+        limits = seq.limits
         if limits.eog and self.tokenizer.is_eog(out.token):
             return self._finish(seq, out, "stop")
         out.generated = True
@@ -329,19 +428,31 @@ class GenerationLoop:
     def run(self, seq: Sequence) -> Iterator[Sampled]:
         """Drive one sequence to its end: compute its tokens not yet computed (n_batch rows a
         step; none when seq.logits already holds the logits after its last token), sample,
-        apply the finish rules; yields what each sample did, the last one finished."""
+        apply the finish rules; yields what each sample did, the last one finished. A
+        speculating sequence decodes its drafts with its last token (:meth:`propose`,
+        :meth:`sample_rows`)."""
         while True:
             logits = seq.logits
-            if logits is None or int(self.kv.pos[seq.slot]) < len(seq.tokens):
-                logits = self.compute(seq)
-            out = self.sample(seq, logits)
-            yield out
-            if out.finish_reason is not None:
-                return
+            if self.speculator is not None and seq.spec is not None:
+                self.propose([seq])
+            if seq.draft is not None:
+                r = self.rows(seq, self.n_batch)
+                outs = self.sample_rows(seq, self.step([r]))
+                seq.logits = None
+            else:
+                if logits is None or int(self.kv.pos[seq.slot]) < len(seq.tokens):
+                    logits = self.compute(seq)
+                outs = [self.sample(seq, logits)]
+            for out in outs:
+                yield out
+                if out.finish_reason is not None:
+                    return
 
     def advance(self, seqs: Seq[Sequence]) -> list[Sampled]:
         """One step for the unfinished sequences of ``seqs`` (each its next rows, n_batch rows in
-        all at most) and a sample for each that got logits; returns those samples, in order."""
+        all at most; speculating sequences with their drafts) and the samples of each that got
+        logits; returns those samples, in order (several for a sequence whose drafts were kept)."""
+        self.propose(seqs, max(1, self.n_batch // max(1, len(seqs))))
         rows, owners, budget = [], [], self.n_batch
         for seq in seqs:
             if seq.finish_reason is not None:
@@ -351,6 +462,10 @@ class GenerationLoop:
                 rows.append(r)
                 budget -= len(r.tokens)
                 if r.n_logits:
-                    owners.append(seq)
+                    owners.append((seq, r.n_logits))
         logits = self.step(rows) if rows else None
-        return [self.sample(seq, logits[i]) for i, seq in enumerate(owners)]
+        out, at = [], 0
+        for seq, n in owners:
+            out.extend(self.sample_rows(seq, logits[at : at + n]))
+            at += n
+        return out

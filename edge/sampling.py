@@ -240,12 +240,72 @@ class Sampler:
                 penalties and the mask stage, every logit -inf, or a token id of
                 history/logit_bias not in [0, V).
         """
-        token_ids, probs = self.distribution(logits, history)
+        return self.draw(*self.distribution(logits, history))
+
+    def draw(self, token_ids: np.ndarray, probs: np.ndarray) -> int:
+        """One token from a distribution (:meth:`distribution`'s pair: int64[n], float64[n]
+        summing to 1) with this sampler's random stream; a single token costs no draw."""
         if token_ids.shape[0] == 1:
             return int(token_ids[0])
         cumulative = np.cumsum(probs)
         pick = np.searchsorted(cumulative, self._rng.random() * cumulative[-1], side="right")
         return int(token_ids[min(int(pick), token_ids.shape[0] - 1)])
+
+    def verify(self, logits: np.ndarray, history: Sequence[int], draft: int,
+               q: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[int, bool]:
+        """Speculative sampling of one drafted position: keep ``draft`` or replace it, so that
+        the token is distributed exactly as :meth:`sample`'s (Leviathan et al. 2023, Chen et
+        al. 2023: accept with probability min(1, p(draft) / q(draft)), else draw from
+        norm(max(0, p - q))), p being :meth:`distribution` after every stage of the chain.
+
+        Args:
+            logits: float[V] after ``history``; history: as :meth:`sample`'s.
+            draft: the drafted token id.
+            q: the drafter's distribution (token ids int64[m], probs float64[m]) the draft was
+                drawn from, or None for a draft chosen deterministically from the history
+                (prompt lookup, a greedy draft model): q is then 1 at ``draft``.
+        Returns:
+            (token, accepted): accepted is True when token is the draft. Greedy (p a single
+            token) decides without a draw: the draft is kept exactly when it is the argmax.
+        Raises:
+            SamplingError: as :meth:`sample`.
+        """
+        ids, p = self.distribution(logits, history)
+        hit = np.flatnonzero(ids == draft)
+        p_d = float(p[hit[0]]) if hit.size else 0.0
+        if q is None:
+            q_ids, q_p, q_d = np.array([draft], np.int64), np.ones(1), 1.0
+        else:
+            q_ids, q_p = q
+            where = np.flatnonzero(q_ids == draft)
+            q_d = float(q_p[where[0]]) if where.size else 0.0
+        if q_d <= 0.0:              # a draft q never proposes: judge it as a sample from p
+            q_d = p_d if p_d > 0 else 1.0
+        ratio = p_d / q_d
+        if ratio >= 1.0 or (ratio > 0.0 and self._rng.random() < ratio):
+            return int(draft), True
+        # the residual max(0, p - q), over p's support (where p is 0 the residual is 0)
+        q_on_p = np.zeros(ids.shape[0])
+        pos = {int(t): i for i, t in enumerate(q_ids.tolist())} if q is not None else {int(draft): 0}
+        for i, t in enumerate(ids.tolist()):
+            j = pos.get(t)
+            if j is not None:
+                q_on_p[i] = q_p[j]
+        residual = np.maximum(p - q_on_p, 0.0)
+        total = residual.sum()
+        if not total > 0.0:          # p <= q everywhere yet the draft was refused: only rounding
+            return int(draft), True
+        keep = residual > 0
+        return self.draw(ids[keep], residual[keep] / total), False
+
+    def logprobs(self, logits: np.ndarray, token: int, n_top: int) -> tuple[float, list[tuple[int, float]]]:
+        """(log-probability of ``token``, the ``n_top`` most likely tokens with theirs) by the
+        raw logits, as :meth:`sample_with_logprobs` reports them."""
+        raw = np.asarray(logits)
+        peak = float(raw.max())
+        log_sum = peak + math.log(float(np.exp(raw.astype(np.float64) - peak).sum()))
+        top = _top_indices(raw, n_top)
+        return float(raw[token]) - log_sum, [(int(t), float(raw[t]) - log_sum) for t in top]
 
     def sample_with_logprobs(self, logits: np.ndarray, history: Sequence[int],
                              n_top: int) -> tuple[int, float, list[tuple[int, float]]]:
@@ -266,12 +326,7 @@ class Sampler:
         if not (_is_int(n_top) and n_top >= 0):
             raise ValueError(f"n_top must be an integer >= 0, got {n_top!r}")
         token = self.sample(logits, history)
-        raw = np.asarray(logits)
-        peak = float(raw.max())
-        log_sum = peak + math.log(float(np.exp(raw.astype(np.float64) - peak).sum()))
-        top = _top_indices(raw, n_top)
-        return (token, float(raw[token]) - log_sum,
-                [(int(t), float(raw[t]) - log_sum) for t in top])
+        return (token, *self.logprobs(logits, token, n_top))
 
     def distribution(self, logits: np.ndarray, history: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
         """The tokens left after the chain and the probabilities :meth:`sample` draws them with.

@@ -4,8 +4,9 @@ from __future__ import annotations
 import sys
 import time
 
-from edge.cli.options import (add_model_args, add_sampling_args, check_sizes, kernels_compiled, load_engine,
-                              naming_flags, physical_cores, sampling_fields, set_threads)
+from edge.cli.options import (add_model_args, add_sampling_args, add_spec_args, check_sizes, kernels_compiled,
+                              load_engine, naming_flags, physical_cores, sampling_fields, set_speculative,
+                              set_threads, spec_params)
 
 
 def add_parsers(sub) -> None:
@@ -24,6 +25,7 @@ def add_parsers(sub) -> None:
     run.add_argument("--session", "--prompt-cache", dest="session", default=None, metavar="FILE",
                      help="session file: restore the prompt's KV cache from it when it starts the "
                           "same way, and save the prompt's state to it (llama.cpp's --prompt-cache)")
+    add_spec_args(run)
     run.set_defaults(func=cmd_run)
 
     chat = sub.add_parser("chat", help="chat with a model in the terminal (a textual app)",
@@ -56,8 +58,10 @@ def cmd_run(args) -> int:
             prompt = prompt[:-1]
     with naming_flags():
         params = SamplingParams(**sampling_fields(args))
+    spec_params(args)                  # bad speculative options fail before the model loads
     t_start = time.perf_counter()
     engine = load_engine(args)
+    set_speculative(engine, args)
     if args.raw or engine.template is None:
         if not args.raw:
             print(f"note: {engine.name} has no chat template; the prompt is sent as is", file=sys.stderr)
@@ -92,6 +96,8 @@ def cmd_run(args) -> int:
           f"{stats.prompt_tps:.1f} tokens/s | generated: {stats.n_generated} tokens, "
           f"{stats.gen_tps:.1f} tokens/s | finish: {stats.finish_reason}"
           f"{f' (context full: -c {args.ctx_size})' if stats.context_full else ''} | total {total:.1f} s"
+          + (f" | drafted {stats.n_drafted}, accepted {stats.n_accepted} "
+             f"({100 * stats.n_accepted / stats.n_drafted:.0f} %)" if stats.n_drafted else "")
           + (f" | {stats.n_restored} prompt tokens restored from {args.session}" if stats.n_restored else "")
           + (f" | {args.session} held another prompt; it now holds this one" if stats.session_replaced else ""),
           file=sys.stderr)

@@ -62,6 +62,56 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed, -1 = random (default: -1)")
 
 
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding options, named as llama.cpp's."""
+    g = p.add_argument_group("speculative decoding (lossless: the same text at temperature 0, the "
+                             "same distribution otherwise; computes batch-invariantly)")
+    g.add_argument("--spec-type", default=None, metavar="TYPE",
+                   help="none, ngram (prompt lookup: drafts what followed the last few tokens earlier in "
+                        "the prompt or answer; fast when the answer repeats the prompt) or draft (a draft "
+                        "model, -md); default: draft with -md, else none")
+    g.add_argument("-md", "--model-draft", default=None, metavar="MODEL",
+                   help="draft model (a name or .gguf path) with the same vocabulary as -m")
+    g.add_argument("--draft-max", "--draft", "--draft-n", dest="draft_max", type=int, default=16,
+                   help="most tokens drafted per step (default: 16)")
+    g.add_argument("--draft-min", "--draft-n-min", dest="draft_min", type=int, default=0,
+                   help="fewer drafted tokens than this are not verified (default: 0)")
+    g.add_argument("--draft-p-min", type=float, default=0.75,
+                   help="a draft model stops drafting below this probability of its best token "
+                        "(default: 0.75)")
+
+
+def spec_params(args):
+    """SpecParams from add_spec_args's options (ValueError naming the option)."""
+    from edge.speculative import SpecParams
+
+    spec_type = args.spec_type or ("draft" if args.model_draft else "none")
+    params = SpecParams(spec_type, args.draft_max, args.draft_min, args.draft_p_min)
+    if params.spec_type == "draft" and not args.model_draft:
+        raise ValueError("--spec-type draft needs a draft model: -md/--model-draft MODEL")
+    if args.model_draft and params.spec_type != "draft":
+        raise ValueError(f"-md/--model-draft is for --spec-type draft, not {params.spec_type}")
+    return params
+
+
+def set_speculative(engine, args, n_seq: int = 1) -> None:
+    """Speculative decoding on ``engine`` as the options ask (edge.engine.Engine.set_speculative;
+    the draft model loaded with the target's n_ctx, n_batch and KV types). Raises ValueError
+    for bad options or an incompatible draft model."""
+    from edge.cli.models import resolve_with_bars
+    from edge.engine import Engine
+
+    params = spec_params(args)
+    if not params.enabled:
+        return
+    draft = None
+    if params.spec_type == "draft":
+        draft = Engine(resolve_with_bars(args.model_draft), n_ctx=engine.n_ctx, n_batch=engine.n_batch,
+                       n_seq=n_seq, cache_type_k=engine.cache_type_k, cache_type_v=engine.cache_type_v,
+                       kv_storage=engine.kv_storage, batch_invariant=True)
+    engine.set_speculative(params, draft)
+
+
 def _int_at_least(text: str, lo: int) -> int:
     try:
         v = int(text)

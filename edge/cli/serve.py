@@ -7,7 +7,7 @@ import signal
 import sys
 from pathlib import Path
 
-from edge.cli.options import add_model_args, check_sizes, physical_cores, positive_int, set_threads
+from edge.cli.options import add_model_args, add_spec_args, check_sizes, physical_cores, positive_int, set_threads, spec_params
 
 
 def add_parser(sub) -> None:
@@ -49,6 +49,7 @@ def add_parser(sub) -> None:
                        help="a request must arrive whole within this time (else 408 and the connection "
                             "closes), and a client that reads nothing of its answer for this long is "
                             "dropped (default: 60)")
+    add_spec_args(serve)
     serve.set_defaults(func=cmd_serve)
 
 
@@ -72,18 +73,23 @@ def cmd_serve(args) -> int:
         raise ValueError(f"--max-queue must be 0 or more, got {args.max_queue}")
     if not 0 < args.port < 65536 and not args.unix_socket:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    spec = spec_params(args)
     set_threads(args.threads)
     model = str(resolve_with_bars(args.model))      # pull before listening: errors show here
+    model_draft = str(resolve_with_bars(args.model_draft)) if args.model_draft else None
     config = ServerConfig(model=model, n_ctx=args.ctx_size, n_parallel=args.parallel, max_queue=args.max_queue,
                           n_batch=args.batch_size, threads=args.threads or physical_cores(), api_key=api_key,
                           host=args.host, allowed_hosts=allowed_hosts, cors_origins=cors_origins,
-                          cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
+                          cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
+                          spec=spec, model_draft=model_draft)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.unix_socket and not api_key:
         print(f"warning: listening on {args.host} without --api-key: anyone who can reach this port can use "
               "the model", file=sys.stderr)
     sock = _listen_socket(args.host, args.port, args.unix_socket)   # errors before the banner
     where = f"unix:{args.unix_socket}" if args.unix_socket else f"http://{args.host}:{args.port}"
-    print(f"edge serve: {Path(model).name} on {where} (-np {args.parallel}, -c {args.ctx_size}); "
+    print(f"edge serve: {Path(model).name} on {where} (-np {args.parallel}, -c {args.ctx_size}"
+          + (f", --spec-type {spec.spec_type}" + (f" -md {Path(model_draft).name}" if model_draft else "")
+             if spec.enabled else "") + "); "
           "Ctrl+C stops after the running requests (twice: at once)", file=sys.stderr, flush=True)
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

@@ -261,10 +261,11 @@ class KVBlockManager:
         self._hit_tokens += plan.n_cached
         return plan.n_cached
 
-    def restore(self, seq_id: Hashable, token_ids: Sequence[int] | np.ndarray) -> int:
+    def restore(self, seq_id: Hashable, token_ids: Sequence[int] | np.ndarray, lookahead: int = 0) -> int:
         """Start sequence ``seq_id`` from a saved session of ``token_ids`` whose K/V the caller
         writes: like :meth:`allocate`, but every full block may hit and window groups keep
-        only the blocks a query at position ``len(token_ids)`` sees (the others are holes).
+        only the blocks a query at position ``len(token_ids)`` sees (the others are holes);
+        ``lookahead`` applies to the positions computed after these.
 
         Returns:
             n_cached: positions already cached; the caller writes the saved K/V of positions
@@ -276,9 +277,11 @@ class KVBlockManager:
         tokens = self._new_tokens(seq_id, token_ids, "restore")
         if not tokens:
             raise ValueError("restore: no tokens")
+        lookahead = _check_lookahead(lookahead, "restore")
         seq = _Sequence(tokens, len(self._pools))
         plan = self._plan(seq, len(tokens) // self.block_size, len(tokens), len(tokens))
         self._apply(seq_id, seq, plan)
+        seq.lookahead = lookahead
         return plan.n_cached
 
     def can_allocate(self, prompt_ids: Sequence[int] | np.ndarray, reserve_tokens: int = 0,

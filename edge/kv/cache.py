@@ -233,10 +233,10 @@ class PagedKVCache:
             vs.append(self.v[il][blocks, offsets])
         return tokens, ks, vs
 
-    def import_sequence(self, tokens, ks: list[np.ndarray], vs: list[np.ndarray]) -> int:
+    def import_sequence(self, tokens, ks: list[np.ndarray], vs: list[np.ndarray], lookahead: int = 0) -> int:
         """Start a sequence from a saved state (export_sequence's arrays): returns its slot,
         with all len(tokens) positions computed (blocks the prefix cache holds are reused, the
-        rest written). Raises ValueError for arrays of the wrong shape or type, NoFreeSlot,
+        rest written); ``lookahead`` as :meth:`new_sequence`'s, for positions after these. Raises ValueError for arrays of the wrong shape or type, NoFreeSlot,
         NoFreeBlocks or KVNoSpace (nothing changed)."""
         n = len(tokens)
         if n > self.n_ctx:
@@ -248,7 +248,7 @@ class PagedKVCache:
                     raise ValueError(f"layer {il} {what}: expected {pool.dtype}{[want, *pool.shape[2:]]}, "
                                      f"got {a.dtype}{list(a.shape)}")
         slot = self._next_slot()
-        n_cached = self.manager.restore(slot, tokens)
+        n_cached = self.manager.restore(slot, tokens, lookahead)
         self._free_slots.pop()
         try:
             for g in range(len(self.manager.groups)):

@@ -65,6 +65,8 @@ class ServerConfig:
     kv_storage: str = "file"
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
+    spec: object = None                     # edge.speculative.SpecParams (None: no speculation)
+    model_draft: str | None = None          # the draft model for spec_type "draft"
     on_load_error: Callable[[str], None] | None = None   # called (on the load thread) with the error
 
 
@@ -106,6 +108,13 @@ class ServerState:
             c = self.config
             engine = Engine(resolve_model(c.model), n_ctx=c.n_ctx, n_batch=c.n_batch, n_seq=c.n_parallel,
                             cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v, kv_storage=c.kv_storage)
+            if c.spec is not None and c.spec.enabled:
+                draft = None
+                if c.model_draft:
+                    draft = Engine(resolve_model(c.model_draft), n_ctx=c.n_ctx, n_batch=c.n_batch,
+                                   n_seq=c.n_parallel, cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v,
+                                   kv_storage=c.kv_storage, batch_invariant=True)
+                engine.set_speculative(c.spec, draft)
             scheduler = Scheduler(engine, max_queue=c.max_queue, n_batch=c.n_batch, threads=c.threads,
                                   observe=self.metrics.observe)
             _warm_up(scheduler)

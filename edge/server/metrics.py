@@ -30,8 +30,15 @@ class Metrics:
                                  ("edge_generation_tokens", "Tokens generated", s.generated_tokens),
                                  ("edge_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
                                   s.cached_tokens),
-                                 ("edge_requests_finished", "Requests finished", s.requests_finished)):
+                                 ("edge_requests_finished", "Requests finished", s.requests_finished),
+                                 ("edge_draft_tokens", "Speculative decoding: drafted tokens verified",
+                                  s.draft_tokens),
+                                 ("edge_draft_accepted_tokens", "Speculative decoding: drafted tokens accepted",
+                                  s.draft_accepted_tokens)):
             yield CounterMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily("edge_draft_acceptance_rate",
+                                "Speculative decoding: accepted / drafted tokens since start",
+                                value=s.draft_accepted_tokens / s.draft_tokens if s.draft_tokens else 0.0)
         running, waiting = sched.counts()
         yield GaugeMetricFamily("edge_requests_running", "Requests being generated", value=running)
         yield GaugeMetricFamily("edge_requests_waiting", "Requests waiting for a slot", value=waiting)

@@ -118,6 +118,8 @@ class SchedulerStats:
     generated_tokens: int = 0
     cached_tokens: int = 0
     requests_finished: int = 0
+    draft_tokens: int = 0             # speculative decoding: drafted tokens verified
+    draft_accepted_tokens: int = 0    # and kept
 
 
 class Scheduler:
@@ -249,13 +251,17 @@ class Scheduler:
         if not self._running:
             return
         rows, owners = [], []
-        for seq in self._running:                       # decode rows: one sampled token each
-            if seq.gen.n_generated and not seq.done:
-                r = self.loop.rows(seq.gen, 1)
-                if self._reserve(seq, r):
-                    rows.append(r)
-                    owners.append(seq)
-        budget = max(self.n_batch - len(rows), 1)
+        decoding = [s for s in self._running if s.gen.n_generated and not s.done]
+        # speculating sequences draft first (their drafts share the step's rows)
+        self.loop.propose([s.gen for s in decoding], max(2, self.n_batch // max(1, len(decoding))))
+        for seq in decoding:                            # decode rows: one sampled token each (and drafts)
+            r = self.loop.rows(seq.gen, self.n_batch)
+            if self._reserve(seq, r):
+                rows.append(r)
+                owners.append(seq)
+            else:
+                seq.gen.draft = None
+        budget = max(self.n_batch - sum(len(r.tokens) for r in rows), 1)
         for seq in self._running:                       # prefill chunks, oldest first
             if seq.gen.n_generated or seq.done or budget <= 0:
                 continue
@@ -288,30 +294,43 @@ class Scheduler:
         sampling of each owner's next token."""
         logits = self.loop.step(rows)
         now = time.perf_counter()
-        for row, seq in enumerate(owners):
+        n_logits = {r.slot: r.n_logits for r in rows}
+        at = 0
+        for seq in owners:
+            n = n_logits[seq.gen.slot]
+            block, at = logits[at : at + n], at + n
             if seq.req.cancelled:
+                seq.gen.draft = None
                 continue
             try:
-                self._sample(seq, logits[row], now)
+                self._sample(seq, block, now)
             except Exception as e:   # this request's fault (e.g. its logit_bias): it alone fails
                 self._safe_emit(seq.req, Failed(f"{type(e).__name__}: {e}"))
                 seq.done = True
 
     def _sample(self, seq: _Seq, logits: np.ndarray, now: float) -> None:
+        """The tokens of seq from its rows' logits f32[n, n_vocab] (one, or a verified draft's)."""
         first = seq.gen.n_generated == 0
-        out: Sampled = self.loop.sample(seq.gen, logits)
+        spec = seq.gen.spec
+        before = (spec.drafted, spec.accepted) if spec is not None else None
+        outs: list[Sampled] = self.loop.sample_rows(seq.gen, logits)
+        if spec is not None:
+            self.stats.draft_tokens += spec.drafted - before[0]
+            self.stats.draft_accepted_tokens += spec.accepted - before[1]
         if first:
             self._observe(ttft=now - seq.req.t_submit)
         else:
-            self._observe(tpot=now - seq.t_last)
+            for _ in outs:
+                self._observe(tpot=(now - seq.t_last) / len(outs))
         seq.t_last = now
-        if out.generated:
-            self.stats.generated_tokens += 1
-            if out.logprob is not None:
-                seq.pending_logprobs.append(TokenLogprob(out.token, out.logprob, out.top))
-            self._emit_delta(seq, out.released)
-        if out.finish_reason is not None:
-            self._finish(seq, out)
+        for out in outs:
+            if out.generated:
+                self.stats.generated_tokens += 1
+                if out.logprob is not None:
+                    seq.pending_logprobs.append(TokenLogprob(out.token, out.logprob, out.top))
+                self._emit_delta(seq, out.released)
+            if out.finish_reason is not None:
+                self._finish(seq, out)
 
     def _emit_delta(self, seq: _Seq, released) -> None:
         lps = []
