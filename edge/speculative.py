@@ -104,12 +104,24 @@ class SpecState:
     to verification; accepted: those the target kept; steps: verifications)."""
 
     limit: int
+    n_max: int = 1 << 30    # this request's most drafted tokens per step (0: no drafts)
+    n_min: int = 0          # and fewest
+    p_min: float | None = None   # its --draft-p-min (None: the server's)
     pause: int = 0          # tokens to go before the next draft
     failures: int = 0       # drafts in a row with nothing accepted
     drafted: int = 0
     accepted: int = 0
     steps: int = 0
     index: object = None    # the drafter's per-sequence data (n-gram index, draft slot)
+
+    def limits(self, n_max: int | None = None, n_min: int | None = None, p_min: float | None = None) -> None:
+        """A request's own limits (llama-server's speculative.n_max / n_min / p_min)."""
+        if n_max is not None:
+            self.n_max = int(n_max)
+        if n_min is not None:
+            self.n_min = int(n_min)
+        if p_min is not None:
+            self.p_min = float(p_min)
 
     @property
     def acceptance(self) -> float:
@@ -273,7 +285,8 @@ class DraftModelDrafter(Drafter):
             for row, i in enumerate(active):
                 seq, d = seqs[i], drafts[i]
                 tok, q, p_best = self._choose(seq, logits[row], seq.tokens + d.tokens)
-                if tok is None or p_best < self.params.draft_p_min:
+                p_min = self.params.draft_p_min if seq.spec.p_min is None else seq.spec.p_min
+                if tok is None or p_best < p_min:
                     continue
                 d.tokens.append(tok)
                 if d.q is not None:
@@ -351,14 +364,14 @@ class Speculator:
             if st.pause > 0:
                 st.pause -= 1
                 continue
-            cap = min(st.limit, self.params.draft_max, budget)
-            if cap >= max(1, self.params.draft_min):
+            cap = min(st.limit, st.n_max, self.params.draft_max, budget)
+            if cap >= max(1, self.params.draft_min, st.n_min):
                 want.append(seq)
                 caps.append(cap)
         if not want:
             return
         for seq, draft in zip(want, self.drafter.propose(want, caps)):
-            if len(draft.tokens) >= max(1, self.params.draft_min):
+            if len(draft.tokens) >= max(1, self.params.draft_min, seq.spec.n_min):
                 seq.draft = draft
 
     def update(self, seq, n_drafted: int, n_accepted: int) -> None:

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -388,3 +389,39 @@ def test_scheduler_speculating_streams_equal_plain_ones():
     for i, ids in enumerate(prompts):
         assert "".join(texts[i]) == alone.tokenizer.decode(want[i]).decode("utf-8", "replace"), i
     assert sched.stats.draft_tokens > 0 and sched.stats.draft_accepted_tokens > 0
+
+
+def test_server_speculates_per_request_and_cleans_up_after_a_disconnect(tiny, tmp_path):
+    """edge serve --spec-type draft -md on the tiny models, through the openai client: the same
+    text with drafts as with ``speculative.n_max: 0`` (llama-server's per-request field) and as
+    the engine alone; drafted/accepted counters in /metrics; a stream dropped mid-way leaves no
+    KV block held; a bad speculative field is a 400."""
+    openai = pytest.importorskip("openai")
+    from tests.server_process import Server, start_post
+
+    target, draft = tiny
+    srv = Server(["-m", str(target.path), "-md", str(draft.path), "--spec-type", "draft", "--draft-p-min", "0",
+                  "--draft-max", "4", "-np", "3", "-c", "128", "-b", "16"], tmp_path / "serve.log")
+    try:
+        srv.wait_ready(180)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="none", max_retries=0)
+        prompts = [PROMPT, [7, 1, 30, 31, 32, 33, 7, 1, 30]]
+        texts = {}
+        for extra in ({}, {"speculative.n_max": 0}):
+            for i, ids in enumerate(prompts):
+                r = client.completions.create(model="target", prompt=ids, max_tokens=30, temperature=0, extra_body=extra)
+                texts.setdefault(i, []).append(r.choices[0].text)
+        want = [target.tokenizer.decode(_gen(target, ids, GREEDY, 30)[0]).decode() for ids in prompts]
+        assert [texts[i] for i in range(2)] == [[w, w] for w in want]
+        m = srv.metrics()
+        assert m["edge_draft_tokens_total"] > m["edge_draft_accepted_tokens_total"] > 0
+        conn = start_post(srv, "/v1/completions", {"prompt": PROMPT, "max_tokens": 100, "temperature": 0,
+                                                   "stream": True, "ignore_eos": True})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.read(200)
+        conn.close()                                   # the client goes away mid-generation
+        srv.wait_idle(30)
+        status, body = srv.post("/v1/completions", {"prompt": "hi", "speculative.n_max": -1})
+        assert status == 400 and "speculative.n_max" in json.dumps(body)
+    finally:
+        srv.stop()

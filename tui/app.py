@@ -72,16 +72,27 @@ class ChatOptions:
     folder: Path | None = None
     threads: int | None = None      # -t: the kernels' threads on the answer worker (None: numba's default)
     batch_invariant: bool = False   # --batch-invariant (edge.engine.Engine.batch_invariant)
+    spec: object = None             # edge.speculative.SpecParams (None: no speculative decoding)
+    model_draft: str | None = None  # -md: the draft model for spec_type "draft"
 
 
 def load_engine(model: str | None, options: ChatOptions):
-    """The Engine for ``model`` (a name or a path; None: the default model, pulled on first use)."""
+    """The Engine for ``model`` (a name or a path; None: the default model, pulled on first use),
+    with speculative decoding when the options ask for it."""
     from edge.engine import Engine
     from edge.store import resolve_model
 
-    return Engine(resolve_model(model), n_ctx=options.n_ctx, n_batch=options.n_batch,
-                  cache_type_k=options.cache_type_k, cache_type_v=options.cache_type_v,
-                  batch_invariant=options.batch_invariant)
+    engine = Engine(resolve_model(model), n_ctx=options.n_ctx, n_batch=options.n_batch,
+                    cache_type_k=options.cache_type_k, cache_type_v=options.cache_type_v,
+                    batch_invariant=options.batch_invariant)
+    if options.spec is not None and options.spec.enabled:
+        draft = None
+        if options.model_draft:
+            draft = Engine(resolve_model(options.model_draft), n_ctx=options.n_ctx, n_batch=options.n_batch,
+                           cache_type_k=options.cache_type_k, cache_type_v=options.cache_type_v,
+                           batch_invariant=True)
+        engine.set_speculative(options.spec, draft)
+    return engine
 
 
 # ------------------------------------------------------------------------------------- widgets
@@ -231,6 +242,7 @@ class ChatApp(App):
         self.n_tokens = 0
         self.last_ttft: float | None = None
         self.last_tps: float | None = None
+        self.last_drafts: tuple[int, int] | None = None   # speculative decoding: (accepted, drafted)
         self._answer: Answer | None = None
         self._stream = None
         self._pending_load: Conversation | None = None
@@ -289,6 +301,8 @@ class ChatApp(App):
                     parts.append(f"TTFT {self.last_ttft:.2f} s")
                 if self.last_tps is not None:
                     parts.append(f"{self.last_tps:.1f} tok/s")
+                if self.last_drafts is not None:
+                    parts.append("drafts {}/{} kept".format(*self.last_drafts))
         self.query_one("#status", Static).update(" " + " │ ".join(parts))
 
     def model_name(self) -> str:
@@ -346,7 +360,7 @@ class ChatApp(App):
         self.engine = message.engine
         if old is not None and old is not self.engine:
             old.clear_kv_cache()
-            self.last_ttft = self.last_tps = None
+            self.last_ttft = self.last_tps = self.last_drafts = None
         model_arg = message.model or Path(self.engine.path).stem
         conv, self._pending_load = self._pending_load, None
         if conv is None:
@@ -456,6 +470,7 @@ class ChatApp(App):
             stats = result.stats
             self.last_ttft = stats.ttft
             self.last_tps = stats.gen_tps if stats.n_generated > 1 else None
+            self.last_drafts = (stats.n_accepted, stats.n_drafted) if stats.n_drafted else None
             self.n_tokens = result.n_tokens
             if stats.context_full:
                 self.note(f"the context is full ({self.engine.n_ctx} tokens): start a /new conversation")
@@ -527,7 +542,7 @@ class ChatApp(App):
                                              settings=old.settings if old else self.options.settings)
             self.runner = ChatRunner(self.engine, self.conversation, self.options.folder or chats_dir(),
                                      self.options.threads)
-            self.n_tokens, self.last_ttft, self.last_tps = 0, None, None
+            self.n_tokens, self.last_ttft, self.last_tps, self.last_drafts = 0, None, None, None
             self.show_conversation()
             self.note("new conversation")
             self.update_status()

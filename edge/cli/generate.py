@@ -39,6 +39,7 @@ def add_parsers(sub) -> None:
     chat.add_argument("-sys", "--system", default=None, help="system message")
     chat.add_argument("--resume", action="store_true",
                       help="reopen the last conversation (its KV cache too, when the model is the same)")
+    add_spec_args(chat)
     chat.set_defaults(func=cmd_chat, batch_size=64)
 
 
@@ -112,9 +113,11 @@ def cmd_chat(args) -> int:
     check_sizes(args)
     with naming_flags():
         settings = ChatSettings(max_tokens=args.max_tokens, **sampling_fields(args))
+    spec = spec_params(args)
+    from edge.cli.models import resolve_with_bars
     if args.model is not None:   # a wrong name fails here, before the screen changes
-        from edge.cli.models import resolve_with_bars
         resolve_with_bars(args.model)
+    model_draft = str(resolve_with_bars(args.model_draft)) if args.model_draft else None
     set_threads(args.threads)
     if not kernels_compiled():
         print("note: first run: compiling edge's kernels for this CPU (about a minute on 2 cores, once)",
@@ -126,4 +129,4 @@ def cmd_chat(args) -> int:
                                 n_batch=args.batch_size, cache_type_k=args.cache_type_k,
                                 cache_type_v=args.cache_type_v, resume=args.resume,
                                 threads=args.threads or physical_cores(),
-                                batch_invariant=args.batch_invariant))
+                                batch_invariant=args.batch_invariant, spec=spec, model_draft=model_draft))

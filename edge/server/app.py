@@ -234,6 +234,12 @@ _SAMPLER_ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", 
 _SAMPLER_LETTERS = dict(zip("edskypmxt", _SAMPLER_ORDER))
 
 
+def _speculative(body) -> dict:
+    """A request's speculative.n_max / n_min / p_min (llama-server's fields), as given."""
+    given = {"n_max": body.speculative_n_max, "n_min": body.speculative_n_min, "p_min": body.speculative_p_min}
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def _check_samplers(samplers, params: SamplingParams, n_vocab: int) -> None:
     """Raise APIError (400) unless ``samplers`` (names, or letters as one string) keeps
     llama.cpp's default order and names every sampler this request turns on: the one chain
@@ -431,7 +437,8 @@ class _Handlers:
         except ChatTemplateError as e:   # the template's own error: the client's request (C2)
             raise P.APIError(400, str(e), param="messages", code="chat_template_error") from None
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        gen = GenRequest(ids, params, emit=None, max_tokens=max_tokens, stop=body.stop_list(), logprobs=logprobs)
+        gen = GenRequest(ids, params, emit=None, max_tokens=max_tokens, stop=body.stop_list(), logprobs=logprobs,
+                         speculative=_speculative(body))
         stream = _Stream(scheduler, gen)
         stream.submit()
         rid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_id()
@@ -511,7 +518,7 @@ class _Handlers:
         if not ids:
             raise P.APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
         gen = GenRequest(ids, params, emit=None, max_tokens=max_tokens, stop=body.stop_list(),
-                         logprobs=body.logprobs)
+                         logprobs=body.logprobs, speculative=_speculative(body))
         stream = _Stream(scheduler, gen)
         try:
             stream.submit()

@@ -238,6 +238,10 @@ class _Sampling(_Body):
     ignore_eos: bool = False                   # llama-server: end-of-generation tokens banned
     n_probs: Annotated[int, Field(ge=0, le=MAX_N_PROBS)] | None = None   # llama-server's logprobs count
     samplers: list[str] | str | None = None    # llama-server's sampler order (see app._check_samplers)
+    # llama-server's per-request speculative decoding limits (the server's --spec-type drafts)
+    speculative_n_max: int | None = Field(default=None, alias="speculative.n_max", ge=0)
+    speculative_n_min: int | None = Field(default=None, alias="speculative.n_min", ge=0)
+    speculative_p_min: Number | None = Field(default=None, alias="speculative.p_min", ge=0, le=1)
     typical_p: Number | None = None
     mirostat: int | None = None
     dynatemp_range: Number | None = None

@@ -97,6 +97,7 @@ class Request:
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None
     processors: list[LogitsProcessor] = field(default_factory=list)
+    speculative: dict = field(default_factory=dict)   # n_max / n_min / p_min: this request's drafts
     cancelled: bool = False
     t_submit: float = 0.0
 
@@ -231,6 +232,8 @@ class Scheduler:
                 try:
                     gen = self.loop.new(req.prompt_ids, req.params, Limits(req.max_tokens, tuple(req.stop)),
                                         req.processors, req.logprobs, text=True)
+                    if gen.spec is not None:
+                        gen.spec.limits(**req.speculative)
                 except ValueError as e:      # this request's fault (a bad limit): it alone fails
                     self._waiting.popleft()
                     self._safe_emit(req, Failed(f"{type(e).__name__}: {e}"))
