@@ -11,6 +11,11 @@ Tests (each the median of ``reps`` timed repetitions after one short untimed war
   FIRST_PROMPT, through the generation loop (edge.generate, end-of-generation tokens decoded
   on as llama-bench does); tokens/s = N / seconds of those N steps (the prompt and its first
   token are not timed).
+- ``tgN copy`` and ``tgN copy ngram`` (``spec``, edge only): N greedy tokens after a prompt
+  that asks for text the prompt already holds (the source of one of edge's own modules, then
+  its first third again: the model goes on copying), plain and with speculative decoding by
+  prompt lookup, both batch-invariant (the tokens are checked equal); tokens/s = N / seconds
+  after the first token; the ngram row's RESULT has ``vs_plain`` and ``drafted`` / ``accepted``.
 - ``tgN xB``: B sequences (distinct random prompts of BATCH_PROMPT_LEN ids) decoding together,
   each step one forward pass of B rows (one token per sequence), in batch-invariant mode as
   ``edge serve`` runs its batches (Transformer.set_batch_invariant); tokens/s = B * N / seconds;
@@ -31,7 +36,7 @@ without it).
 JSON (``edge bench --json``), one object:
     model, model_path, model_bytes, threads, n_ctx, n_batch, reps, cache_type_k, cache_type_v, seed
     tensor_types: {GGML type name: tensor count} of the model file, most common first
-    tests: list of {test, kind ("pp" | "tg" | "batched"), n_seq, n_tokens_asked,
+    tests: list of {test, kind ("pp" | "tg" | "batched" | "spec"), n_seq, n_tokens_asked,
                     edge: RESULT, llama_cpp: RESULT | null, edge_over_llama_cpp: float | null,
                     tokens_equal: whether both engines generated the same greedy tokens (tg and
                     batched, last rep; null for pp and without llama.cpp)}
@@ -95,6 +100,7 @@ class BenchConfig:
     cache_type_v: str = "f16"
     llama_python: str | None = None   # interpreter with llama-cpp-python; None = edge only
     batch_invariant: bool = False     # Engine.batch_invariant of pp and tg (tgN xB: always on)
+    spec: bool = False                # add the tgN copy tests (speculative decoding)
 
     def check(self) -> None:
         """Raise ValueError for sizes that cannot be run."""
@@ -199,8 +205,45 @@ class EdgeRunner:
             kv.close()
         return {"s": s, "tokens": out[:, 0].tolist() if single else out.T.tolist()}
 
+    def copy(self, ids, n: int, spec: bool) -> dict:
+        """N greedy tokens after ``ids`` (the first untimed), batch-invariant, with prompt
+        lookup when ``spec``: {s, tokens, drafted, accepted}."""
+        from edge.generate import GenerationLoop, Limits
+        from edge.sampling import SamplingParams
+        from edge.speculative import SpecParams, make_speculator
+
+        e = self.engine
+        kv = self._kv(e.n_ctx)
+        self.model.set_batch_invariant(True)
+        try:
+            spec_ = make_speculator(SpecParams("ngram"), e) if spec else None
+            loop = GenerationLoop(self.model, kv, e.tokenizer, e.n_batch, e.threads, spec_)
+            seq = loop.new(ids, SamplingParams(temperature=0.0), Limits(n + 1, eog=False))
+            loop.admit(seq)
+            run = loop.run(seq)
+            first = next(run)
+            t0 = time.perf_counter()
+            tokens = [first.token] + [o.token for o in run if o.generated]
+            s = time.perf_counter() - t0
+            loop.free(seq)
+        finally:
+            kv.close()
+            self.model.set_batch_invariant(self.batch_invariant)
+        st = seq.spec
+        return {"s": s, "tokens": tokens[1:], "drafted": st.drafted if st else 0, "accepted": st.accepted if st else 0}
+
     def rss(self) -> dict:
         return {"peak_rss_mb": peak_rss_mb()}
+
+
+def copy_prompt(engine, n_gen: int) -> list[int]:
+    """The tgN copy prompt: edge.textstream's source, then its first third again (raw, so any
+    model continues it), cut to leave n_gen + 16 positions of the context."""
+    from edge import textstream
+
+    text = Path(textstream.__file__).read_text(encoding="utf-8")
+    ids = engine.raw_prompt(text + "\n\n" + text[: len(text) // 3])
+    return ids[-max(16, engine.n_ctx - n_gen - 16):]
 
 
 class LlamaUnavailable(RuntimeError):
@@ -303,13 +346,14 @@ class _Bench:
         if not self.result["llama_cpp"]["error"]:
             self.result["llama_cpp"]["error"] = f"{what}: {e}"
 
-    def measure(self, test: str, kind: str, n_seq: int, n_asked: int, warmup, call) -> dict:
-        """Run ``warmup(runner)`` once, then ``call(runner)`` reps times on every runner."""
+    def measure(self, test: str, kind: str, n_seq: int, n_asked: int, warmup, call, only=None) -> dict:
+        """Run ``warmup(runner)`` once, then ``call(runner)`` reps times on every runner (or the
+        runners named in ``only``)."""
         row = {"test": test, "kind": kind, "n_seq": n_seq, "n_tokens_asked": n_asked,
                "edge": None, "llama_cpp": None, "edge_over_llama_cpp": None, "tokens_equal": None}
         self.last[test] = {}
         for name, runner in self.runners.items():
-            if runner is None:
+            if runner is None or (only is not None and name not in only):
                 continue
             self.log(f"{name}: {test}")
             try:
@@ -448,7 +492,9 @@ def add_ceiling_fractions(result: dict) -> None:
             if r is None:
                 continue
             compute = r["tps"] * c["macs_per_token"] / (c["int8_gmacs"] * 1e9)
-            if row["kind"] == "pp":  # logits of the last row only
+            if row["kind"] == "spec" and row["test"].endswith("ngram"):
+                r["ceiling_fraction"] = None   # several tokens per weight pass: no roofline of tokens/s
+            elif row["kind"] == "pp":  # logits of the last row only
                 r["ceiling_fraction"] = r["tps"] * c["macs_per_prompt_token"] / (c["int8_gmacs"] * 1e9)
             else:
                 memory = r["tps"] / row["n_seq"] * c["weight_bytes_per_token"] / (c["read_gb_s"] * 1e9)
@@ -478,6 +524,17 @@ def _run_tests(cfg: BenchConfig, b: _Bench, edge: EdgeRunner) -> None:
                 b.llama_failed("rss", e)
     if not n:
         return
+    if cfg.spec:
+        ids = copy_prompt(edge.engine, n)
+        plain = b.measure(f"tg{n} copy", "spec", 1, n, lambda r: r.copy(ids, 2, False),
+                          lambda r: r.copy(ids, n, False), only=("edge",))
+        spec = b.measure(f"tg{n} copy ngram", "spec", 1, n, lambda r: r.copy(ids, 2, True),
+                         lambda r: r.copy(ids, n, True), only=("edge",))
+        last = b.last[spec["test"]]["edge"]
+        if last["tokens"] != b.last[plain["test"]]["edge"]["tokens"]:
+            raise RuntimeError("speculative decoding gave other tokens than plain decoding (a bug)")
+        spec["edge"].update(vs_plain=spec["edge"]["tps"] / plain["edge"]["tps"], drafted=last["drafted"],
+                            accepted=last["accepted"])
     n_ctx_seq = -(-(BATCH_PROMPT_LEN + n) // 256) * 256
     rows = {}
     for B in cfg.batch_sizes:

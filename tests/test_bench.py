@@ -138,6 +138,23 @@ def test_batch_invariant_runner(gemma_path):
     assert runner.model.batch_invariant
 
 
+def test_spec_rows_copy_with_prompt_lookup(gemma_path):
+    """--spec: tgN copy plain and with prompt lookup give the same N tokens (run_bench checks it
+    too); the copy prompt makes most drafts stick; llama.cpp's side has no such row."""
+    from edge.bench import _Bench, _run_tests, copy_prompt
+
+    cfg = BenchConfig(model=gemma_path, n_prompt=0, n_gen=24, batch_sizes=(1,), reps=1, spec=True)
+    runner = EdgeRunner(cfg)
+    result = {"tests": [], "peak_rss_mb": {}, "llama_cpp": None}
+    _run_tests(cfg, _Bench(cfg, {"edge": runner, "llama_cpp": None}, result, lambda m: None), runner)
+    rows = {r["test"]: r for r in result["tests"]}
+    spec = rows["tg24 copy ngram"]
+    assert rows["tg24 copy"]["kind"] == spec["kind"] == "spec" and spec["llama_cpp"] is None
+    assert spec["edge"]["n_tokens"] == 24 and spec["edge"]["accepted"] > 12 and spec["edge"]["vs_plain"] > 0
+    ids = copy_prompt(runner.engine, 24)
+    assert len(ids) > 500 and runner.copy(ids, 5, True)["tokens"] == runner.copy(ids, 5, False)["tokens"]
+
+
 @pytest.mark.parametrize("opt, value, message", [
     ("-B", "0", "-B/--batched: must be at least 1, got 0"),
     ("-B", "1,,2", "-B/--batched: not an integer: ''"),

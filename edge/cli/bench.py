@@ -26,6 +26,8 @@ def add_parser(sub) -> None:
     bench.add_argument("-B", "--batched", type=positive_int_list, default=(1, 4, 8),
                        help="sequences decoding together, comma-separated (default: 1,4,8)")
     bench.add_argument("-r", "--repetitions", type=positive_int, default=3, help="runs per test (default: 3)")
+    bench.add_argument("--spec", action="store_true",
+                       help="add the speculative decoding test: tgN on a copy task, plain and with prompt lookup")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     bench.add_argument("--vs-llama-cpp", action="store_true", help="run the same tests through llama-cpp-python")
     bench.add_argument("--llama-python", default=sys.executable,
@@ -47,7 +49,7 @@ def cmd_bench(args) -> int:
                       reps=args.repetitions, threads=numba.get_num_threads(),
                       cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
                       llama_python=args.llama_python if args.vs_llama_cpp else None,
-                      batch_invariant=args.batch_invariant)
+                      batch_invariant=args.batch_invariant, spec=args.spec)
     result = run_bench(cfg)
     if args.json:
         print(json.dumps(result, indent=1))
@@ -101,6 +103,11 @@ def print_result(result: dict, console=None) -> None:
             cells.append(_num(row["edge_over_llama_cpp"], "{:.2f}"))
         t.add_row(*cells)
     console.print(t)
+    for row in result["tests"]:
+        r = row["edge"]
+        if row["kind"] == "spec" and r and "vs_plain" in r:
+            console.print(f"{row['test']}: speculative decoding by prompt lookup, {r['vs_plain']:.2f}x plain decoding "
+                          f"(same tokens); drafts kept {r['accepted']}/{r['drafted']}", markup=False)
     c = result.get("ceilings")
     if c:
         threads = f"{result['threads']} thread{'s' if result['threads'] != 1 else ''}"
