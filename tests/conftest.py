@@ -90,6 +90,8 @@ def pytest_collection_modifyitems(config, items):
         if any(f in getattr(item, "fixturenames", ()) for f in ORACLE_FIXTURES):
             item.add_marker(pytest.mark.oracle)
         item.add_marker(pytest.mark.xdist_group("gemma-quant" if item.path in lab_files else item.path.stem))
+    # the longest group first: a worker takes it at once rather than as the run's last straggler
+    items.sort(key=lambda item: item.path not in lab_files)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
