@@ -395,6 +395,7 @@ class GenerationLoop:
             n_keep = n_before + kept
             if self._paged and self.kv.num_tokens(seq.slot) > n_keep:
                 self.kv.truncate(seq.slot, n_keep)
+            seq.logits = np.array(logits[kept])     # after the last token the cache keeps
             if self.speculator is not None and seq.spec is not None:
                 self.speculator.update(seq, k, accepted)
         return outs
@@ -438,7 +439,6 @@ class GenerationLoop:
             if seq.draft is not None:
                 r = self.rows(seq, self.n_batch)
                 outs = self.sample_rows(seq, self.step([r]))
-                seq.logits = None
             else:
                 if logits is None or int(self.kv.pos[seq.slot]) < len(seq.tokens):
                     logits = self.compute(seq)

@@ -23,6 +23,7 @@ Drafters (one interface, :class:`Drafter`):
 Policy (:class:`Speculator`, per sequence): drafts at most ``draft_max`` tokens and none when
 fewer than ``draft_min`` are on offer; the length limit doubles after a fully accepted draft
 and falls to one more than the accepted count otherwise; after a draft with nothing accepted
+(and, for a draft model, a proposal that came back empty: its forward passes were paid for)
 the sequence pauses drafting for 1, 3, 7, ... tokens (at most 63), so text that does not repeat
 (free prose) costs little more than the lookups. Drafts never pass n_ctx or max_tokens.
 """
@@ -131,7 +132,11 @@ class SpecState:
 class Drafter:
     """What a drafter does (module docstring). ``propose`` gets sequences (edge.generate.Sequence,
     each with its SpecState as seq.spec) and the most tokens each may draft; returns a Draft
-    (possibly empty) per sequence. ``release`` forgets a sequence."""
+    (possibly empty) per sequence. ``release`` forgets a sequence. ``costly``: a proposal costs
+    forward passes even when it comes back empty (a draft model), so the policy pauses after
+    empty ones too."""
+
+    costly = False
 
     def propose(self, seqs: Seq, budgets: Seq[int]) -> list[Draft]:
         raise NotImplementedError
@@ -228,6 +233,8 @@ class DraftModelDrafter(Drafter):
         params: the SpecParams (draft_p_min).
         n_vocab: the target's vocabulary size (drafts never name a token past it).
     """
+
+    costly = True
 
     def __init__(self, engine, params: SpecParams, n_vocab: int):
         self.engine, self.params, self.n_vocab = engine, params, n_vocab
@@ -373,6 +380,8 @@ class Speculator:
         for seq, draft in zip(want, self.drafter.propose(want, caps)):
             if len(draft.tokens) >= max(1, self.params.draft_min, seq.spec.n_min):
                 seq.draft = draft
+            elif self.drafter.costly:    # paid for nothing: back off as after a refused draft
+                self._back_off(seq.spec)
 
     def update(self, seq, n_drafted: int, n_accepted: int) -> None:
         """The policy's step after a verification of n_drafted tokens, n_accepted kept."""
@@ -387,10 +396,14 @@ class Speculator:
         else:
             st.limit = max(1, n_accepted + 1)
         if n_accepted == 0:
-            st.failures += 1
-            st.pause = min(MAX_PAUSE, (1 << st.failures) - 1)
+            self._back_off(st)
         else:
             st.failures = 0
+
+    @staticmethod
+    def _back_off(st: SpecState) -> None:
+        st.failures += 1
+        st.pause = min(MAX_PAUSE, (1 << st.failures) - 1)
 
     def release(self, seq) -> None:
         self.drafter.release(seq)

@@ -35,6 +35,7 @@ converted once for all of them (kernels_cpu.attention_tiles; same results bit fo
 being the reference in tests/test_attention_tiles.py).
 """
 import math
+import threading
 from functools import lru_cache
 
 import numpy as np
@@ -319,20 +320,51 @@ def _plan(seq_ids, positions, window, H_kv, threads):
     return first, count, order, share, (max_cells + 15) // 16 * 16
 
 
+def _scratch_floats(max_cells, G, hd, hd_v):
+    """Floats of one worker's scratch in _run_share for tiles of up to max_cells cells."""
+    step = max(1, STEP_QUERIES // G)
+    return max_cells * (hd + hd_v) + step * G * hd + 2 * step * G * (max_cells + 256) + _KQV_REGS * 256
+
+
+_SCRATCH = threading.local()
+
+
+def _tile_scratch(n_workers: int, max_cells: int, G: int, hd: int, hd_v: int):
+    """(float32[n_workers, F], int64[n_workers, max_cells]): the tiled path's scratch, kept per
+    calling thread and grown (x1.5) when too small, so a decode step does not allocate, and
+    page-fault in, megabytes of fresh buffers per layer (a 4k-token context of head size 128:
+    2 x 1.9 MB per worker, which made a decode step's attention several times slower)."""
+    need_f, need_i = _scratch_floats(max_cells, G, hd, hd_v), max_cells
+    f, i = getattr(_SCRATCH, "f", None), getattr(_SCRATCH, "i", None)
+    if f is None or f.shape[0] < n_workers or f.shape[1] < need_f:
+        rows = max(n_workers, 0 if f is None else f.shape[0])
+        f = _SCRATCH.f = np.empty((rows, max(need_f, 0 if f is None else int(f.shape[1] * 1.5))), np.float32)
+    if i is None or i.shape[0] < n_workers or i.shape[1] < need_i:
+        rows = max(n_workers, 0 if i is None else i.shape[0])
+        i = _SCRATCH.i = np.empty((rows, max(need_i, 0 if i is None else int(i.shape[1] * 1.5))), np.int64)
+    return f, i
+
+
 @njit(cache=True, nogil=True)
 def _run_share(q, kflat, vflat, tables, seq_ids, positions, window, scale, softcap, out, H_kv, bs, hd, hd_v, lanes,
-               chunk, first, count, units, max_cells):
-    """_attend_tile for the units ``units`` (of _plan) in turn, with one set of scratch arrays."""
+               chunk, first, count, units, max_cells, scratch, slots):
+    """_attend_tile for the units ``units`` (of _plan) in turn, in one worker's scratch (float32
+    of at least _scratch_floats(max_cells, ...) values; slots int64[>= max_cells])."""
     hd, hd_v, lanes = literally(hd), literally(hd_v), literally(lanes)
     G = q.shape[1] // H_kv
     step = max(1, STEP_QUERIES // G)
-    slots = np.empty(max_cells, np.int64)
-    kt = np.empty(max_cells * hd, np.float32)
-    vl = np.empty(max_cells * hd_v, np.float32)
-    qf = np.empty(step * G * hd, np.float32)
-    kq = np.empty(step * G * (max_cells + 256), np.float32)
-    pl = np.empty(step * G * (max_cells + 256), np.float32)
-    w = np.empty(_KQV_REGS * 256, np.float32)
+    at = 0
+    kt = scratch[at : at + max_cells * hd]
+    at += max_cells * hd
+    vl = scratch[at : at + max_cells * hd_v]
+    at += max_cells * hd_v
+    qf = scratch[at : at + step * G * hd]
+    at += step * G * hd
+    kq = scratch[at : at + step * G * (max_cells + 256)]
+    at += step * G * (max_cells + 256)
+    pl = scratch[at : at + step * G * (max_cells + 256)]
+    at += step * G * (max_cells + 256)
+    w = scratch[at : at + _KQV_REGS * 256]
     for u in units:
         i = u // H_kv
         t0 = first[i]
@@ -350,14 +382,14 @@ def _tiled_kernel(hd, hd_v, lanes):
     (No serial build for small work: a decode step at 32 cells took as long on 2 threads.)"""
     chunk = kqv_chunk(hd_v, lanes)
 
-    def kernel(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, softcap, out, threads):
+    def kernel(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, softcap, out, threads, scratch, slots):
         bs, H_kv = k_pool.shape[1], k_pool.shape[2]
         first, count, order, share, max_cells = _plan(seq_ids, positions, window, H_kv, threads)
         kflat = k_pool.reshape(-1)
         vflat = v_pool.reshape(-1)
         for k in prange(share.shape[0] - 1):
             _run_share(q, kflat, vflat, tables, seq_ids, positions, window, scale, softcap, out, H_kv, bs, hd, hd_v,
-                       lanes, chunk, first, count, order[share[k]:share[k + 1]], max_cells)
+                       lanes, chunk, first, count, order[share[k]:share[k + 1]], max_cells, scratch[k], slots[k])
 
     kernel.__name__ = kernel.__qualname__ = f"_attention_tiled_{hd}_{hd_v}_{lanes}"
     return njit(parallel=True, cache=True, nogil=True)(kernel)
@@ -408,8 +440,11 @@ def paged_attention(q, k_pool, v_pool, tables, seq_ids, positions, window, scale
     if (k_pool.dtype == np.uint16 and v_pool.dtype == np.uint16 and hd % 16 == 0 and (tiny_kq or hd % 64 == 0)
             and hd_v % 16 == 0 and rows_per_seq * (H // k_pool.shape[2]) >= TILE_MIN_QUERIES
             and all(a.flags.c_contiguous for a in (q, k_pool, v_pool, out))):
+        threads = numba.get_num_threads()
+        bound = (int(positions.max()) + 1 + 31) // 16 * 16      # >= any tile's cells (_plan's max_cells)
+        scratch, slots = _tile_scratch(threads, bound, H // k_pool.shape[2], hd, hd_v)
         _tiled_kernel(hd, hd_v, 16 if tiny_kq else 64)(q, k_pool, v_pool, tables, seq_ids, positions, window, scale,
-                                                       softcap, out, numba.get_num_threads())
+                                                       softcap, out, threads, scratch, slots)
         return
     if T * H * cells * hd >= PARALLEL_MIN_MACS:
         _attention_par(q, k_pool, v_pool, tables, seq_ids, positions, window, scale, softcap, out, tiny_kq, tiny_kqv)

@@ -425,3 +425,19 @@ def test_server_speculates_per_request_and_cleans_up_after_a_disconnect(tiny, tm
         assert status == 400 and "speculative.n_max" in json.dumps(body)
     finally:
         srv.stop()
+
+
+def test_a_session_saved_at_the_end_of_a_speculative_generation(tiny, tmp_path):
+    """edge chat's way (session_save="end"): the file holds the prompt and the kept tokens with
+    the logits after them, and the next turn restores it and goes on as plain decoding does."""
+    target, _ = tiny
+    want, _ = _gen(target, PROMPT, GREEDY, 20)
+    target.clear_kv_cache()
+    target.set_speculative(SpecParams("ngram", draft_max=4, ngram_min=1))
+    session = tmp_path / "chat.session"
+    got = list(target.generate(PROMPT, GREEDY, 10, session=session, session_save="end"))
+    target.clear_kv_cache()
+    st = GenerationStats()
+    more = list(target.generate(PROMPT + got, GREEDY, 10, st, session=session, session_save="end"))
+    assert got + more == want and st.n_restored > len(PROMPT)
+    target.set_speculative(SpecParams())
