@@ -38,7 +38,9 @@ from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 a = json.loads(sys.argv[1])
 out = {}
 for mode in ("none", "lookup"):
-    llm = Llama(a["model"], n_ctx=a["n_ctx"], n_batch=512, n_threads=a["threads"], verbose=False,
+    n_ctx = max(len(ids) for ids in a["prompts"].values()) + a["n"] + 64
+    llm = Llama(a["model"], n_ctx=n_ctx, n_batch=512, n_threads=a["threads"], n_threads_batch=a["threads"],
+                verbose=False, logits_all=mode == "lookup",     # its drafter verifies from every row's logits
                 draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10) if mode == "lookup" else None)
     for name, ids in a["prompts"].items():
         runs = []
@@ -66,6 +68,7 @@ def main() -> int:
     ap.add_argument("--draft-max", type=int, default=16, help="--draft-max (default 16)")
     ap.add_argument("--llama-python", default=None, help="llama-cpp-python's interpreter: llama.cpp anchors")
     ap.add_argument("--json", default=None, help="write the results to this JSON file")
+    ap.add_argument("--llama-only", action="store_true", help="only the llama.cpp anchors (with --llama-python)")
     args = ap.parse_args()
 
     from edge.engine import Engine, GenerationStats
@@ -87,7 +90,7 @@ def main() -> int:
     greedy = SamplingParams(temperature=0.0)
     results: dict = {"model": path.name, "draft": Path(draft.path).name if draft else None,
                      "threads": args.threads, "n_predict": args.n_predict}
-    for name, ids in prompts.items():
+    for name, ids in prompts.items() if not args.llama_only else ():
         ref = None
         for mode in modes:
             speeds, stats = [], None
@@ -112,7 +115,7 @@ def main() -> int:
             print(f"{name:6s} {mode:6s} {tps:7.1f} tokens/s  {tps / base:5.2f}x{acc}  "
                   f"(prompt {len(ids)}, generated {len(ref)})", flush=True)
     if args.llama_python:
-        payload = json.dumps({"model": str(path), "n_ctx": n_ctx, "threads": args.threads, "reps": args.reps,
+        payload = json.dumps({"model": str(path), "threads": args.threads, "reps": args.reps,
                               "n": args.n_predict, "prompts": prompts})
         proc = subprocess.run([args.llama_python, "-c", LLAMA_SCRIPT, payload], capture_output=True, text=True)
         if proc.returncode:
