@@ -16,6 +16,13 @@ Tests (each the median of ``reps`` timed repetitions after one short untimed war
   its first third again: the model goes on copying), plain and with speculative decoding by
   prompt lookup, both batch-invariant (the tokens are checked equal); tokens/s = N / seconds
   after the first token; the ngram row's RESULT has ``vs_plain`` and ``drafted`` / ``accepted``.
+- ``tgN json`` and ``tgN json schema`` (``grammar``, edge only): N greedy tokens after a chat
+  prompt asking for a long JSON array (JSON_PROMPT), plain and with the JSON schema
+  JSON_SCHEMA enforced by edge.grammar.GrammarMask in the mask stage; tokens/s = N / seconds
+  after the first token. The schema row's RESULT has ``vs_plain``, ``mask_ms_per_token`` (the
+  mask stage's time per sampled token), ``compile_ms`` (the schema's compile time),
+  ``ll_tokenizer_s`` (the vocabulary's llguidance tokenizer, built once per tokenizer) and
+  ``eog_only_steps`` (steps after the grammar completed: only end-of-generation tokens allowed).
 - ``tgN xB``: B sequences (distinct random prompts of BATCH_PROMPT_LEN ids) decoding together,
   each step one forward pass of B rows (one token per sequence), in batch-invariant mode as
   ``edge serve`` runs its batches (Transformer.set_batch_invariant); tokens/s = B * N / seconds;
@@ -36,7 +43,7 @@ without it).
 JSON (``edge bench --json``), one object:
     model, model_path, model_bytes, threads, n_ctx, n_batch, reps, cache_type_k, cache_type_v, seed
     tensor_types: {GGML type name: tensor count} of the model file, most common first
-    tests: list of {test, kind ("pp" | "tg" | "batched" | "spec"), n_seq, n_tokens_asked,
+    tests: list of {test, kind ("pp" | "tg" | "batched" | "spec" | "grammar"), n_seq, n_tokens_asked,
                     edge: RESULT, llama_cpp: RESULT | null, edge_over_llama_cpp: float | null,
                     tokens_equal: whether both engines generated the same greedy tokens (tg and
                     batched, last rep; null for pp and without llama.cpp)}
@@ -76,6 +83,11 @@ FIRST_PROMPT = "The capital of France is"
 BATCH_PROMPT_LEN = 8
 SEED = 1234
 _LLAMA_CHILD = Path(__file__).with_name("bench_llama_cpp.py")
+JSON_PROMPT = "Write a JSON array of 500 made-up people, each with an id, a name, an age and an email."
+JSON_SCHEMA = {"type": "array", "items": {
+    "type": "object", "additionalProperties": False, "required": ["id", "name", "age", "email"],
+    "properties": {"id": {"type": "integer"}, "name": {"type": "string"},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 120}, "email": {"type": "string"}}}}
 
 
 def peak_rss_mb() -> float:
@@ -101,6 +113,7 @@ class BenchConfig:
     llama_python: str | None = None   # interpreter with llama-cpp-python; None = edge only
     batch_invariant: bool = False     # Engine.batch_invariant of pp and tg (tgN xB: always on)
     spec: bool = False                # add the tgN copy tests (speculative decoding)
+    grammar: bool = False             # add the tgN json tests (constrained decoding)
 
     def check(self) -> None:
         """Raise ValueError for sizes that cannot be run."""
@@ -232,8 +245,44 @@ class EdgeRunner:
         st = seq.spec
         return {"s": s, "tokens": tokens[1:], "drafted": st.drafted if st else 0, "accepted": st.accepted if st else 0}
 
+    def constrained(self, ids, n: int, schema: bool) -> dict:
+        """N greedy tokens after ``ids`` (the first untimed), with JSON_SCHEMA in the mask stage
+        when ``schema``: {s, tokens, first (the untimed token)}, and with the schema mask_s (its time over the N timed
+        tokens), compile_s, eog_only_steps."""
+        from edge.generate import Limits
+        from edge.grammar import GrammarMask, json_schema
+        from edge.sampling import SamplingParams
+
+        e = self.engine
+        kv = self._kv(e.n_ctx)
+        try:
+            mask = GrammarMask(json_schema(JSON_SCHEMA), e.tokenizer, len(ids)) if schema else None
+            loop = e.loop(kv)
+            seq = loop.new(ids, SamplingParams(temperature=0.0), Limits(n + 1, eog=False), [mask] if mask else ())
+            loop.admit(seq)
+            first = loop.sample(seq, loop.compute(seq)).token
+            mask_s0 = mask.mask_seconds if mask else 0.0
+            eog0 = mask.eog_only_calls if mask else 0
+            t0 = time.perf_counter()
+            tokens = [loop.advance([seq])[0].token for _ in range(n)]
+            s = time.perf_counter() - t0
+        finally:
+            kv.close()
+        out = {"s": s, "tokens": tokens, "first": first}
+        if mask is not None:
+            out.update(mask_s=mask.mask_seconds - mask_s0, compile_s=mask.compile_seconds,
+                       eog_only_steps=mask.eog_only_calls - eog0)
+        return out
+
     def rss(self) -> dict:
         return {"peak_rss_mb": peak_rss_mb()}
+
+
+def json_prompt(engine) -> list[int]:
+    """The tgN json prompt: JSON_PROMPT through the chat template (as is without one)."""
+    if engine.template is None:
+        return engine.raw_prompt(JSON_PROMPT)
+    return engine.chat_prompt([{"role": "user", "content": JSON_PROMPT}])
 
 
 def copy_prompt(engine, n_gen: int) -> list[int]:
@@ -535,6 +584,21 @@ def _run_tests(cfg: BenchConfig, b: _Bench, edge: EdgeRunner) -> None:
             raise RuntimeError("speculative decoding gave other tokens than plain decoding (a bug)")
         spec["edge"].update(vs_plain=spec["edge"]["tps"] / plain["edge"]["tps"], drafted=last["drafted"],
                             accepted=last["accepted"])
+    if cfg.grammar:
+        from edge.grammar import ll_build_seconds, ll_tokenizer
+
+        ids = json_prompt(edge.engine)
+        plain = b.measure(f"tg{n} json", "grammar", 1, n, lambda r: r.constrained(ids, 2, False),
+                          lambda r: r.constrained(ids, n, False), only=("edge",))
+        t0 = time.perf_counter()
+        ll_tokenizer(edge.engine.tokenizer)           # built once per tokenizer: timed here, not in the rows
+        ll_s = ll_build_seconds.get(edge.engine.tokenizer.n_vocab, time.perf_counter() - t0)
+        masked = b.measure(f"tg{n} json schema", "grammar", 1, n, lambda r: r.constrained(ids, 2, True),
+                           lambda r: r.constrained(ids, n, True), only=("edge",))
+        last = b.last[masked["test"]]["edge"]
+        masked["edge"].update(vs_plain=masked["edge"]["tps"] / plain["edge"]["tps"],
+                              mask_ms_per_token=1000 * last["mask_s"] / n, compile_ms=1000 * last["compile_s"],
+                              ll_tokenizer_s=ll_s, eog_only_steps=last["eog_only_steps"])
     n_ctx_seq = -(-(BATCH_PROMPT_LEN + n) // 256) * 256
     rows = {}
     for B in cfg.batch_sizes:

@@ -426,8 +426,10 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": HI, "stop": [str(i) for i in range(17)]}, "stop", "invalid_value"),
     ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]},
      "tools", "unsupported_value"),
-    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_object"}}, "response_format",
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "xml"}}, "response_format",
      "unsupported_value"),
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "intger"}}}}, "response_format", "invalid_value"),
     ("/v1/chat/completions", {"messages": HI, "response_format": "json"}, "response_format", "invalid_value"),
     ("/v1/chat/completions", {"messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
     ("/v1/chat/completions", {"messages": HI, "logprobs": True, "top_logprobs": -1}, "top_logprobs", "invalid_value"),

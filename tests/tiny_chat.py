@@ -35,10 +35,11 @@ class _ChatWriter(GGUFWriter):
         return super().write_header_to_file(*args, **kw)
 
 
-def write_tiny_chat_model(path: Path, monkeypatch) -> Path:
+def write_tiny_chat_model(path: Path, monkeypatch, **kw) -> Path:
     """Write the tiny ChatML model to ``path`` (``monkeypatch``: a pytest MonkeyPatch, used for
-    the writer while writing). Returns the path."""
+    the writer while writing; ``kw``: more of tiny_models.write_tiny_model's arguments, e.g.
+    ``tokens`` and ``n_vocab``). Returns the path."""
     with monkeypatch.context() as mp:
         mp.setattr(tiny_models, "GGUFWriter", _ChatWriter)
-        tiny_models.write_tiny_model(path, arch="qwen2")
+        tiny_models.write_tiny_model(path, arch="qwen2", **kw)
     return path

@@ -28,6 +28,9 @@ def add_parser(sub) -> None:
     bench.add_argument("-r", "--repetitions", type=positive_int, default=3, help="runs per test (default: 3)")
     bench.add_argument("--spec", action="store_true",
                        help="add the speculative decoding test: tgN on a copy task, plain and with prompt lookup")
+    bench.add_argument("--grammar", action="store_true",
+                       help="add the constrained decoding test: tgN of a JSON answer, plain and with a JSON schema "
+                            "enforced (mask time per token, schema compile time)")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     bench.add_argument("--vs-llama-cpp", action="store_true", help="run the same tests through llama-cpp-python")
     bench.add_argument("--llama-python", default=sys.executable,
@@ -49,7 +52,7 @@ def cmd_bench(args) -> int:
                       reps=args.repetitions, threads=numba.get_num_threads(),
                       cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
                       llama_python=args.llama_python if args.vs_llama_cpp else None,
-                      batch_invariant=args.batch_invariant, spec=args.spec)
+                      batch_invariant=args.batch_invariant, spec=args.spec, grammar=args.grammar)
     result = run_bench(cfg)
     if args.json:
         print(json.dumps(result, indent=1))
@@ -108,6 +111,12 @@ def print_result(result: dict, console=None) -> None:
         if row["kind"] == "spec" and r and "vs_plain" in r:
             console.print(f"{row['test']}: speculative decoding by prompt lookup, {r['vs_plain']:.2f}x plain decoding "
                           f"(same tokens); drafts kept {r['accepted']}/{r['drafted']}", markup=False)
+        if row["kind"] == "grammar" and r and "vs_plain" in r:
+            console.print(f"{row['test']}: a JSON schema enforced, {r['vs_plain']:.2f}x plain decoding; mask "
+                          f"{r['mask_ms_per_token']:.2f} ms/token, schema compiled in {r['compile_ms']:.1f} ms, "
+                          f"llguidance tokenizer built in {r['ll_tokenizer_s']:.2f} s (once per model)"
+                          + (f"; {r['eog_only_steps']} steps after the JSON ended" if r["eog_only_steps"] else ""),
+                          markup=False)
     c = result.get("ceilings")
     if c:
         threads = f"{result['threads']} thread{'s' if result['threads'] != 1 else ''}"

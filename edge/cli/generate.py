@@ -25,6 +25,11 @@ def add_parsers(sub) -> None:
     run.add_argument("--session", "--prompt-cache", dest="session", default=None, metavar="FILE",
                      help="session file: restore the prompt's KV cache from it when it starts the "
                           "same way, and save the prompt's state to it (llama.cpp's --prompt-cache)")
+    g = run.add_argument_group("constrained decoding (the answer follows a grammar; llguidance)")
+    g.add_argument("-j", "--json-schema", default=None, metavar="SCHEMA",
+                   help="the answer is JSON valid against this JSON schema: its text, or a file holding it")
+    g.add_argument("--grammar", default=None, metavar="GBNF", help="the answer follows this GBNF grammar")
+    g.add_argument("--grammar-file", default=None, metavar="FILE", help="the answer follows the GBNF grammar in FILE")
     add_spec_args(run)
     run.set_defaults(func=cmd_run)
 
@@ -60,6 +65,7 @@ def cmd_run(args) -> int:
     with naming_flags():
         params = SamplingParams(**sampling_fields(args))
     spec_params(args)                  # bad speculative options fail before the model loads
+    grammar = grammar_option(args)     # so do bad schemas and grammars
     t_start = time.perf_counter()
     engine = load_engine(args)
     set_speculative(engine, args)
@@ -74,12 +80,17 @@ def cmd_run(args) -> int:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                    [{"role": "user", "content": prompt}]
         ids = engine.chat_prompt(messages)
+    processors = []
+    if grammar is not None:
+        from edge.grammar import GrammarMask
+        processors.append(GrammarMask(grammar, engine.tokenizer, len(ids)))
     stats = GenerationStats()
     decoder = StreamDecoder()
     out = sys.stdout
     try:
         max_tokens = None if args.max_tokens < 0 else args.max_tokens     # -n -1: no limit
-        for tok in engine.generate(ids, params, max_tokens, stats, session=args.session):
+        for tok in engine.generate(ids, params, max_tokens, stats, session=args.session,
+                                   processors=processors):
             text = decoder.feed(engine.tokenizer.token_to_piece(tok, special=False))
             if text:
                 out.write(text)
@@ -99,10 +110,24 @@ def cmd_run(args) -> int:
           f"{f' (context full: -c {args.ctx_size})' if stats.context_full else ''} | total {total:.1f} s"
           + (f" | drafted {stats.n_drafted}, accepted {stats.n_accepted} "
              f"({100 * stats.n_accepted / stats.n_drafted:.0f} %)" if stats.n_drafted else "")
+          + (f" | grammar: compiled in {processors[0].compile_seconds * 1000:.1f} ms, mask "
+             f"{1000 * processors[0].mask_seconds / max(1, processors[0].mask_calls):.2f} ms/token" if processors else "")
           + (f" | {stats.n_restored} prompt tokens restored from {args.session}" if stats.n_restored else "")
           + (f" | {args.session} held another prompt; it now holds this one" if stats.session_replaced else ""),
           file=sys.stderr)
     return 0
+
+
+def grammar_option(args):
+    """The edge.grammar.Grammar of -j/--json-schema, --grammar or --grammar-file (None without);
+    raises ValueError (GrammarError) for more than one, a bad file, schema or grammar."""
+    from edge.grammar import from_option
+
+    given = [(flag, value) for flag, value in (("--json-schema", args.json_schema), ("--grammar", args.grammar),
+                                               ("--grammar-file", args.grammar_file)) if value is not None]
+    if len(given) > 1:
+        raise ValueError(f"give one of {', '.join(f for f, _ in given)}, not several")
+    return from_option(*given[0]) if given else None
 
 
 def cmd_chat(args) -> int:

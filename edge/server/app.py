@@ -2,7 +2,9 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events or
 not), GET /v1/models, POST /tokenize, POST /detokenize (llama-server's shapes), GET /health
-(503 while the model loads, then 200), GET /metrics (Prometheus text).
+(503 while the model loads, then 200), GET /metrics (Prometheus text). A request constrained
+by response_format json_object / json_schema, json_schema or grammar (protocol's
+``constraint``) gets an edge.grammar.GrammarMask in its sampler's mask stage.
 
 Every error is ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for the
 client's mistakes (bad JSON, wrong types, out-of-range values, unknown model, a prompt longer
@@ -38,6 +40,7 @@ from starlette.routing import Route
 from edge.chat_template import ChatTemplateError, NoChatTemplateError
 from edge.engine import ContextLengthExceeded
 from edge.generate import Limits
+from edge.grammar import GrammarError, GrammarMask
 from edge.sampling import InvalidParameter, SamplingParams
 from edge.server import guard, protocol as P
 from edge.server.metrics import Metrics
@@ -286,6 +289,19 @@ def _too_long_to_tokenize(state: "ServerState", n_bytes: int, param: str) -> Non
                          code="context_length_exceeded")
 
 
+def _processors(grammar, param: str | None, engine, n_prompt: int) -> list:
+    """The mask stage of a request constrained by ``grammar`` (edge.grammar.GrammarMask; none
+    without one). Compiles the grammar (and, the first time, the vocabulary's llguidance
+    tokenizer): run it off the event loop. Raises APIError (400, param: the field) when
+    llguidance refuses the grammar."""
+    if grammar is None:
+        return []
+    try:
+        return [GrammarMask(grammar, engine.tokenizer, n_prompt)]
+    except GrammarError as e:
+        raise P.APIError(400, f"{param}: {e}", param=param, code="invalid_value") from None
+
+
 def _piece(engine, tok: int) -> tuple[str, list[int]]:
     raw = engine.tokenizer.token_to_piece(tok)
     return raw.decode("utf-8", errors="replace"), list(raw)
@@ -407,6 +423,7 @@ class _Handlers:
         engine, scheduler = state.require()
         body = await _body(request, state, P.ChatCompletionRequest)
         body.check_unsupported()
+        grammar, grammar_param = body.constraint()
         if body.max_completion_tokens is not None:     # OpenAI's newer name wins
             max_tokens, max_tokens_param = body.max_completion_tokens, "max_completion_tokens"
         else:
@@ -437,8 +454,9 @@ class _Handlers:
         except ChatTemplateError as e:   # the template's own error: the client's request (C2)
             raise P.APIError(400, str(e), param="messages", code="chat_template_error") from None
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        processors = await run_in_threadpool(_processors, grammar, grammar_param, engine, len(ids))
         gen = GenRequest(ids, params, emit=None, max_tokens=max_tokens, stop=body.stop_list(), logprobs=logprobs,
-                         speculative=_speculative(body))
+                         processors=processors, speculative=_speculative(body))
         stream = _Stream(scheduler, gen)
         stream.submit()
         rid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_id()
@@ -502,6 +520,7 @@ class _Handlers:
             raise P.APIError(400, f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {body.logprobs}",
                              param="logprobs", code="invalid_value")
         params = _sampling(body, engine)
+        grammar, grammar_param = body.constraint()
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -517,8 +536,9 @@ class _Handlers:
             ids = list(prompt)
         if not ids:
             raise P.APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
+        processors = await run_in_threadpool(_processors, grammar, grammar_param, engine, len(ids))
         gen = GenRequest(ids, params, emit=None, max_tokens=max_tokens, stop=body.stop_list(),
-                         logprobs=body.logprobs, speculative=_speculative(body))
+                         logprobs=body.logprobs, processors=processors, speculative=_speculative(body))
         stream = _Stream(scheduler, gen)
         try:
             stream.submit()

@@ -5,11 +5,14 @@ extensions (top_k, min_p, repeat_penalty, n_predict, ignore_eos, n_probs). Unkno
 ignored, as OpenAI does; known fields of the wrong type or out of range are a 400 whose
 ``param`` names the field. Types are strict: "0.5" is not a number and true is not an integer.
 
+Constrained decoding (edge.grammar): OpenAI's ``response_format`` json_object / json_schema on
+chat, llama-server's ``json_schema`` and ``grammar`` (GBNF) on both routes; one of them per
+request, and a schema or grammar llguidance refuses is a 400 naming the field.
+
 A field that would change what the answer must be and that this server does not implement
-(grammar, json_schema, mirostat, typical_p, tool_choice "required", audio ...) is a 400
-naming it unless it has its neutral value (mirostat 0, typical_p 1.0 ...): never silently
-dropped. Fields that do not change the answer (user, metadata, store, cache_prompt ...) are
-accepted.
+(mirostat, typical_p, tool_choice "required", audio ...) is a 400 naming it unless it has its
+neutral value (mirostat 0, typical_p 1.0 ...): never silently dropped. Fields that do not
+change the answer (user, metadata, store, cache_prompt ...) are accepted.
 
 Bodies must be sent as ``Content-Type: application/json`` (415 otherwise) and be JSON whose
 strings are Unicode text (a lone surrogate escape is a 400 naming the field), whose numbers are
@@ -206,8 +209,6 @@ _SAMPLING_NOT_IMPLEMENTED: dict[str, _Neutral] = {
     "min_keep": (lambda v: v in (0, 1), "0"),
     "tfs_z": (lambda v: v >= 1, "1.0"),
     "penalize_nl": (lambda v: v is False, "false"),
-    "grammar": (lambda v: v == "", '""'),
-    "json_schema": None,
     "n_indent": (lambda v: v <= 0, "0"),
     "t_max_predict_ms": (lambda v: v <= 0, "0"),
     "lora": (lambda v: v == [], "[]"),
@@ -282,6 +283,23 @@ class _Sampling(_Body):
             raise APIError(400, f"{name} = {_short(value)} is not supported by this server: it would change the "
                                 f"answer; {how}", param=name, code="unsupported_value")
 
+    def constraint(self):
+        """(the edge.grammar.Grammar this request constrains its answer with, the field that
+        asked) or (None, None). Raises APIError (400 invalid_value, param: the field) for both
+        json_schema and grammar, or one llguidance cannot convert."""
+        from edge.grammar import GrammarError, gbnf, json_schema
+
+        if self.grammar and self.json_schema is not None:
+            raise APIError(400, "grammar: give either json_schema or grammar, not both", param="grammar",
+                           code="invalid_value")
+        param = "json_schema" if self.json_schema is not None else "grammar" if self.grammar else None
+        if param is None:
+            return None, None
+        try:
+            return (json_schema(self.json_schema) if param == "json_schema" else gbnf(self.grammar)), param
+        except GrammarError as e:
+            raise APIError(400, f"{param}: {e}", param=param, code="invalid_value") from None
+
     def max_tokens_given(self) -> tuple[int | None, str]:
         """(the token limit asked for, the field that asked): max_tokens, else n_predict (its -1,
         no limit, as None). Raises APIError (400) for n_predict 0 or below -1."""
@@ -293,6 +311,9 @@ class _Sampling(_Body):
             raise APIError(400, f"n_predict must be -1 (no limit) or at least 1, got {self.n_predict}",
                            param="n_predict", code="invalid_value")
         return self.n_predict, "n_predict"
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
 class ChatCompletionRequest(_Sampling):
@@ -327,15 +348,42 @@ class ChatCompletionRequest(_Sampling):
     }
 
     def check_unsupported(self) -> None:
-        """Raise APIError (400) for tool calling and a response_format other than plain text
-        (JSON mode / schemas); the rest of NOT_IMPLEMENTED is check_not_implemented's."""
+        """Raise APIError (400) for tool calling and a response_format of another type than
+        text, json_object or json_schema; the rest of NOT_IMPLEMENTED is check_not_implemented's."""
         if self.tools:
             raise APIError(400, "tools (function calling) are not supported by this server", param="tools",
                            code="unsupported_value")
         kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise APIError(400, f"response_format {_short(kind)} is not supported by this server (only 'text')",
-                           param="response_format", code="unsupported_value")
+        if kind not in RESPONSE_FORMATS:
+            raise APIError(400, f"response_format type {_short(kind)} is not supported by this server (one of "
+                                f"{', '.join(RESPONSE_FORMATS)})", param="response_format", code="unsupported_value")
+
+    def constraint(self):
+        """As _Sampling.constraint, with OpenAI's response_format: json_object (any JSON object, or
+        llama-server's ``schema`` beside it) and json_schema (``json_schema.schema``; absent: any
+        JSON value). response_format other than text with json_schema or grammar is a 400."""
+        from edge.grammar import GrammarError, any_json_object, json_schema
+
+        rf = self.response_format or {}
+        kind = rf.get("type", "text")
+        if kind == "text":
+            return super().constraint()
+        if self.json_schema is not None or self.grammar:
+            other = "json_schema" if self.json_schema is not None else "grammar"
+            raise APIError(400, f"response_format: {kind} and {other} both constrain the answer: give one",
+                           param="response_format", code="invalid_value")
+        if kind == "json_object":
+            schema = rf.get("schema")
+        else:
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict):
+                raise APIError(400, "response_format: type json_schema needs a json_schema object ({\"name\": ..., "
+                                    "\"schema\": {...}})", param="response_format", code="invalid_value")
+            schema = spec.get("schema", True)
+        try:
+            return (any_json_object() if schema is None else json_schema(schema)), "response_format"
+        except GrammarError as e:
+            raise APIError(400, f"response_format: {e}", param="response_format", code="invalid_value") from None
 
 
 class CompletionRequest(_Sampling):

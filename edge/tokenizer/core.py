@@ -114,7 +114,7 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ encode
     def encode(self, text: str | bytes, add_special: bool, parse_special: bool,
-               protect: Sequence[tuple[int, int]] = ()) -> list[int]:
+               protect: Sequence[tuple[int, int]] = (), space_prefix: bool = True) -> list[int]:
         """Text -> token ids (llama.cpp ``llama_tokenize``).
 
         Args:
@@ -130,6 +130,8 @@ class Tokenizer:
                 The spans do not split the text otherwise, so a chat prompt with its message
                 contents protected tokenizes exactly as llama.cpp tokenizes the whole prompt
                 whenever the contents hold no special token.
+            space_prefix: False: no SentencePiece space prefix at the start (``add_space_prefix``
+                models), for text that continues other text (edge.grammar's tokenizer).
 
         Raises:
             TypeError: ``text`` is neither str nor bytes.
@@ -158,7 +160,7 @@ class Tokenizer:
         if add_special and self.add_bos:
             out.append(self.bos_id)
         if self.kind == "spm":
-            self._encode_spm(fragments, out)
+            self._encode_spm(fragments, out, space_prefix)
         elif self.kind == "ugm":
             for fragment in fragments:
                 if isinstance(fragment, int):
@@ -179,8 +181,8 @@ class Tokenizer:
             out.append(self.eos_id)
         return out
 
-    def _encode_spm(self, fragments: list[bytes | int], out: list[int]) -> None:
-        prev_special = True  # a space prefix goes at the start and after each special token
+    def _encode_spm(self, fragments: list[bytes | int], out: list[int], space_prefix: bool = True) -> None:
+        prev_special = space_prefix  # a space prefix goes at the start and after each special token
         for fragment in fragments:
             if isinstance(fragment, int):
                 out.append(fragment)

@@ -1,0 +1,143 @@
+"""Constrained decoding through `edge serve` on the default model (qwen2.5-coder-0.5b-instruct)
+with the official openai client: response_format json_schema on varied schemas, the client's
+``chat.completions.parse`` with a pydantic model, json_object, llama-server's json_schema and
+grammar fields, streamed equal to not streamed. Greedy, short answers, one server.
+
+Expected values: every answer parses and is valid against its schema (checked by hand below,
+the subset of JSON Schema the schemas use), or is one of a grammar's sentences."""
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import pytest
+
+from tests.server_process import Server
+
+openai = pytest.importorskip("openai", reason="the server tests talk through the official openai client "
+                                               "(pip install -e .[test])")
+pydantic = pytest.importorskip("pydantic")
+MODEL = "qwen2.5-coder-0.5b-instruct"
+
+
+@pytest.fixture(scope="module")
+def server(qwen_path, tmp_path_factory):
+    srv = Server(["-m", str(qwen_path), "-np", "2", "-c", "1024"], tmp_path_factory.mktemp("gserve") / "serve.log")
+    try:
+        srv.wait_ready(120)
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0, timeout=300)
+
+
+def _valid(value, schema: dict, path: str = "$") -> None:
+    """Assert ``value`` is valid against ``schema`` (type, properties, required,
+    additionalProperties false, items, minItems, maxItems, enum, minimum, maximum)."""
+    types = {"object": dict, "array": list, "string": str, "boolean": bool, "integer": int, "number": (int, float)}
+    kind = schema.get("type")
+    if kind is not None:
+        assert isinstance(value, types[kind]) and not (kind in ("integer", "number") and isinstance(value, bool)), \
+            (path, value, kind)
+    if "enum" in schema:
+        assert value in schema["enum"], (path, value)
+    if "minimum" in schema:
+        assert value >= schema["minimum"], (path, value)
+    if "maximum" in schema:
+        assert value <= schema["maximum"], (path, value)
+    if kind == "object":
+        props = schema.get("properties", {})
+        assert set(schema.get("required", ())) <= set(value), (path, value)
+        if schema.get("additionalProperties") is False:
+            assert set(value) <= set(props), (path, value)
+        for key, sub in props.items():
+            if key in value:
+                _valid(value[key], sub, f"{path}.{key}")
+    if kind == "array":
+        assert schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", len(value)), (path, value)
+        for i, item in enumerate(value):
+            _valid(item, schema.get("items", {}), f"{path}[{i}]")
+
+
+SCHEMAS = [
+    ("a person", {"type": "object", "additionalProperties": False, "required": ["name", "age", "email"],
+                  "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 18, "maximum": 65},
+                                 "email": {"type": "string"}}}),
+    ("a todo list of three items", {"type": "object", "required": ["items"], "additionalProperties": False,
+                                    "properties": {"items": {"type": "array", "minItems": 3, "maxItems": 3, "items": {
+                                        "type": "object", "required": ["title", "done"], "additionalProperties": False,
+                                        "properties": {"title": {"type": "string"}, "done": {"type": "boolean"}}}}}}),
+    ("the weather in Paris", {"type": "object", "required": ["city", "sky", "celsius"], "additionalProperties": False,
+                              "properties": {"city": {"type": "string"},
+                                             "sky": {"enum": ["sunny", "cloudy", "rainy"]},
+                                             "celsius": {"type": "number", "minimum": -30, "maximum": 45}}}),
+    ("a book with its author", {"type": "object", "required": ["title", "author", "year"],
+                                "additionalProperties": False,
+                                "properties": {"title": {"type": "string"}, "year": {"type": "integer", "minimum": 1800,
+                                                                                     "maximum": 2025},
+                                               "author": {"type": "object", "required": ["first", "last"],
+                                                          "additionalProperties": False,
+                                                          "properties": {"first": {"type": "string"},
+                                                                         "last": {"type": "string"}}}}}),
+]
+
+
+@pytest.mark.parametrize("what,schema", SCHEMAS, ids=[w.split()[1] for w, _ in SCHEMAS])
+def test_json_schema_answers_validate(client, what, schema):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": f"Give {what} as JSON."}], temperature=0, max_tokens=160,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    _valid(json.loads(choice.message.content), schema)
+
+
+class Step(pydantic.BaseModel):
+    explanation: str
+    output: str
+
+
+class MathAnswer(pydantic.BaseModel):
+    steps: list[Step]
+    final_answer: int
+    confidence: Literal["low", "high"]
+
+
+def test_client_parse_with_a_pydantic_model(client):
+    r = client.chat.completions.parse(model=MODEL, temperature=0, max_tokens=300, response_format=MathAnswer,
+                                      messages=[{"role": "user", "content": "Solve 8x + 7 = 23 step by step."}])
+    parsed = r.choices[0].message.parsed
+    assert isinstance(parsed, MathAnswer) and r.choices[0].finish_reason == "stop"
+    assert parsed.confidence in ("low", "high") and all(isinstance(s, Step) for s in parsed.steps)
+
+
+def test_json_object_streamed_equals_not_streamed(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Describe a cat in JSON."}], temperature=0,
+              max_tokens=80, response_format={"type": "json_object"})
+    r = client.chat.completions.create(**kw)
+    text = r.choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                       if c.choices)
+    assert streamed == text
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    else:
+        assert r.choices[0].finish_reason == "length" and text.lstrip().startswith("{")
+
+
+def test_llama_server_fields(client):
+    r = client.completions.create(model=MODEL, prompt="Is Paris in France? Answer:", temperature=0, max_tokens=8,
+                                  extra_body={"grammar": 'root ::= " " ("yes" | "no")'})
+    assert r.choices[0].text in (" yes", " no") and r.choices[0].finish_reason == "stop"
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 3, "maxItems": 3}
+    r = client.completions.create(model=MODEL, prompt="Three digits as a JSON array:", temperature=0, max_tokens=20,
+                                  extra_body={"json_schema": schema})
+    _valid(json.loads(r.choices[0].text), schema)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Pick a color."}],
+                                       temperature=0, max_tokens=8,
+                                       extra_body={"grammar": 'root ::= "red" | "green" | "blue"'})
+    assert r.choices[0].message.content in ("red", "green", "blue")
