@@ -47,7 +47,7 @@ class GrammarError(ValueError):
 
 @dataclass(frozen=True)
 class Grammar:
-    """A grammar ready for llguidance: ``kind`` ("json_schema" or "gbnf"), ``source``
+    """A grammar ready for llguidance: ``kind`` ("json_schema", "gbnf" or "lark"), ``source``
     (the text as given, for messages) and ``definition`` (llguidance's grammar definition, a
     JSON string; LLMatcher's input). Build with :func:`json_schema`, :func:`gbnf`."""
 
@@ -103,6 +103,18 @@ def gbnf(text: str) -> Grammar:
     except Exception as e:          # the converter raises ValueError, and others on odd input
         raise GrammarError(f"invalid grammar: {_short(str(e))}") from None
     return _checked(Grammar("gbnf", text, definition))
+
+
+def lark(text: str) -> Grammar:
+    """The grammar of a Lark text in llguidance's dialect (``%json {schema}`` embeds a JSON
+    schema; llguidance's docs/syntax.md). Raises GrammarError when llguidance refuses it."""
+    import llguidance
+
+    try:
+        definition = llguidance.grammar_from("lark", text)
+    except Exception as e:          # as gbnf: ValueError, and others on odd input
+        raise GrammarError(f"invalid grammar: {_short(str(e))}") from None
+    return _checked(Grammar("lark", text, definition))
 
 
 def from_option(flag: str, value: str) -> Grammar:

@@ -1,0 +1,356 @@
+"""Tool calls (OpenAI's function calling): check ``tools``, find calls in a model's output,
+and build the grammar that forces one for tool_choice "required" or a named function.
+
+Formats, chosen from the text of the model's chat template (:func:`detect_format`):
+
+- ``hermes`` (Qwen2.5, Qwen3, Hermes 2/3): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
+  any number, text around them is content (the prompt format the Qwen2.5 template describes).
+- ``llama3`` (Llama 3.1-3.3): the whole answer is one JSON object ``{"name": ...,
+  "parameters": {...}}`` (or "arguments"), possibly after ``<|python_tag|>``; several are
+  separated by ``;`` (Meta's llama-models prompt-format documentation).
+- ``mistral``: ``[TOOL_CALLS]`` then a JSON array of ``{"name", "arguments"}`` objects (Mistral's
+  tokenizer documentation, v3 tool-call format).
+- ``generic`` (any other template): the Hermes tags, or an answer that is wholly a JSON object
+  ``{"name", "arguments"}`` / ``{"tool_call": {...}}`` / ``{"tool_calls": [...]}``.
+
+:class:`ToolCallParser` reads the output as it streams: text that may still become a call
+(a prefix of ``<tool_call>``, an answer starting with ``{``) is held back until it is known,
+so no part of a tag reaches the content. A call's text that is not valid JSON with a string
+name stays content.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+MISTRAL_TAG = "[TOOL_CALLS]"
+FORMATS = ("hermes", "llama3", "mistral", "generic")
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")      # OpenAI: a-z, A-Z, 0-9, _ and -, at most 64
+
+
+class ToolError(ValueError):
+    """A ``tools`` / ``tool_choice`` value that is not valid; ``param`` is the field's path."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class ToolCall:
+    """One parsed call: ``name`` and ``arguments`` (the JSON text of an object), with its ``id``."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def openai(self) -> dict:
+        """The call as OpenAI's ``message.tool_calls[i]``."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def detect_format(template_source: str | None) -> str:
+    """The tool-call format of a chat template's text: one of FORMATS."""
+    src = template_source or ""
+    if HERMES_OPEN in src:
+        return "hermes"
+    if MISTRAL_TAG in src:
+        return "mistral"
+    if PYTHON_TAG in src or ("<|start_header_id|>" in src and '"parameters"' in src):
+        return "llama3"
+    return "generic"
+
+
+def check_tools(tools) -> list[dict]:
+    """``tools`` checked as OpenAI's function tools: ``[{"type": "function", "function": {"name",
+    "description"?, "parameters"?, "strict"?}}]``; returns them with ``parameters`` defaulted to
+    an empty object schema. Raises ToolError naming the first bad entry (param ``tools.<i>...``)."""
+    if not isinstance(tools, list):
+        raise ToolError("tools must be a list of {\"type\": \"function\", \"function\": {...}}", "tools")
+    out, names = [], set()
+    for i, tool in enumerate(tools):
+        where = f"tools.{i}"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise ToolError(f"{where}: a tool must be {{\"type\": \"function\", \"function\": {{...}}}}", where)
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise ToolError(f"{where}.function: must be an object with a name", f"{where}.function")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ToolError(f"{where}.function.name: must be 1-64 letters, digits, '_', '-' or '.', got "
+                            f"{json.dumps(name)[:70]}", f"{where}.function.name")
+        if name in names:
+            raise ToolError(f"{where}.function.name: {name!r} is given twice", f"{where}.function.name")
+        names.add(name)
+        if "description" in fn and not isinstance(fn["description"], str):
+            raise ToolError(f"{where}.function.description: must be a string", f"{where}.function.description")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise ToolError(f"{where}.function.parameters: must be a JSON schema object", f"{where}.function.parameters")
+        out.append({"type": "function", "function": {**fn, "parameters": params}})
+    return out
+
+
+def chosen_tools(tools: list[dict], tool_choice) -> tuple[str, list[dict]]:
+    """(mode, the tools a call may use) for ``tool_choice``: mode "auto", "none", "required"
+    (a named function is "required" with that one tool). Raises ToolError for another value or
+    a name not among ``tools``."""
+    if tool_choice is None:
+        return ("auto" if tools else "none"), tools
+    if tool_choice in ("auto", "none", "required"):
+        if tool_choice == "required" and not tools:
+            raise ToolError("tool_choice: \"required\" needs tools", "tool_choice")
+        return tool_choice, tools
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" \
+            and isinstance(tool_choice.get("function"), dict):
+        name = tool_choice["function"].get("name")
+        named = [t for t in tools if t["function"]["name"] == name]
+        if not named:
+            raise ToolError(f"tool_choice: function {json.dumps(name)[:70]} is not one of the tools", "tool_choice")
+        return "required", named
+    raise ToolError("tool_choice: must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
+                    "\"function\": {\"name\": ...}}", "tool_choice")
+
+
+def call_grammar(tools: list[dict], fmt: str, parallel: bool):
+    """The edge.grammar.Grammar (Lark, with llguidance's %json) of answers that are only tool
+    calls in format ``fmt``: at least one (exactly one unless ``parallel``), each naming one of
+    ``tools`` with arguments valid against its ``parameters``. Raises edge.grammar.GrammarError
+    when llguidance refuses a schema."""
+    from edge.grammar import lark
+
+    key = "parameters" if fmt == "llama3" else "arguments"
+    bodies = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                key: t["function"]["parameters"]},
+               "required": ["name", key], "additionalProperties": False} for t in tools]
+    schema = json.dumps(bodies[0] if len(bodies) == 1 else {"anyOf": bodies})
+    if fmt == "mistral":
+        limit = "" if parallel else ', "maxItems": 1'
+        many = f'{{"type": "array", "items": {schema}, "minItems": 1{limit}}}'
+        return lark(f'start: "{MISTRAL_TAG}" calls\ncalls: %json {many}\n')
+    if fmt == "llama3":
+        rest = ' (";" call)*' if parallel else ""
+        return lark(f'start: call{rest}\ncall: %json {schema}\n')
+    rest = ' ("\\n" call)*' if parallel else ""
+    return lark(f'start: call{rest}\ncall: "{HERMES_OPEN}\\n" body "\\n{HERMES_CLOSE}"\nbody: %json {schema}\n')
+
+
+def _call(obj, keys=("arguments", "parameters")) -> ToolCall | None:
+    """A ToolCall from a parsed ``{"name": str, "arguments" | "parameters": object | JSON text}``."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = next((obj[k] for k in keys if k in obj), {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _json_calls(text: str, fmt: str) -> list[ToolCall] | None:
+    """The calls of a whole-answer JSON format (llama3, mistral, generic), or None when
+    ``text`` is not one."""
+    text = text.strip()
+    if fmt == "mistral":
+        text = text[len(MISTRAL_TAG):] if text.startswith(MISTRAL_TAG) else None
+    elif text.startswith(PYTHON_TAG):
+        text = text[len(PYTHON_TAG):]
+    if not text:
+        return None
+    try:
+        if fmt == "llama3":
+            values = [json.loads(part) for part in _split_top_level(text, ";")]
+        else:
+            values = [json.loads(text)]
+    except ValueError:
+        return None
+    if fmt == "mistral":
+        values = values[0] if isinstance(values[0], list) else values
+    elif fmt == "generic" and len(values) == 1 and isinstance(values[0], dict):
+        v = values[0]
+        values = [v["tool_call"]] if "tool_call" in v else v["tool_calls"] if isinstance(v.get("tool_calls"), list) \
+            else values
+    calls = [_call(v) for v in values]
+    return calls if calls and all(calls) else None
+
+
+def _split_top_level(text: str, sep: str) -> list[str]:
+    """``text`` split at ``sep`` outside JSON strings, objects and arrays."""
+    parts, depth, start, in_str, esc = [], 0, 0, False, False
+    for i, ch in enumerate(text):
+        if in_str:
+            esc, in_str = (not esc and ch == "\\"), in_str and (esc or ch != '"')
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        elif ch == sep and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p for p in parts if p.strip()]
+
+
+class ToolCallParser:
+    """Splits a streamed answer into content and tool calls.
+
+    ``feed(text)`` and ``finish()`` return events: ``("content", str)`` or ``("call", ToolCall)``,
+    in the answer's order. ``parallel=False`` keeps the first call only (what follows it is
+    dropped). ``calls`` lists the calls emitted so far.
+    """
+
+    def __init__(self, fmt: str = "hermes", parallel: bool = True):
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown tool-call format {fmt!r} (one of {', '.join(FORMATS)})")
+        self.fmt, self.parallel = fmt, parallel
+        self.calls: list[ToolCall] = []
+        self._buf = ""
+        self._in_call = False        # inside <tool_call> ... </tool_call>
+        self._whole = False          # the answer is a JSON format's: held until finish()
+        self._started = False        # some non-space text was seen
+        self._done = False           # parallel=False and the call is taken: the rest is dropped
+        self._after_call = False     # the last event was a call: leading whitespace is dropped
+
+    def feed(self, text: str) -> list[tuple[str, object]]:
+        """Events for the next piece of the answer (text that may still be a call is held)."""
+        if self._done or not text:
+            return []
+        self._buf += text
+        if self._whole:
+            return []
+        if not self._started:
+            lead = self._buf.lstrip()
+            if not lead:
+                return []
+            if self.fmt != "hermes" and self._may_start_json(lead):
+                if len(lead) < len(PYTHON_TAG) and PYTHON_TAG.startswith(lead) or \
+                        len(lead) < len(MISTRAL_TAG) and MISTRAL_TAG.startswith(lead):
+                    return []                     # a tag's prefix: wait for more
+                self._whole = True
+                return []
+            self._started = True
+        return self._scan(final=False)
+
+    def finish(self) -> list[tuple[str, object]]:
+        """Events for whatever is held at the end of the answer."""
+        if self._done:
+            return []
+        if self._whole or not self._started:
+            text, self._buf = self._buf, ""
+            calls = _json_calls(text, self.fmt) if self._whole else None
+            if calls:
+                return self._take(calls)
+            if not self._started and not self._whole:
+                self._started = True
+                self._buf = text
+                return self._scan(final=True)
+            return [("content", text)] if text else []
+        return self._scan(final=True)
+
+    def _may_start_json(self, lead: str) -> bool:
+        if self.fmt == "mistral":
+            return lead.startswith(MISTRAL_TAG) or MISTRAL_TAG.startswith(lead)
+        return lead.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(lead)
+
+    def _take(self, calls: list[ToolCall]) -> list[tuple[str, object]]:
+        if not self.parallel:
+            calls = calls[:1]
+            self._done = True
+        self.calls += calls
+        return [("call", c) for c in calls]
+
+    def _scan(self, final: bool) -> list[tuple[str, object]]:
+        """Hermes tags through the buffer (every format accepts them except the JSON-only ones)."""
+        out: list[tuple[str, object]] = []
+        tags = self.fmt in ("hermes", "generic")
+        while self._buf and not self._done:
+            if not self._in_call:
+                j = self._buf.find(HERMES_OPEN) if tags else -1
+                if j < 0:
+                    keep = 0 if final or not tags else _partial_suffix(self._buf, HERMES_OPEN)
+                    if not final:      # whitespace before a call or at the end is no content
+                        keep = max(keep, len(self._buf) - len(self._buf.rstrip()))
+                    text, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+                    out += self._content(text.rstrip() if final and self.calls else text)
+                    break
+                out += self._content(self._buf[:j].rstrip())
+                self._buf, self._in_call = self._buf[j:], True
+            k = self._buf.find(HERMES_CLOSE)
+            if k < 0:
+                if final:           # an unclosed call: a call if its JSON is whole, else content
+                    out += self._close(self._buf[len(HERMES_OPEN):], self._buf)
+                    self._buf = ""
+                break
+            raw = self._buf[:k + len(HERMES_CLOSE)]
+            out += self._close(self._buf[len(HERMES_OPEN):k], raw)
+            self._buf = self._buf[k + len(HERMES_CLOSE):]
+        return _merge(out)
+
+    def _content(self, text: str) -> list[tuple[str, object]]:
+        if self._after_call:
+            text = text.lstrip()
+        if not text:
+            return []
+        self._after_call = False
+        return [("content", text)]
+
+    def _close(self, body: str, raw: str) -> list[tuple[str, object]]:
+        self._in_call = False
+        try:
+            call = _call(json.loads(body))
+        except ValueError:
+            call = None
+        if call is None:
+            return self._content(raw)
+        self._after_call = True
+        out = self._take([call])
+        if self._done:
+            self._buf = ""
+        return out
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+def _merge(events: list[tuple[str, object]]) -> list[tuple[str, object]]:
+    out: list[tuple[str, object]] = []
+    for kind, value in events:
+        if kind == "content" and out and out[-1][0] == "content":
+            out[-1] = ("content", out[-1][1] + value)
+        else:
+            out.append((kind, value))
+    return out
+
+
+def parse(text: str, fmt: str = "hermes", parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
+    """(content outside the calls, None when it is only whitespace; the calls) of a whole answer."""
+    parser = ToolCallParser(fmt, parallel)
+    events = parser.feed(text) + parser.finish()
+    content = "".join(v for k, v in events if k == "content")
+    return (content or None), parser.calls
+
+
+def template_arguments(arguments):
+    """A tool call's ``arguments`` as a chat template iterates them: the JSON text parsed to an
+    object (Qwen2.5's template applies ``tojson`` to it); text that is not a JSON object stays text."""
+    if isinstance(arguments, str):
+        try:
+            value = json.loads(arguments)
+        except ValueError:
+            return arguments
+        return value if isinstance(value, dict) else arguments
+    return arguments
