@@ -7,6 +7,7 @@ prompt and generated tokens per second).
 """
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Iterator, Sequence
@@ -185,16 +186,22 @@ class Engine:
         it starts with one BOS when the model adds BOS."""
         return self._one_bos(self.tokenizer.encode(text, add_special=False, parse_special=True))
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a chat rendered through the model's own template.
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a chat rendered through the model's own template (``tools``: OpenAI's
+        function tools, the template's ``tools`` variable; None or [] renders none).
 
-        The template's markers are special tokens; the text of the messages is tokenized with
-        parse_special off (BUGS.md T2), so a user cannot forge a turn boundary. Raises
-        NoChatTemplateError (model without template) or ChatTemplateError (template error).
+        The template's markers are special tokens; the text of the messages, and the JSON of
+        the tools and of earlier tool calls' arguments, is tokenized with parse_special off
+        (BUGS.md T2), so a user cannot forge a turn boundary. Raises NoChatTemplateError (model
+        without template) or ChatTemplateError (template error).
         """
         template = require_template(self.template, self.name)
-        rendered = template.render(messages, add_generation_prompt=add_generation_prompt)
-        spans = _content_spans(template, messages, add_generation_prompt, rendered)
+        extra = {"tools": tools} if tools else {}
+        rendered = template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
+        spans = _content_spans(template, messages, add_generation_prompt, rendered, **extra)
+        spans += _json_spans(rendered, [*(tools or ()), *(c.get("function", c).get("arguments") for m in messages
+                                                           for c in (m.get("tool_calls") or ()))])
         ids = self.tokenizer.encode(rendered, add_special=False, parse_special=True, protect=spans)
         return self._one_bos(ids)
 
@@ -336,8 +343,23 @@ def _empty_file(path) -> bool:
     return p.is_file() and p.stat().st_size == 0
 
 
+def _json_spans(rendered: str, values: list) -> list[tuple[int, int]]:
+    """Character spans in ``rendered`` of each value's JSON text as the templates' ``tojson``
+    writes it (json.dumps, ensure_ascii off), found in order; a value whose text is not there
+    (a template that formats it otherwise) or that is a string (an argument's raw text) is
+    searched as itself."""
+    spans, pos = [], 0
+    for value in values:
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        j = rendered.find(text, pos) if text else -1
+        if j >= 0:
+            spans.append((j, j + len(text)))
+            pos = j + len(text)
+    return spans
+
+
 def _content_spans(template: ChatTemplate, messages: list[dict], add_generation_prompt: bool,
-                   rendered: str) -> list[tuple[int, int]]:
+                   rendered: str, **extra) -> list[tuple[int, int]]:
     """Character spans of the message contents inside ``rendered``, in linear time.
 
     Renders once more with each content replaced by a unique sentinel, which splits the
@@ -350,7 +372,7 @@ def _content_spans(template: ChatTemplate, messages: list[dict], add_generation_
     contents = {i: m["content"] for i, m in enumerate(messages) if isinstance(m.get("content"), str)}
     marked = [dict(m, content=_SENTINEL.format(i)) if i in contents else m for i, m in enumerate(messages)]
     try:
-        parts = _SENTINEL_RE.split(template.render(marked, add_generation_prompt=add_generation_prompt))
+        parts = _SENTINEL_RE.split(template.render(marked, add_generation_prompt=add_generation_prompt, **extra))
     except ChatTemplateError:
         parts = []
     if parts:

@@ -4,7 +4,9 @@ and build the grammar that forces one for tool_choice "required" or a named func
 Formats, chosen from the text of the model's chat template (:func:`detect_format`):
 
 - ``hermes`` (Qwen2.5, Qwen3, Hermes 2/3): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
-  any number, text around them is content (the prompt format the Qwen2.5 template describes).
+  any number, text around them is content (the prompt format the Qwen2.5 template describes);
+  small models often leave the tags out, so an answer that is wholly such a JSON object (or
+  ``generic``'s shapes) is a call too.
 - ``llama3`` (Llama 3.1-3.3): the whole answer is one JSON object ``{"name": ...,
   "parameters": {...}}`` (or "arguments"), possibly after ``<|python_tag|>``; several are
   separated by ``;`` (Meta's llama-models prompt-format documentation).
@@ -14,7 +16,7 @@ Formats, chosen from the text of the model's chat template (:func:`detect_format
   ``{"name", "arguments"}`` / ``{"tool_call": {...}}`` / ``{"tool_calls": [...]}``.
 
 :class:`ToolCallParser` reads the output as it streams: text that may still become a call
-(a prefix of ``<tool_call>``, an answer starting with ``{``) is held back until it is known,
+(a prefix of ``<tool_call>``, an answer starting with ``{``, which is held to its end) is held back until it is known,
 so no part of a tag reaches the content. A call's text that is not valid JSON with a string
 name stays content.
 """
@@ -173,7 +175,7 @@ def _json_calls(text: str, fmt: str) -> list[ToolCall] | None:
         return None
     if fmt == "mistral":
         values = values[0] if isinstance(values[0], list) else values
-    elif fmt == "generic" and len(values) == 1 and isinstance(values[0], dict):
+    elif fmt in ("hermes", "generic") and len(values) == 1 and isinstance(values[0], dict):
         v = values[0]
         values = [v["tool_call"]] if "tool_call" in v else v["tool_calls"] if isinstance(v.get("tool_calls"), list) \
             else values
@@ -231,7 +233,7 @@ class ToolCallParser:
             lead = self._buf.lstrip()
             if not lead:
                 return []
-            if self.fmt != "hermes" and self._may_start_json(lead):
+            if self._may_start_json(lead):
                 if len(lead) < len(PYTHON_TAG) and PYTHON_TAG.startswith(lead) or \
                         len(lead) < len(MISTRAL_TAG) and MISTRAL_TAG.startswith(lead):
                     return []                     # a tag's prefix: wait for more
@@ -244,21 +246,19 @@ class ToolCallParser:
         """Events for whatever is held at the end of the answer."""
         if self._done:
             return []
-        if self._whole or not self._started:
-            text, self._buf = self._buf, ""
-            calls = _json_calls(text, self.fmt) if self._whole else None
+        if self._whole:
+            calls = _json_calls(self._buf, self.fmt)
             if calls:
+                self._buf = ""
                 return self._take(calls)
-            if not self._started and not self._whole:
-                self._started = True
-                self._buf = text
-                return self._scan(final=True)
-            return [("content", text)] if text else []
+        self._started, self._whole = True, False     # not a call: the text as it is
         return self._scan(final=True)
 
     def _may_start_json(self, lead: str) -> bool:
         if self.fmt == "mistral":
             return lead.startswith(MISTRAL_TAG) or MISTRAL_TAG.startswith(lead)
+        if self.fmt in ("hermes", "generic"):
+            return lead.startswith("{")
         return lead.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(lead)
 
     def _take(self, calls: list[ToolCall]) -> list[tuple[str, object]]:

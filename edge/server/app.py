@@ -4,7 +4,9 @@ Routes: POST /v1/chat/completions, POST /v1/completions (streamed as server-sent
 not), GET /v1/models, POST /tokenize, POST /detokenize (llama-server's shapes), GET /health
 (503 while the model loads, then 200), GET /metrics (Prometheus text). A request constrained
 by response_format json_object / json_schema, json_schema or grammar (protocol's
-``constraint``) gets an edge.grammar.GrammarMask in its sampler's mask stage.
+``constraint``) gets an edge.grammar.GrammarMask in its sampler's mask stage. ``tools`` are
+rendered by the model's chat template and its answer is read for calls (edge.tool_calls);
+tool_choice "required" or a named function constrains it with the calls' grammar.
 
 Every error is ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for the
 client's mistakes (bad JSON, wrong types, out-of-range values, unknown model, a prompt longer
@@ -46,6 +48,8 @@ from edge.server import guard, protocol as P
 from edge.server.metrics import Metrics
 from edge.server.scheduler import Delta, Failed, Finished, QueueFull, Scheduler
 from edge.server.scheduler import Request as GenRequest
+from edge.tool_calls import ToolCallParser, call_grammar
+from edge.tool_calls import detect_format as tool_format
 
 MAX_TOP_LOGPROBS = 20
 CLIENT_GONE = 499      # nginx's "client closed request": the status of a response nobody reads
@@ -302,6 +306,56 @@ def _processors(grammar, param: str | None, engine, n_prompt: int) -> list:
         raise P.APIError(400, f"{param}: {e}", param=param, code="invalid_value") from None
 
 
+def _tool_grammar(allowed: list[dict], fmt: str, parallel: bool, other: str | None):
+    """The grammar of tool_choice "required" / a named function (edge.tool_calls.call_grammar).
+    Raises APIError (400) beside another constraint, or for a parameters schema llguidance refuses."""
+    if other is not None:
+        raise P.APIError(400, f"tool_choice: a required tool call and {other} both constrain the answer: give one",
+                         param="tool_choice", code="invalid_value")
+    try:
+        return call_grammar(allowed, fmt, parallel), "tools"
+    except GrammarError as e:
+        raise P.APIError(400, f"tools: a function's parameters: {e}", param="tools", code="invalid_value") from None
+
+
+def _tool_message(parser: ToolCallParser, text: str, finish: str) -> tuple[dict, str]:
+    """(the chat message, finish_reason) of a whole answer read for tool calls: content outside
+    the calls (None when there is none), tool_calls, finish_reason "tool_calls" when it has some."""
+    events = parser.feed(text) + parser.finish()
+    content = "".join(v for k, v in events if k == "content") or None
+    message = {"role": "assistant", "content": content}
+    if parser.calls:
+        message["tool_calls"] = [c.openai() for c in parser.calls]
+        finish = "tool_calls"
+    return message, finish
+
+
+def _tool_stream(parser: ToolCallParser, chunk):
+    """(delta, final) for _sse_response reading the answer for tool calls: content deltas, and
+    per call OpenAI's tool_calls deltas (``index`` on each; id, type and name in the first,
+    the arguments after); finish_reason "tool_calls" when a call was made."""
+    def events_sse(events, lps=None) -> str:
+        out = []
+        for kind, value in events:
+            if kind == "content":
+                out.append(chunk({"content": value}, lps=lps))
+            else:
+                i = parser.calls.index(value)
+                out.append(chunk({"tool_calls": [{"index": i, "id": value.id, "type": "function",
+                                                  "function": {"name": value.name, "arguments": ""}}]}, lps=lps))
+                out.append(chunk({"tool_calls": [{"index": i, "function": {"arguments": value.arguments}}]}))
+            lps = None
+        return "".join(out)
+
+    def delta(ev) -> str:
+        return events_sse(parser.feed(ev.text), ev.logprobs)
+
+    def final(ev) -> str:
+        return events_sse(parser.finish()) + chunk({}, finish="tool_calls" if parser.calls else ev.finish_reason)
+
+    return delta, final
+
+
 def _piece(engine, tok: int) -> tuple[str, list[int]]:
     raw = engine.tokenizer.token_to_piece(tok)
     return raw.decode("utf-8", errors="replace"), list(raw)
@@ -393,7 +447,8 @@ def _sse_response(stream: _Stream, head: dict, include_usage: bool, first, delta
                 yield first
             async for ev in stream.events():
                 if isinstance(ev, Delta):
-                    yield delta(ev)
+                    if out := delta(ev):        # "" when a tool-call parser holds the text
+                        yield out
                 else:
                     yield final(ev)
                     if include_usage:
@@ -424,6 +479,7 @@ class _Handlers:
         body = await _body(request, state, P.ChatCompletionRequest)
         body.check_unsupported()
         grammar, grammar_param = body.constraint()
+        tool_mode, tools, allowed = body.tool_setup()
         if body.max_completion_tokens is not None:     # OpenAI's newer name wins
             max_tokens, max_tokens_param = body.max_completion_tokens, "max_completion_tokens"
         else:
@@ -442,11 +498,11 @@ class _Handlers:
             if m.content is None and m.role != "assistant":
                 raise P.APIError(400, f"messages[{i}].content is null: a {m.role} message needs content",
                                  param=f"messages.{i}.content", code="invalid_value")
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
-                    for m in body.messages]
+        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text(),
+                     **m.template_fields()} for m in body.messages]
         _too_long_to_tokenize(state, sum(len(m["content"].encode()) for m in messages), "messages")
         try:
-            ids = await run_in_threadpool(engine.chat_prompt, messages)
+            ids = await run_in_threadpool(engine.chat_prompt, messages, True, tools)
         except NoChatTemplateError:       # C3
             raise P.APIError(400, f"model {state.model_id()!r} has no chat template, so it cannot take chat "
                                   "messages; send the text to POST /v1/completions instead", param="messages",
@@ -454,6 +510,10 @@ class _Handlers:
         except ChatTemplateError as e:   # the template's own error: the client's request (C2)
             raise P.APIError(400, str(e), param="messages", code="chat_template_error") from None
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        fmt = tool_format(engine.template.source if engine.template is not None else None)
+        if tool_mode == "required":
+            grammar, grammar_param = _tool_grammar(allowed, fmt, body.parallel_tool_calls, grammar_param)
+        parser = ToolCallParser(fmt, body.parallel_tool_calls) if tool_mode != "none" else None
         processors = await run_in_threadpool(_processors, grammar, grammar_param, engine, len(ids))
         gen = GenRequest(ids, params, emit=None, max_tokens=max_tokens, stop=body.stop_list(), logprobs=logprobs,
                          processors=processors, speculative=_speculative(body))
@@ -477,11 +537,14 @@ class _Handlers:
             if fin is None:
                 return Response(status_code=CLIENT_GONE)
             content = lp_content([lp for d in deltas for lp in d.logprobs])
+            message, finish = {"role": "assistant", "content": "".join(d.text for d in deltas)}, fin.finish_reason
+            if parser is not None:
+                message, finish = _tool_message(parser, message["content"], finish)
             return JSONResponse({
                 "id": rid, "object": "chat.completion", "created": created, "model": name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
+                "choices": [{"index": 0, "message": message,
                              "logprobs": {"content": content} if logprobs is not None else None,
-                             "finish_reason": fin.finish_reason}],
+                             "finish_reason": finish}],
                 "usage": _usage(fin)})
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -496,9 +559,13 @@ class _Handlers:
                 c["usage"] = None
             return _sse(c)
 
+        if parser is not None:
+            delta, final = _tool_stream(parser, chunk)
+        else:
+            delta = lambda ev: chunk({"content": ev.text}, lps=ev.logprobs)    # noqa: E731
+            final = lambda ev: chunk({}, finish=ev.finish_reason)              # noqa: E731
         return _sse_response(stream, head, include_usage, first=chunk({"role": "assistant", "content": ""}),
-                             delta=lambda ev: chunk({"content": ev.text}, lps=ev.logprobs),
-                             final=lambda ev: chunk({}, finish=ev.finish_reason))
+                             delta=delta, final=final)
 
     # ---- completions -----------------------------------------------------------------------------
 

@@ -9,8 +9,12 @@ Constrained decoding (edge.grammar): OpenAI's ``response_format`` json_object / 
 chat, llama-server's ``json_schema`` and ``grammar`` (GBNF) on both routes; one of them per
 request, and a schema or grammar llguidance refuses is a 400 naming the field.
 
+Tool calls (edge.tool_calls): ``tools`` (function schemas), ``tool_choice`` (auto, none,
+required, a named function), ``parallel_tool_calls``; assistant messages may carry
+``tool_calls`` (content null) and ``role: "tool"`` messages answer them (``tool_call_id``).
+
 A field that would change what the answer must be and that this server does not implement
-(mirostat, typical_p, tool_choice "required", audio ...) is a 400 naming it unless it has its
+(mirostat, typical_p, functions, audio ...) is a 400 naming it unless it has its
 neutral value (mirostat 0, typical_p 1.0 ...): never silently dropped. Fields that do not
 change the answer (user, metadata, store, cache_prompt ...) are accepted.
 
@@ -164,9 +168,39 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict = "{}"
+
+
+class ToolCallIn(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None     # an assistant's earlier calls
+    tool_call_id: str | None = None                # a tool message: the call it answers
+    name: str | None = None
+
+    def template_fields(self) -> dict:
+        """The tool fields as a chat template reads them (edge.tool_calls.template_arguments):
+        ``tool_calls`` with each call's arguments as an object, ``tool_call_id``, ``name``."""
+        from edge.tool_calls import template_arguments
+
+        out = {}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": template_arguments(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
     def text(self) -> str:
         """The message's text: a string, or the text parts joined. Raises APIError for parts
@@ -321,10 +355,11 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # not served: a request that depends on them gets a 400 rather than a silent plain answer
-    tools: list | None = None
-    response_format: dict | None = None
+    tools: list | None = None                  # edge.tool_calls.check_tools
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
+    response_format: dict | None = None
+    # not served: a request that depends on them gets a 400 rather than a silent plain answer
     functions: list | None = None
     function_call: str | dict | None = None
     modalities: list[str] | None = None
@@ -336,7 +371,6 @@ class ChatCompletionRequest(_Sampling):
 
     NOT_IMPLEMENTED: ClassVar[dict[str, _Neutral]] = {
         **_SAMPLING_NOT_IMPLEMENTED,
-        "tool_choice": (lambda v: v in ("none", "auto"), '"none"'),
         "functions": (lambda v: v == [], "[]"),
         "function_call": (lambda v: v in ("none", "auto"), '"none"'),
         "modalities": (lambda v: v in ([], ["text"]), '["text"]'),
@@ -348,11 +382,8 @@ class ChatCompletionRequest(_Sampling):
     }
 
     def check_unsupported(self) -> None:
-        """Raise APIError (400) for tool calling and a response_format of another type than
-        text, json_object or json_schema; the rest of NOT_IMPLEMENTED is check_not_implemented's."""
-        if self.tools:
-            raise APIError(400, "tools (function calling) are not supported by this server", param="tools",
-                           code="unsupported_value")
+        """Raise APIError (400) for a response_format of another type than text, json_object or
+        json_schema; the rest of NOT_IMPLEMENTED is check_not_implemented's."""
         kind = (self.response_format or {}).get("type", "text")
         if kind not in RESPONSE_FORMATS:
             raise APIError(400, f"response_format type {_short(kind)} is not supported by this server (one of "
@@ -384,6 +415,20 @@ class ChatCompletionRequest(_Sampling):
             return (any_json_object() if schema is None else json_schema(schema)), "response_format"
         except GrammarError as e:
             raise APIError(400, f"response_format: {e}", param="response_format", code="invalid_value") from None
+
+
+    def tool_setup(self):
+        """(mode "auto" / "none" / "required", the tools to render, the tools a call may use)
+        from tools, tool_choice (edge.tool_calls). Raises APIError (400 invalid_value, param:
+        the entry) for a tool that is not a function schema or a bad tool_choice."""
+        from edge.tool_calls import ToolError, check_tools, chosen_tools
+
+        try:
+            tools = check_tools(self.tools) if self.tools is not None else []
+            mode, allowed = chosen_tools(tools, self.tool_choice)
+        except ToolError as e:
+            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+        return mode, (tools if mode != "none" else []), allowed
 
 
 class CompletionRequest(_Sampling):
