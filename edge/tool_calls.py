@@ -278,7 +278,7 @@ class ToolCallParser:
                 if j < 0:
                     keep = 0 if final or not tags else _partial_suffix(self._buf, HERMES_OPEN)
                     if not final:      # whitespace before a call or at the end is no content
-                        keep = max(keep, len(self._buf) - len(self._buf.rstrip()))
+                        keep = len(self._buf) - len(self._buf[:len(self._buf) - keep].rstrip())
                     text, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
                     out += self._content(text.rstrip() if final and self.calls else text)
                     break
