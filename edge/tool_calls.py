@@ -6,7 +6,7 @@ Formats, chosen from the text of the model's chat template (:func:`detect_format
 - ``hermes`` (Qwen2.5, Qwen3, Hermes 2/3): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
   any number, text around them is content (the prompt format the Qwen2.5 template describes);
   small models often leave the tags out, so an answer that is wholly such a JSON object (or
-  ``generic``'s shapes) is a call too.
+  ``generic``'s shapes), bare or in a Markdown code fence, naming one of the tools, is a call too.
 - ``llama3`` (Llama 3.1-3.3): the whole answer is one JSON object ``{"name": ...,
   "parameters": {...}}`` (or "arguments"), possibly after ``<|python_tag|>``; several are
   separated by ``;`` (Meta's llama-models prompt-format documentation).
@@ -16,7 +16,7 @@ Formats, chosen from the text of the model's chat template (:func:`detect_format
   ``{"name", "arguments"}`` / ``{"tool_call": {...}}`` / ``{"tool_calls": [...]}``.
 
 :class:`ToolCallParser` reads the output as it streams: text that may still become a call
-(a prefix of ``<tool_call>``, an answer starting with ``{``, which is held to its end) is held back until it is known,
+(a prefix of ``<tool_call>``; an answer starting with ``{`` or a code fence, held to its end) is held back until it is known,
 so no part of a tag reaches the content. A call's text that is not valid JSON with a string
 name stays content.
 """
@@ -31,6 +31,7 @@ HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_TAG = "[TOOL_CALLS]"
 FORMATS = ("hermes", "llama3", "mistral", "generic")
+_FENCE = re.compile(r"^```[A-Za-z0-9_-]*\n(.*)\n```$", re.S)
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")      # OpenAI: a-z, A-Z, 0-9, _ and -, at most 64
 
 
@@ -156,10 +157,14 @@ def _call(obj, keys=("arguments", "parameters")) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def _json_calls(text: str, fmt: str) -> list[ToolCall] | None:
-    """The calls of a whole-answer JSON format (llama3, mistral, generic), or None when
-    ``text`` is not one."""
+def _json_calls(text: str, fmt: str, names: set[str] | None = None) -> list[ToolCall] | None:
+    """The calls of a whole-answer JSON format (llama3, mistral, generic; a Markdown code fence
+    around it is taken off), or None when ``text`` is not one or names a function not in
+    ``names`` (None: any)."""
     text = text.strip()
+    fence = _FENCE.match(text)
+    if fence:
+        text = fence.group(1).strip()
     if fmt == "mistral":
         text = text[len(MISTRAL_TAG):] if text.startswith(MISTRAL_TAG) else None
     elif text.startswith(PYTHON_TAG):
@@ -180,7 +185,9 @@ def _json_calls(text: str, fmt: str) -> list[ToolCall] | None:
         values = [v["tool_call"]] if "tool_call" in v else v["tool_calls"] if isinstance(v.get("tool_calls"), list) \
             else values
     calls = [_call(v) for v in values]
-    return calls if calls and all(calls) else None
+    if not calls or not all(calls) or (names is not None and any(c.name not in names for c in calls)):
+        return None
+    return calls
 
 
 def _split_top_level(text: str, sep: str) -> list[str]:
@@ -207,13 +214,16 @@ class ToolCallParser:
 
     ``feed(text)`` and ``finish()`` return events: ``("content", str)`` or ``("call", ToolCall)``,
     in the answer's order. ``parallel=False`` keeps the first call only (what follows it is
-    dropped). ``calls`` lists the calls emitted so far.
+    dropped). ``names``: the tools' names; a whole-answer JSON call (no tags) must use one of
+    them, else the answer stays content (a JSON answer the user asked for is not a call).
+    ``calls`` lists the calls emitted so far.
     """
 
-    def __init__(self, fmt: str = "hermes", parallel: bool = True):
+    def __init__(self, fmt: str = "hermes", parallel: bool = True, names=None):
         if fmt not in FORMATS:
             raise ValueError(f"unknown tool-call format {fmt!r} (one of {', '.join(FORMATS)})")
         self.fmt, self.parallel = fmt, parallel
+        self.names = set(names) if names is not None else None
         self.calls: list[ToolCall] = []
         self._buf = ""
         self._in_call = False        # inside <tool_call> ... </tool_call>
@@ -247,7 +257,7 @@ class ToolCallParser:
         if self._done:
             return []
         if self._whole:
-            calls = _json_calls(self._buf, self.fmt)
+            calls = _json_calls(self._buf, self.fmt, self.names)
             if calls:
                 self._buf = ""
                 return self._take(calls)
@@ -258,7 +268,7 @@ class ToolCallParser:
         if self.fmt == "mistral":
             return lead.startswith(MISTRAL_TAG) or MISTRAL_TAG.startswith(lead)
         if self.fmt in ("hermes", "generic"):
-            return lead.startswith("{")
+            return lead.startswith(("{", "```")) or "```".startswith(lead)
         return lead.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(lead)
 
     def _take(self, calls: list[ToolCall]) -> list[tuple[str, object]]:
@@ -336,9 +346,10 @@ def _merge(events: list[tuple[str, object]]) -> list[tuple[str, object]]:
     return out
 
 
-def parse(text: str, fmt: str = "hermes", parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
-    """(content outside the calls, None when it is only whitespace; the calls) of a whole answer."""
-    parser = ToolCallParser(fmt, parallel)
+def parse(text: str, fmt: str = "hermes", parallel: bool = True, names=None) -> tuple[str | None, list[ToolCall]]:
+    """(content outside the calls, None when there is none; the calls) of a whole answer
+    (ToolCallParser's rules)."""
+    parser = ToolCallParser(fmt, parallel, names)
     events = parser.feed(text) + parser.finish()
     content = "".join(v for k, v in events if k == "content")
     return (content or None), parser.calls

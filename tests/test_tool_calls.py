@@ -38,6 +38,10 @@ CASES = [  # (format, answer, content, [(name, arguments)])
     ("hermes", "a < b and <tool is not a tag", "a < b and <tool is not a tag", []),
     ("hermes", "<tool_call>\nnot json\n</tool_call> ok", "<tool_call>\nnot json\n</tool_call> ok", []),
     ("hermes", '{"answer": 42}', '{"answer": 42}', []),
+    ("hermes", '```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris"}\n}\n```', None,
+     [("get_weather", {"city": "Paris"})]),
+    ("hermes", '```python\nprint(1)\n```', '```python\nprint(1)\n```', []),
+    ("hermes", '{"name": "not_a_tool", "arguments": {}}', '{"name": "not_a_tool", "arguments": {}}', []),
     ("llama3", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', None,
      [("get_weather", {"city": "Paris"})]),
     ("llama3", '{"name": "a", "parameters": {"x": "1;2"}}; {"name": "b", "parameters": {}}', None,
@@ -53,20 +57,23 @@ CASES = [  # (format, answer, content, [(name, arguments)])
 ]
 
 
+NAMES = ["get_weather", "get_time", "a", "b"]
+
+
 def _calls(calls):
     return [(c.name, json.loads(c.arguments)) for c in calls]
 
 
 @pytest.mark.parametrize("fmt,text,content,calls", CASES)
 def test_parse_whole(fmt, text, content, calls):
-    got_content, got_calls = parse(text, fmt)
+    got_content, got_calls = parse(text, fmt, names=NAMES)
     assert got_content == content
     assert _calls(got_calls) == calls
     assert all(c.id.startswith("call_") for c in got_calls) and len({c.id for c in got_calls}) == len(got_calls)
 
 
 def _stream(fmt, pieces, parallel=True):
-    parser = ToolCallParser(fmt, parallel)
+    parser = ToolCallParser(fmt, parallel, NAMES)
     events = [e for p in pieces for e in parser.feed(p)] + parser.finish()
     return "".join(v for k, v in events if k == "content") or None, [v for k, v in events if k == "call"], events
 
@@ -97,7 +104,7 @@ def test_stream_holds_only_what_may_be_a_tag():
 
 
 def test_parallel_false_keeps_the_first_call():
-    content, calls = parse(HERMES, "hermes", parallel=False)
+    content, calls = parse(HERMES, "hermes", parallel=False, names=NAMES)
     assert content == "Let me check." and _calls(calls) == [("get_weather", {"city": "Paris"})]
     for i in range(len(HERMES) + 1):
         assert _calls(_stream("hermes", [HERMES[:i], HERMES[i:]], parallel=False)[1]) == \
@@ -292,6 +299,11 @@ def test_tool_choice_forces_a_call(client, stream, choice):
 
 def test_named_choice_picks_that_function(client):
     r = _ask(client, MODEL, QUESTION, False, tools=[WEATHER, TIME],
+             tool_choice={"type": "function", "function": {"name": "get_time"}})
+    calls = r.choices[0].message.tool_calls
+    assert calls and all(c.function.name == "get_time" and json.loads(c.function.arguments) == {"city": "Paris"}
+                         for c in calls)
+    r = _ask(client, MODEL, QUESTION, False, tools=[WEATHER, TIME], parallel_tool_calls=False,
              tool_choice={"type": "function", "function": {"name": "get_time"}})
     [call] = r.choices[0].message.tool_calls
     assert call.function.name == "get_time" and json.loads(call.function.arguments) == {"city": "Paris"}

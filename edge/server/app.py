@@ -513,7 +513,8 @@ class _Handlers:
         fmt = tool_format(engine.template.source if engine.template is not None else None)
         if tool_mode == "required":
             grammar, grammar_param = _tool_grammar(allowed, fmt, body.parallel_tool_calls, grammar_param)
-        parser = ToolCallParser(fmt, body.parallel_tool_calls) if tool_mode != "none" else None
+        parser = ToolCallParser(fmt, body.parallel_tool_calls, [t["function"]["name"] for t in allowed]) \
+            if tool_mode != "none" else None
         processors = await run_in_threadpool(_processors, grammar, grammar_param, engine, len(ids))
         gen = GenRequest(ids, params, emit=None, max_tokens=max_tokens, stop=body.stop_list(), logprobs=logprobs,
                          processors=processors, speculative=_speculative(body))
