@@ -424,8 +424,10 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": HI, "stop": 5}, "stop", "invalid_value"),
     ("/v1/chat/completions", {"messages": HI, "n": 2}, "n", "invalid_value"),
     ("/v1/chat/completions", {"messages": HI, "stop": [str(i) for i in range(17)]}, "stop", "invalid_value"),
-    ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]},
-     "tools", "unsupported_value"),
+    ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {"name": "f g"}}]},
+     "tools.0.function.name", "invalid_value"),
+    ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}],
+     "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", "invalid_value"),
     ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "xml"}}, "response_format",
      "unsupported_value"),
     ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
