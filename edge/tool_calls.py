@@ -11,7 +11,9 @@ Formats, chosen from the text of the model's chat template (:func:`detect_format
   "parameters": {...}}`` (or "arguments"), possibly after ``<|python_tag|>``; several are
   separated by ``;`` (Meta's llama-models prompt-format documentation).
 - ``mistral``: ``[TOOL_CALLS]`` then a JSON array of ``{"name", "arguments"}`` objects (Mistral's
-  tokenizer documentation, v3 tool-call format).
+  tokenizer documentation, v3 tool-call format); the tag is a control token, which the text
+  of an answer may not show, so the array alone is taken too.
+  ``<|python_tag|>`` (llama3) likewise.
 - ``generic`` (any other template): the Hermes tags, or an answer that is wholly a JSON object
   ``{"name", "arguments"}`` / ``{"tool_call": {...}}`` / ``{"tool_calls": [...]}``.
 
@@ -166,7 +168,7 @@ def _json_calls(text: str, fmt: str, names: set[str] | None = None) -> list[Tool
     if fence:
         text = fence.group(1).strip()
     if fmt == "mistral":
-        text = text[len(MISTRAL_TAG):] if text.startswith(MISTRAL_TAG) else None
+        text = text[len(MISTRAL_TAG):] if text.startswith(MISTRAL_TAG) else text
     elif text.startswith(PYTHON_TAG):
         text = text[len(PYTHON_TAG):]
     if not text:
@@ -179,7 +181,9 @@ def _json_calls(text: str, fmt: str, names: set[str] | None = None) -> list[Tool
     except ValueError:
         return None
     if fmt == "mistral":
-        values = values[0] if isinstance(values[0], list) else values
+        if not isinstance(values[0], list):
+            return None
+        values = values[0]
     elif fmt in ("hermes", "generic") and len(values) == 1 and isinstance(values[0], dict):
         v = values[0]
         values = [v["tool_call"]] if "tool_call" in v else v["tool_calls"] if isinstance(v.get("tool_calls"), list) \
@@ -265,8 +269,8 @@ class ToolCallParser:
         return self._scan(final=True)
 
     def _may_start_json(self, lead: str) -> bool:
-        if self.fmt == "mistral":
-            return lead.startswith(MISTRAL_TAG) or MISTRAL_TAG.startswith(lead)
+        if self.fmt == "mistral":     # the tag is a control token: the text may lack it
+            return lead.startswith(("[", MISTRAL_TAG))
         if self.fmt in ("hermes", "generic"):
             return lead.startswith(("{", "```")) or "```".startswith(lead)
         return lead.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(lead)
