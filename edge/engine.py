@@ -185,16 +185,18 @@ class Engine:
         it starts with one BOS when the model adds BOS."""
         return self._one_bos(self.tokenizer.encode(text, add_special=False, parse_special=True))
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                    variables: dict | None = None) -> list[int]:
         """Token ids of a chat rendered through the model's own template.
 
         The template's markers are special tokens; the text of the messages is tokenized with
-        parse_special off (BUGS.md T2), so a user cannot forge a turn boundary. Raises
+        parse_special off (BUGS.md T2), so a user cannot forge a turn boundary. ``variables``:
+        extra template variables (``enable_thinking`` ...; ChatTemplate.render). Raises
         NoChatTemplateError (model without template) or ChatTemplateError (template error).
         """
         template = require_template(self.template, self.name)
-        rendered = template.render(messages, add_generation_prompt=add_generation_prompt)
-        spans = _content_spans(template, messages, add_generation_prompt, rendered)
+        rendered = template.render(messages, add_generation_prompt=add_generation_prompt, **(variables or {}))
+        spans = _content_spans(template, messages, add_generation_prompt, rendered, variables)
         ids = self.tokenizer.encode(rendered, add_special=False, parse_special=True, protect=spans)
         return self._one_bos(ids)
 
@@ -337,7 +339,7 @@ def _empty_file(path) -> bool:
 
 
 def _content_spans(template: ChatTemplate, messages: list[dict], add_generation_prompt: bool,
-                   rendered: str) -> list[tuple[int, int]]:
+                   rendered: str, variables: dict | None = None) -> list[tuple[int, int]]:
     """Character spans of the message contents inside ``rendered``, in linear time.
 
     Renders once more with each content replaced by a unique sentinel, which splits the
@@ -345,12 +347,14 @@ def _content_spans(template: ChatTemplate, messages: list[dict], add_generation_
     content as it is or stripped of surrounding whitespace (templates that ``trim``), the longest
     that is followed by the template's next text. If the walk fails (the template changes
     contents otherwise, or its output depends on them), falls back to finding each content's
-    text in order, within a scanning budget of a few times the prompt's length.
+    text in order, within a scanning budget of a few times the prompt's length. ``variables``:
+    the extra template variables ``rendered`` was rendered with.
     """
     contents = {i: m["content"] for i, m in enumerate(messages) if isinstance(m.get("content"), str)}
     marked = [dict(m, content=_SENTINEL.format(i)) if i in contents else m for i, m in enumerate(messages)]
     try:
-        parts = _SENTINEL_RE.split(template.render(marked, add_generation_prompt=add_generation_prompt))
+        parts = _SENTINEL_RE.split(template.render(marked, add_generation_prompt=add_generation_prompt,
+                                                   **(variables or {})))
     except ChatTemplateError:
         parts = []
     if parts:

@@ -42,7 +42,7 @@ from edge.engine import ContextLengthExceeded
 from edge.generate import Limits
 from edge.grammar import GrammarError, GrammarMask
 from edge.sampling import InvalidParameter, SamplingParams
-from edge.server import guard, protocol as P
+from edge.server import guard, protocol as P, thinking
 from edge.server.metrics import Metrics
 from edge.server.scheduler import Delta, Failed, Finished, QueueFull, Scheduler
 from edge.server.scheduler import Request as GenRequest
@@ -71,6 +71,7 @@ class ServerConfig:
     spec: object = None                     # edge.speculative.SpecParams (None: no speculation)
     model_draft: str | None = None          # the draft model for spec_type "draft"
     on_load_error: Callable[[str], None] | None = None   # called (on the load thread) with the error
+    reasoning_budget: int = -1              # reasoning tokens before </think> is forced (-1: no limit)
 
 
 def _warm_up(scheduler: Scheduler) -> None:
@@ -445,8 +446,9 @@ class _Handlers:
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
                     for m in body.messages]
         _too_long_to_tokenize(state, sum(len(m["content"].encode()) for m in messages), "messages")
+        variables = thinking.template_variables(body, engine.tokenizer, state.config.reasoning_budget)
         try:
-            ids = await run_in_threadpool(engine.chat_prompt, messages)
+            ids = await run_in_threadpool(engine.chat_prompt, messages, True, variables)
         except NoChatTemplateError:       # C3
             raise P.APIError(400, f"model {state.model_id()!r} has no chat template, so it cannot take chat "
                                   "messages; send the text to POST /v1/completions instead", param="messages",
@@ -455,8 +457,9 @@ class _Handlers:
             raise P.APIError(400, str(e), param="messages", code="chat_template_error") from None
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         processors = await run_in_threadpool(_processors, grammar, grammar_param, engine, len(ids))
+        reasoning = thinking.ChatReasoning(engine, ids, state.config.reasoning_budget, constrained=bool(processors))
         gen = GenRequest(ids, params, emit=None, max_tokens=max_tokens, stop=body.stop_list(), logprobs=logprobs,
-                         processors=processors, speculative=_speculative(body))
+                         processors=processors + reasoning.processors, speculative=_speculative(body))
         stream = _Stream(scheduler, gen)
         stream.submit()
         rid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_id()
@@ -479,7 +482,7 @@ class _Handlers:
             content = lp_content([lp for d in deltas for lp in d.logprobs])
             return JSONResponse({
                 "id": rid, "object": "chat.completion", "created": created, "model": name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
+                "choices": [{"index": 0, "message": reasoning.message("".join(d.text for d in deltas)),
                              "logprobs": {"content": content} if logprobs is not None else None,
                              "finish_reason": fin.finish_reason}],
                 "usage": _usage(fin)})
@@ -496,9 +499,18 @@ class _Handlers:
                 c["usage"] = None
             return _sse(c)
 
+        def chunks(ev, finish=None):
+            """The chunks of a Delta (or, with ``finish``, of the end): reasoning deltas, then
+            content; the logprobs ride on the last (an empty delta when the text is held)."""
+            lps = ev.logprobs if finish is None else None
+            parts = reasoning.deltas(ev.text if finish is None else "", final=finish is not None)
+            if lps and not parts:
+                parts = [reasoning.empty_delta()]
+            out = [chunk(d, lps=lps if i == len(parts) - 1 else None) for i, d in enumerate(parts)]
+            return "".join(out + ([chunk({}, finish=finish)] if finish is not None else []))
+
         return _sse_response(stream, head, include_usage, first=chunk({"role": "assistant", "content": ""}),
-                             delta=lambda ev: chunk({"content": ev.text}, lps=ev.logprobs),
-                             final=lambda ev: chunk({}, finish=ev.finish_reason))
+                             delta=chunks, final=lambda ev: chunks(ev, finish=ev.finish_reason))
 
     # ---- completions -----------------------------------------------------------------------------
 
