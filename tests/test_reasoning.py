@@ -179,3 +179,24 @@ def test_budget_on_the_tiny_model(engine):
     out, text = _generate(engine, OPENED, budget=0, open_think=True)  # the prompt opened it: closed at once
     assert out[:2] == [ID["</think>"], ID["Hmm"]]
     assert split_reasoning(text, opened=True).reasoning == ""
+
+
+def test_server_split_and_a_constrained_request(engine):
+    """edge.server.thinking.ChatReasoning: a reasoning model's answer split (opened or not), and
+    none for a request a grammar constrains (the constraint holds from the first token)."""
+    from edge.server.thinking import ChatReasoning
+    hi = [{"role": "user", "content": "hi"}]
+    plain, opened = engine.chat_prompt(hi), engine.chat_prompt(hi, variables={"open_think": True})
+    text = f"<think>{REASONING}</think>{ANSWER}"
+    both = {"reasoning_content": REASONING, "reasoning": REASONING}
+    assert ChatReasoning(engine, plain).message(text) == {"role": "assistant", "content": ANSWER, **both}
+    assert ChatReasoning(engine, opened).message(f"{REASONING}</think>{ANSWER}") == \
+        {"role": "assistant", "content": ANSWER, **both}
+    for ids in (plain, opened):
+        r = ChatReasoning(engine, ids, budget=3, constrained=True)
+        assert (r.message(text), r.processors) == ({"role": "assistant", "content": text}, [])
+        assert ChatReasoning(engine, ids, constrained=True).deltas("<think>a", final=True) == [{"content": "<think>a"}]
+    streamed = ChatReasoning(engine, plain)
+    assert streamed.deltas("<think>Hm") == [{"reasoning_content": "Hm", "reasoning": "Hm"}]
+    assert streamed.deltas("m</think>\n\nThe") == [{"reasoning_content": "m", "reasoning": "m"}, {"content": "The"}]
+    assert streamed.deltas(" end", final=True) == [{"content": " end"}]
