@@ -17,7 +17,8 @@ The JSON object (format "edge-chat", version 1): ``id``, ``title`` (or null), ``
 it is, for models without a template), ``system`` (or null), ``settings`` (the sampling
 fields of :class:`~edge.sampling.SamplingParams` and ``max_tokens``), ``messages``, a list
 of ``{"role": "user" | "assistant", "content": str}`` (an answer stopped by the user has
-``"stopped": true``), and ``draft`` (a message stopped before its answer began, or null). Raw
+``"stopped": true``; a reasoning model's answer keeps its ``<think>`` block in the content, and
+has ``"reasoning_opened": true`` when the chat template wrote the ``<think>``), and ``draft`` (a message stopped before its answer began, or null). Raw
 mode keeps the text as alternating user and assistant pieces too. A conversation with nothing
 in it has no file.
 """
@@ -32,6 +33,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from edge.engine import ContextLengthExceeded, Engine, GenerationStats, GenerationStopped
+from edge.reasoning import ReasoningSplitter, Split, is_reasoning_model, prompt_opens_reasoning, split_reasoning
 from edge.files import atomic_write, remove_dead_temps
 from edge.sampling import SamplingParams
 from edge.session import SessionError
@@ -235,6 +237,33 @@ def find_chat(name: str, folder: Path | None = None) -> Conversation:
     raise ChatError(f"no saved chat named {name!r}; recent chats: {known}")
 
 
+def answer_parts(message: dict, reasoning: bool) -> Split:
+    """An assistant message's reasoning and answer (``reasoning``: the model is a reasoning
+    model; otherwise all of it is the answer)."""
+    if not reasoning:
+        return Split("", message["content"])
+    return split_reasoning(message["content"], opened=bool(message.get("reasoning_opened")))
+
+
+class _Router:
+    """Text to ``on_text`` and ``on_reasoning`` through a ReasoningSplitter, reasoning first."""
+
+    def __init__(self, splitter: ReasoningSplitter, on_text, on_reasoning):
+        self.splitter, self.on_text, self.on_reasoning = splitter, on_text, on_reasoning
+
+    def __call__(self, text: str) -> None:
+        self._send(self.splitter.push(text))
+
+    def finish(self) -> None:
+        self._send(self.splitter.finish())
+
+    def _send(self, split: Split) -> None:
+        if split.reasoning:
+            self.on_reasoning(split.reasoning)
+        if split.content:
+            self.on_text(split.content)
+
+
 @dataclass
 class TurnResult:
     """What one answer came to: its text, whether the user stopped it, its timings, and how
@@ -267,14 +296,18 @@ class ChatRunner:
         self.folder = folder or chats_dir()
         self._stop = threading.Event()
         self.busy = False
+        source = engine.template.source if engine.template is not None else None
+        self.reasoning = is_reasoning_model(source, engine.tokenizer)   # answers may open with <think>
 
     def stop(self) -> None:
         """Ask the running answer to end after the current token (no-op when idle)."""
         self._stop.set()
 
-    def answer(self, user_text: str, on_text) -> TurnResult:
+    def answer(self, user_text: str, on_text, on_reasoning=None) -> TurnResult:
         """Append the user's message, generate the answer (streamed to ``on_text(str)``),
         append it (also when stopped: what was written is kept) and save the conversation.
+        With ``on_reasoning`` and a reasoning model in chat mode, the ``<think>`` block is
+        streamed to ``on_reasoning(str)`` and only the rest to ``on_text`` (edge.reasoning).
         Stopped before the first token (while the prompt is computed), the user's message is
         taken back and kept as the conversation's ``draft``: the result has ``stopped`` and no text.
 
@@ -293,10 +326,15 @@ class ChatRunner:
         decoder = StreamDecoder()
         pieces: list[str] = []
         stopped = False
+        opened = False
         try:
             ids = conv.prompt_ids(self.engine)
             if len(ids) > self.engine.n_ctx:
                 raise ContextLengthExceeded(len(ids), self.engine.n_ctx)
+            thinks = self.reasoning and conv.mode == "chat"
+            opened = thinks and prompt_opens_reasoning(self.engine.tokenizer, ids)
+            split = thinks and on_reasoning is not None
+            emit = _Router(ReasoningSplitter(opened), on_text, on_reasoning) if split else on_text
             conv.save(self.folder)
             session = conv.session_path(self.folder)
             try:
@@ -312,7 +350,7 @@ class ChatRunner:
                     text = decoder.feed(self.engine.tokenizer.token_to_piece(tok, special=False))
                     if text:
                         pieces.append(text)
-                        on_text(text)
+                        emit(text)
                     if self._stop.is_set():
                         stopped = True
                         break
@@ -322,7 +360,9 @@ class ChatRunner:
             tail = decoder.flush()
             if tail:
                 pieces.append(tail)
-                on_text(tail)
+                emit(tail)
+            if split:
+                emit.finish()
         except GenerationStopped:       # kept as the draft: the app puts it back in the input box
             conv.messages.pop()
             conv.draft = user_text
@@ -341,6 +381,8 @@ class ChatRunner:
                 message = {"role": "assistant", "content": "".join(pieces)}
                 if stopped:
                     message["stopped"] = True
+                if opened:
+                    message["reasoning_opened"] = True
                 conv.messages.append(message)
                 conv.save(self.folder)
         return TurnResult("".join(pieces), stopped, stats, stats.n_prompt + stats.n_generated)

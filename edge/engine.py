@@ -187,21 +187,21 @@ class Engine:
         return self._one_bos(self.tokenizer.encode(text, add_special=False, parse_special=True))
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
-        """Token ids of a chat rendered through the model's own template (``tools``: OpenAI's
-        function tools, the template's ``tools`` variable; None or [] renders none).
+                    variables: dict | None = None) -> list[int]:
+        """Token ids of a chat rendered through the model's own template.
 
         The template's markers are special tokens; the text of the messages, and the JSON of
-        the tools and of earlier tool calls' arguments, is tokenized with parse_special off
-        (BUGS.md T2), so a user cannot forge a turn boundary. Raises NoChatTemplateError (model
-        without template) or ChatTemplateError (template error).
+        the ``tools`` variable and of earlier tool calls' arguments, is tokenized with
+        parse_special off (BUGS.md T2), so a user cannot forge a turn boundary. ``variables``:
+        extra template variables (``enable_thinking``, ``tools`` ...; ChatTemplate.render).
+        Raises NoChatTemplateError (model without template) or ChatTemplateError (template error).
         """
         template = require_template(self.template, self.name)
-        extra = {"tools": tools} if tools else {}
-        rendered = template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
-        spans = _content_spans(template, messages, add_generation_prompt, rendered, **extra)
-        spans += _json_spans(rendered, [*(tools or ()), *(c.get("function", c).get("arguments") for m in messages
-                                                           for c in (m.get("tool_calls") or ()))])
+        rendered = template.render(messages, add_generation_prompt=add_generation_prompt, **(variables or {}))
+        spans = _content_spans(template, messages, add_generation_prompt, rendered, variables)
+        spans += _json_spans(rendered, [*((variables or {}).get("tools") or ()),
+                                        *(c.get("function", c).get("arguments") for m in messages
+                                          for c in (m.get("tool_calls") or ()))])
         ids = self.tokenizer.encode(rendered, add_special=False, parse_special=True, protect=spans)
         return self._one_bos(ids)
 
@@ -359,7 +359,7 @@ def _json_spans(rendered: str, values: list) -> list[tuple[int, int]]:
 
 
 def _content_spans(template: ChatTemplate, messages: list[dict], add_generation_prompt: bool,
-                   rendered: str, **extra) -> list[tuple[int, int]]:
+                   rendered: str, variables: dict | None = None) -> list[tuple[int, int]]:
     """Character spans of the message contents inside ``rendered``, in linear time.
 
     Renders once more with each content replaced by a unique sentinel, which splits the
@@ -367,12 +367,14 @@ def _content_spans(template: ChatTemplate, messages: list[dict], add_generation_
     content as it is or stripped of surrounding whitespace (templates that ``trim``), the longest
     that is followed by the template's next text. If the walk fails (the template changes
     contents otherwise, or its output depends on them), falls back to finding each content's
-    text in order, within a scanning budget of a few times the prompt's length.
+    text in order, within a scanning budget of a few times the prompt's length. ``variables``:
+    the extra template variables ``rendered`` was rendered with.
     """
     contents = {i: m["content"] for i, m in enumerate(messages) if isinstance(m.get("content"), str)}
     marked = [dict(m, content=_SENTINEL.format(i)) if i in contents else m for i, m in enumerate(messages)]
     try:
-        parts = _SENTINEL_RE.split(template.render(marked, add_generation_prompt=add_generation_prompt, **extra))
+        parts = _SENTINEL_RE.split(template.render(marked, add_generation_prompt=add_generation_prompt,
+                                                   **(variables or {})))
     except ChatTemplateError:
         parts = []
     if parts:

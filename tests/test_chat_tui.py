@@ -233,8 +233,8 @@ def test_resume_reopens_the_last_chat_and_restores_its_kv_cache(tmp_path, qwen_p
             seen = {}
             original = app.runner.answer
 
-            def spy(text, on_text):
-                result = original(text, on_text)
+            def spy(text, *callbacks):
+                result = original(text, *callbacks)
                 seen["stats"] = result.stats
                 return result
 

@@ -35,7 +35,7 @@ FIELDS = ["model", "max_tokens", "n_predict", "temperature", "top_p", "top_k", "
           "logit_bias", "ignore_eos", "n_probs", "samplers", "typical_p", "mirostat", "grammar", "json_schema",
           "logprobs", "top_logprobs", "max_completion_tokens", "tools", "tool_choice", "response_format",
           "messages", "prompt", "echo", "suffix", "best_of", "content", "add_special", "parse_special", "tokens",
-          "user", "metadata", "cache_prompt", "unknown_field", ""]
+          "user", "metadata", "cache_prompt", "reasoning_effort", "chat_template_kwargs", "unknown_field", ""]
 TEXTS = ["hi", "", " ", "<|im_start|>", "<|im_end|>", "<|im_start|>user\nx<|im_end|>", "é日本😀", "\x00", "\r\n\t",
          "\u2581", "<t5>", "\ufeff", "\U0010ffff", "\ud800", "\udfff", "a\ud83d", "\\u0000", "%s%n", "'\"{}[]"]
 

@@ -294,8 +294,7 @@ NOT_NEUTRAL = [("typical_p", 0.5), ("mirostat", 2), ("dynatemp_range", 0.5),
                ("tfs_z", 0.9), ("penalize_nl", True), ("n_indent", 4), ("t_max_predict_ms", 100),
                ("lora", [{"id": 0, "scale": 1.0}])]
 CHAT_NOT_NEUTRAL = [("functions", [{"name": "f"}]), ("function_call", {"name": "f"}), ("modalities", ["text", "audio"]),
-                    ("audio", {"voice": "alloy", "format": "wav"}), ("reasoning_effort", "high"),
-                    ("verbosity", "low"), ("web_search_options", {}), ("chat_template_kwargs", {"x": 1})]
+                    ("audio", {"voice": "alloy", "format": "wav"}), ("verbosity", "low"), ("web_search_options", {})]
 NEUTRAL = {"grammar": "", "typical_p": 1.0, "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1,
            "dynatemp_range": 0, "dynatemp_exponent": 1, "xtc_probability": 0, "xtc_threshold": 0.1,
            "dry_multiplier": 0, "dry_base": 1.75, "top_n_sigma": -1, "min_keep": 0, "tfs_z": 1.0,

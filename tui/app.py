@@ -1,7 +1,8 @@
 """``edge chat``: a terminal chat with a local model, on textual.
 
 The conversation scrolls above an input box; answers stream in as Markdown (code blocks
-highlighted); a status bar shows the model, the context used (tokens / n_ctx) and the TTFT and
+highlighted), a reasoning model's thinking streams into a collapsed block above its answer
+(click it or focus it and press Enter to read it); a status bar shows the model, the context used (tokens / n_ctx) and the TTFT and
 tokens/s of the last answer. The engine runs in a worker thread (edge.chat.ChatRunner), so the
 interface never waits for it: Esc stops an answer at once and keeps what was written.
 
@@ -23,9 +24,10 @@ from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 from textual.containers import VerticalScroll
 from textual.message import Message
-from textual.widgets import Markdown, Static, TextArea
+from textual.widgets import Collapsible, Markdown, Static, TextArea
 
-from edge.chat import ChatError, ChatRunner, ChatSettings, Conversation, chats_dir, find_chat, list_chats
+from edge.chat import ChatError, ChatRunner, ChatSettings, Conversation, answer_parts, chats_dir, find_chat, \
+    list_chats
 from edge.engine import ContextLengthExceeded
 from edge.kv.cache import KVNoSpace
 
@@ -108,6 +110,23 @@ class Answer(Markdown):
     """The model's answer, streamed in as Markdown."""
 
 
+class Thinking(Collapsible):
+    """A reasoning model's thinking above its answer: collapsed, dim, streamed in as plain text."""
+
+    def __init__(self, text: str = "", done: bool = True):
+        self._body = Static(text, markup=False, classes="thinking-text")
+        self.text = text
+        super().__init__(self._body, title="thought" if done else "thinking…", collapsed=True)
+
+    def append(self, text: str) -> None:
+        self.text += text
+        self._body.update(self.text)
+
+    def done(self) -> None:
+        """The thinking ended (the answer began, or the turn ended)."""
+        self.title = "thought"
+
+
 SINGLE_LINE_KEYS = "Enter send · ^J new line · Esc stop · ^P commands · F1 help"
 MULTI_LINE_KEYS = "multi-line: Enter new line · ^S send · F2 back · Esc stop"
 
@@ -150,6 +169,12 @@ class ChatInput(TextArea):
 
 
 class TextArrived(Message):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+
+class ReasoningArrived(Message):
     def __init__(self, text: str):
         super().__init__()
         self.text = text
@@ -218,6 +243,8 @@ class ChatApp(App):
     #log { height: 1fr; padding: 0 1; }
     UserMessage { margin: 1 0 0 0; padding: 0 1; background: $boost; color: $text; }
     Answer { margin: 0; padding: 0 1 0 1; }
+    Thinking { margin: 1 0 0 0; padding: 0; border: none; background: transparent; }
+    Thinking .thinking-text { color: $text-muted; text-style: italic; padding: 0 1; }
     Note { margin: 1 0 0 0; color: $text-muted; }
     ChatInput { height: auto; max-height: 8; min-height: 3; border: round $accent; }
     ChatInput.multiline { border: round $warning; }
@@ -244,6 +271,7 @@ class ChatApp(App):
         self.last_tps: float | None = None
         self.last_drafts: tuple[int, int] | None = None   # speculative decoding: (accepted, drafted)
         self._answer: Answer | None = None
+        self._thinking: Thinking | None = None
         self._stream = None
         self._pending_load: Conversation | None = None
         self.turns_ended = 0        # answers finished, stopped or failed (tests and tools wait on it)
@@ -330,7 +358,10 @@ class ChatApp(App):
             if m["role"] == "user":
                 log.mount(UserMessage(m["content"], markup=False))
             else:
-                log.mount(Answer(m["content"] + (" *(stopped)*" if m.get("stopped") else "")))
+                parts = answer_parts(m, self.runner is not None and self.runner.reasoning)
+                if parts.reasoning:
+                    log.mount(Thinking(parts.reasoning))
+                log.mount(Answer(parts.content + (" *(stopped)*" if m.get("stopped") else "")))
         log.scroll_end(animate=False)
 
     # ------------------------------------------------------------------ engine loading
@@ -425,7 +456,8 @@ class ChatApp(App):
     @work(thread=True, exclusive=True, group="answer")
     def _answer_worker(self, text: str) -> None:
         try:
-            result = self.runner.answer(text, lambda piece: self.post_message(TextArrived(piece)))
+            result = self.runner.answer(text, lambda piece: self.post_message(TextArrived(piece)),
+                                        lambda piece: self.post_message(ReasoningArrived(piece)))
         except ContextLengthExceeded as e:
             self.post_message(TurnEnded(error=f"{e} (start a /new conversation, or restart with a larger -c)",
                                         user_text=text))
@@ -438,7 +470,18 @@ class ChatApp(App):
             return
         self.post_message(TurnEnded(result=result, user_text=text))
 
+    async def on_reasoning_arrived(self, message: ReasoningArrived) -> None:
+        if self._answer is None:
+            return
+        if self._thinking is None:
+            self._thinking = Thinking(done=False)
+            await self.log_view.mount(self._thinking, before=self._answer)
+        self._thinking.append(message.text)
+        self.log_view.scroll_end(animate=False)
+
     async def on_text_arrived(self, message: TextArrived) -> None:
+        if self._thinking is not None:
+            self._thinking.done()
         if self._stream is not None:
             await self._stream.write(message.text)
             self.log_view.scroll_end(animate=False)
@@ -448,6 +491,9 @@ class ChatApp(App):
             await self._stream.stop()
             self._stream = None
         self.generating = False
+        if self._thinking is not None:
+            self._thinking.done()
+            self._thinking = None
         result = message.result
         if message.error is not None:
             if self._answer is not None and not self._answer.source:
@@ -527,8 +573,9 @@ class ChatApp(App):
             if not answers:
                 self.note("no answer to copy yet")
             else:
-                self.copy_to_clipboard(answers[-1]["content"])
-                self.note(f"copied the last answer ({len(answers[-1]['content'])} characters) to the clipboard")
+                text = answer_parts(answers[-1], self.runner is not None and self.runner.reasoning).content
+                self.copy_to_clipboard(text)
+                self.note(f"copied the last answer ({len(text)} characters) to the clipboard")
         elif busy and command in ("/new", "/system", "/model", "/load", *SETTING_COMMANDS):
             self.note(f"{command} waits until the answer is done (Esc stops it)" if self.generating
                       else f"{command} waits until the model is loaded")

@@ -49,6 +49,10 @@ def add_parser(sub) -> None:
                        help="a request must arrive whole within this time (else 408 and the connection "
                             "closes), and a client that reads nothing of its answer for this long is "
                             "dropped (default: 60)")
+    serve.add_argument("--reasoning-budget", type=int, default=-1, metavar="N",
+                       help="reasoning models: close the <think> block after N tokens of reasoning by writing "
+                            "</think>; 0 = no thinking (the template's enable_thinking is false, a block the "
+                            "template opens is closed at once); -1 = no limit (default)")
     add_spec_args(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -71,6 +75,8 @@ def cmd_serve(args) -> int:
     check_sizes(args)
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be 0 or more, got {args.max_queue}")
+    if args.reasoning_budget < -1:
+        raise ValueError(f"--reasoning-budget must be -1 (no limit) or 0 or more, got {args.reasoning_budget}")
     if not 0 < args.port < 65536 and not args.unix_socket:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     spec = spec_params(args)
@@ -81,7 +87,7 @@ def cmd_serve(args) -> int:
                           n_batch=args.batch_size, threads=args.threads or physical_cores(), api_key=api_key,
                           host=args.host, allowed_hosts=allowed_hosts, cors_origins=cors_origins,
                           cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
-                          spec=spec, model_draft=model_draft)
+                          spec=spec, model_draft=model_draft, reasoning_budget=args.reasoning_budget)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.unix_socket and not api_key:
         print(f"warning: listening on {args.host} without --api-key: anyone who can reach this port can use "
               "the model", file=sys.stderr)

@@ -44,7 +44,7 @@ from edge.engine import ContextLengthExceeded
 from edge.generate import Limits
 from edge.grammar import GrammarError, GrammarMask
 from edge.sampling import InvalidParameter, SamplingParams
-from edge.server import guard, protocol as P
+from edge.server import guard, protocol as P, thinking
 from edge.server.metrics import Metrics
 from edge.server.scheduler import Delta, Failed, Finished, QueueFull, Scheduler
 from edge.server.scheduler import Request as GenRequest
@@ -75,6 +75,7 @@ class ServerConfig:
     spec: object = None                     # edge.speculative.SpecParams (None: no speculation)
     model_draft: str | None = None          # the draft model for spec_type "draft"
     on_load_error: Callable[[str], None] | None = None   # called (on the load thread) with the error
+    reasoning_budget: int = -1              # reasoning tokens before </think> is forced (-1: no limit)
 
 
 def _warm_up(scheduler: Scheduler) -> None:
@@ -318,42 +319,44 @@ def _tool_grammar(allowed: list[dict], fmt: str, parallel: bool, other: str | No
         raise P.APIError(400, f"tools: a function's parameters: {e}", param="tools", code="invalid_value") from None
 
 
-def _tool_message(parser: ToolCallParser, text: str, finish: str) -> tuple[dict, str]:
-    """(the chat message, finish_reason) of a whole answer read for tool calls: content outside
+def _tool_message(parser: ToolCallParser, message: dict, finish: str) -> tuple[dict, str]:
+    """(the chat message, finish_reason) with its content read for tool calls: content outside
     the calls (None when there is none), tool_calls, finish_reason "tool_calls" when it has some."""
-    events = parser.feed(text) + parser.finish()
-    content = "".join(v for k, v in events if k == "content") or None
-    message = {"role": "assistant", "content": content}
+    events = parser.feed(message["content"] or "") + parser.finish()
+    message = {**message, "content": "".join(v for k, v in events if k == "content") or None}
     if parser.calls:
         message["tool_calls"] = [c.openai() for c in parser.calls]
         finish = "tool_calls"
     return message, finish
 
 
-def _tool_stream(parser: ToolCallParser, chunk):
-    """(delta, final) for _sse_response reading the answer for tool calls: content deltas, and
-    per call OpenAI's tool_calls deltas (``index`` on each; id, type and name in the first,
-    the arguments after); finish_reason "tool_calls" when a call was made."""
-    def events_sse(events, lps=None) -> str:
-        out = []
-        for kind, value in events:
-            if kind == "content":
-                out.append(chunk({"content": value}, lps=lps))
-            else:
-                i = parser.calls.index(value)
-                out.append(chunk({"tool_calls": [{"index": i, "id": value.id, "type": "function",
-                                                  "function": {"name": value.name, "arguments": ""}}]}, lps=lps))
-                out.append(chunk({"tool_calls": [{"index": i, "function": {"arguments": value.arguments}}]}))
-            lps = None
-        return "".join(out)
-
-    def delta(ev) -> str:
-        return events_sse(parser.feed(ev.text), ev.logprobs)
-
-    def final(ev) -> str:
-        return events_sse(parser.finish()) + chunk({}, finish="tool_calls" if parser.calls else ev.finish_reason)
-
-    return delta, final
+def _tool_deltas(parser: ToolCallParser, parts: list[dict], final: bool) -> list[dict]:
+    """The streamed ``delta`` objects ``parts`` with their content read for tool calls (``final``:
+    the answer ended): content deltas, and per call OpenAI's tool_calls deltas (``index`` on
+    each; id, type and name in the first, the arguments after). Other deltas pass as they are."""
+    events = []
+    for part in parts:
+        if "content" in part:
+            rest = {k: v for k, v in part.items() if k != "content"}
+            if rest:
+                events.append(("delta", rest))
+            events += parser.feed(part["content"])
+        else:
+            events.append(("delta", part))
+    if final:
+        events += parser.finish()
+    out = []
+    for kind, value in events:
+        if kind == "delta":
+            out.append(value)
+        elif kind == "content":
+            out.append({"content": value})
+        else:
+            i = parser.calls.index(value)
+            out.append({"tool_calls": [{"index": i, "id": value.id, "type": "function",
+                                        "function": {"name": value.name, "arguments": ""}}]})
+            out.append({"tool_calls": [{"index": i, "function": {"arguments": value.arguments}}]})
+    return out
 
 
 def _piece(engine, tok: int) -> tuple[str, list[int]]:
@@ -501,8 +504,10 @@ class _Handlers:
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text(),
                      **m.template_fields()} for m in body.messages]
         _too_long_to_tokenize(state, sum(len(m["content"].encode()) for m in messages), "messages")
+        variables = thinking.template_variables(body, engine.tokenizer, state.config.reasoning_budget)
+        tools_variable = {"tools": tools} if tools else {}
         try:
-            ids = await run_in_threadpool(engine.chat_prompt, messages, True, tools)
+            ids = await run_in_threadpool(engine.chat_prompt, messages, True, {**variables, **tools_variable})
         except NoChatTemplateError:       # C3
             raise P.APIError(400, f"model {state.model_id()!r} has no chat template, so it cannot take chat "
                                   "messages; send the text to POST /v1/completions instead", param="messages",
@@ -516,8 +521,9 @@ class _Handlers:
         parser = ToolCallParser(fmt, body.parallel_tool_calls, [t["function"]["name"] for t in allowed]) \
             if tool_mode != "none" else None
         processors = await run_in_threadpool(_processors, grammar, grammar_param, engine, len(ids))
+        reasoning = thinking.ChatReasoning(engine, ids, state.config.reasoning_budget, constrained=bool(processors))
         gen = GenRequest(ids, params, emit=None, max_tokens=max_tokens, stop=body.stop_list(), logprobs=logprobs,
-                         processors=processors, speculative=_speculative(body))
+                         processors=processors + reasoning.processors, speculative=_speculative(body))
         stream = _Stream(scheduler, gen)
         stream.submit()
         rid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_id()
@@ -538,9 +544,9 @@ class _Handlers:
             if fin is None:
                 return Response(status_code=CLIENT_GONE)
             content = lp_content([lp for d in deltas for lp in d.logprobs])
-            message, finish = {"role": "assistant", "content": "".join(d.text for d in deltas)}, fin.finish_reason
+            message, finish = reasoning.message("".join(d.text for d in deltas)), fin.finish_reason
             if parser is not None:
-                message, finish = _tool_message(parser, message["content"], finish)
+                message, finish = _tool_message(parser, message, finish)
             return JSONResponse({
                 "id": rid, "object": "chat.completion", "created": created, "model": name,
                 "choices": [{"index": 0, "message": message,
@@ -560,13 +566,22 @@ class _Handlers:
                 c["usage"] = None
             return _sse(c)
 
-        if parser is not None:
-            delta, final = _tool_stream(parser, chunk)
-        else:
-            delta = lambda ev: chunk({"content": ev.text}, lps=ev.logprobs)    # noqa: E731
-            final = lambda ev: chunk({}, finish=ev.finish_reason)              # noqa: E731
+        def chunks(ev, finish=None):
+            """The chunks of a Delta (or, with ``finish``, of the end): reasoning deltas, then
+            content (read for tool calls when tools are given); the logprobs ride on the last
+            (an empty delta when the text is held)."""
+            lps = ev.logprobs if finish is None else None
+            parts = reasoning.deltas(ev.text if finish is None else "", final=finish is not None)
+            if parser is not None:
+                parts = _tool_deltas(parser, parts, final=finish is not None)
+                finish = "tool_calls" if finish is not None and parser.calls else finish
+            if lps and not parts:
+                parts = [reasoning.empty_delta()]
+            out = [chunk(d, lps=lps if i == len(parts) - 1 else None) for i, d in enumerate(parts)]
+            return "".join(out + ([chunk({}, finish=finish)] if finish is not None else []))
+
         return _sse_response(stream, head, include_usage, first=chunk({"role": "assistant", "content": ""}),
-                             delta=delta, final=final)
+                             delta=chunks, final=lambda ev: chunks(ev, finish=ev.finish_reason))
 
     # ---- completions -----------------------------------------------------------------------------
 

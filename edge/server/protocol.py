@@ -364,10 +364,11 @@ class ChatCompletionRequest(_Sampling):
     function_call: str | dict | None = None
     modalities: list[str] | None = None
     audio: dict | None = None
-    reasoning_effort: str | None = None
     verbosity: str | None = None
     web_search_options: dict | None = None
-    chat_template_kwargs: dict | None = None
+    # reasoning models (edge.server.thinking): "none" turns thinking off; others reach the template
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    chat_template_kwargs: dict | None = None   # extra chat template variables (JSON scalars)
 
     NOT_IMPLEMENTED: ClassVar[dict[str, _Neutral]] = {
         **_SAMPLING_NOT_IMPLEMENTED,
@@ -375,10 +376,8 @@ class ChatCompletionRequest(_Sampling):
         "function_call": (lambda v: v in ("none", "auto"), '"none"'),
         "modalities": (lambda v: v in ([], ["text"]), '["text"]'),
         "audio": None,
-        "reasoning_effort": None,
         "verbosity": None,
         "web_search_options": None,
-        "chat_template_kwargs": (lambda v: v == {}, "{}"),
     }
 
     def check_unsupported(self) -> None:
