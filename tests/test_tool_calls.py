@@ -377,3 +377,22 @@ def client_1_5b(tmp_path_factory):
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_tool_loop_1_5b(client_1_5b, stream):
     _tool_loop(client_1_5b, "qwen2.5-coder-1.5b-instruct", stream)
+
+
+def test_tool_deltas_keep_reasoning_first():
+    """A reasoning model's streamed deltas: reasoning passes as it is, the content is read for calls."""
+    from edge.server.app import _tool_deltas, _tool_message
+
+    parser = ToolCallParser("hermes", True, NAMES)
+    parts = [{"reasoning_content": "hm", "reasoning": "hm"}, {"content": 'ok <tool_call>{"name": "b", "arguments"'}]
+    assert _tool_deltas(parser, parts, final=False) == [parts[0], {"content": "ok"}]
+    out = _tool_deltas(parser, [{"content": ': {"x": 1}}</tool_call>'}], final=True)
+    call = parser.calls[0]
+    assert out == [{"tool_calls": [{"index": 0, "id": call.id, "type": "function",
+                                    "function": {"name": "b", "arguments": ""}}]},
+                   {"tool_calls": [{"index": 0, "function": {"arguments": '{"x": 1}'}}]}]
+    message, finish = _tool_message(ToolCallParser("hermes", True, NAMES), {
+        "role": "assistant", "content": '<tool_call>{"name": "b", "arguments": {}}</tool_call>',
+        "reasoning_content": "hm", "reasoning": "hm"}, "stop")
+    assert finish == "tool_calls" and message["content"] is None and message["reasoning_content"] == "hm"
+    assert [c["function"] for c in message["tool_calls"]] == [{"name": "b", "arguments": "{}"}]
