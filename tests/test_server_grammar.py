@@ -1,5 +1,6 @@
 """Constrained decoding through `edge serve` on the default model (qwen2.5-coder-0.5b-instruct)
-with the official openai client: response_format json_schema on varied schemas, the client's
+with the official openai client: response_format json_schema on 20 varied schemas (nested
+objects, arrays with bounds, enums, bounded numbers, required and optional fields), the client's
 ``chat.completions.parse`` with a pydantic model, json_object, llama-server's json_schema and
 grammar fields, streamed equal to not streamed. Greedy, short answers, one server.
 
@@ -84,9 +85,47 @@ SCHEMAS = [
                                                           "properties": {"first": {"type": "string"},
                                                                          "last": {"type": "string"}}}}}),
 ]
+S = {"type": "string", "maxLength": 40}           # short strings: greedy answers end within max_tokens
 
 
-@pytest.mark.parametrize("what,schema", SCHEMAS, ids=[w.split()[1] for w, _ in SCHEMAS])
+def _obj(required, **props):
+    return {"type": "object", "additionalProperties": False, "required": list(required), "properties": props}
+
+
+SCHEMAS += [
+    ("a point in 3D", _obj("xyz", x={"type": "number"}, y={"type": "number"}, z={"type": "number"})),
+    ("a yes/no verdict with a reason", _obj(["verdict", "reason"], verdict={"type": "boolean"}, reason=S)),
+    ("an HTTP status", _obj(["code", "phrase"], code={"type": "integer", "minimum": 100, "maximum": 599}, phrase=S)),
+    ("a list of three prime numbers", {"type": "array", "minItems": 3, "maxItems": 3,
+                                       "items": {"type": "integer", "minimum": 2, "maximum": 100}}),
+    ("a traffic light state", _obj(["light"], light={"enum": ["red", "amber", "green"]})),
+    ("a product", _obj(["name", "price", "tags"], name=S, price={"type": "number", "minimum": 0, "maximum": 10000},
+                       tags={"type": "array", "maxItems": 4, "items": S})),
+    ("a chess move", _obj(["from", "to", "piece"], piece={"enum": ["king", "queen", "rook", "bishop", "knight", "pawn"]},
+                          **{"from": {"type": "string", "maxLength": 2}, "to": {"type": "string", "maxLength": 2}})),
+    ("a rating of a film", _obj(["film", "stars"], film=S, stars={"type": "integer", "minimum": 1, "maximum": 5})),
+    ("a Python function signature", _obj(["name", "args", "returns"], name=S,
+                                         args={"type": "array", "maxItems": 4, "items": _obj(["name", "type"], name=S, type=S)},
+                                         returns=S)),
+    ("a matrix of 2 by 2 integers", {"type": "array", "minItems": 2, "maxItems": 2,
+                                     "items": {"type": "array", "minItems": 2, "maxItems": 2, "items": {"type": "integer"}}}),
+    ("an address", _obj(["street", "city", "zip", "country"], street=S, city=S, zip=S,
+                        country={"enum": ["FR", "DE", "US", "JP"]})),
+    ("a git commit", _obj(["hash", "message", "files_changed"], hash={"type": "string", "maxLength": 12}, message=S,
+                          files_changed={"type": "integer", "minimum": 0, "maximum": 50})),
+    ("a temperature conversion", _obj(["celsius", "fahrenheit"], celsius={"type": "number", "minimum": -50, "maximum": 50},
+                                      fahrenheit={"type": "number"})),
+    ("a recipe with two ingredients", _obj(["dish", "ingredients"], dish=S,
+                                           ingredients={"type": "array", "minItems": 2, "maxItems": 2,
+                                                        "items": _obj(["item", "grams"], item=S,
+                                                                      grams={"type": "integer", "minimum": 1, "maximum": 1000})})),
+    ("a server config", _obj(["host", "port", "tls", "workers"], host=S, port={"type": "integer", "minimum": 1, "maximum": 65535},
+                             tls={"type": "boolean"}, workers={"type": "integer", "minimum": 1, "maximum": 16})),
+    ("an optional nickname and a required name", _obj(["name"], name=S, nickname=S)),
+]
+
+
+@pytest.mark.parametrize("what,schema", SCHEMAS, ids=["-".join(w.split()[1:3]) for w, _ in SCHEMAS])
 def test_json_schema_answers_validate(client, what, schema):
     r = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": f"Give {what} as JSON."}], temperature=0, max_tokens=160,
