@@ -121,6 +121,7 @@ class SpecState:
             self.n_max = int(n_max)
         if n_min is not None:
             self.n_min = int(n_min)
+        self.n_min = min(self.n_min, self.n_max)     # llama-server clamps n_min to n_max
         if p_min is not None:
             self.p_min = float(p_min)
 
@@ -372,13 +373,15 @@ class Speculator:
                 st.pause -= 1
                 continue
             cap = min(st.limit, st.n_max, self.params.draft_max, budget)
-            if cap >= max(1, self.params.draft_min, st.n_min):
+            floor = max(1, min(max(self.params.draft_min, st.n_min), st.n_max))
+            if cap >= floor:
                 want.append(seq)
                 caps.append(cap)
         if not want:
             return
         for seq, draft in zip(want, self.drafter.propose(want, caps)):
-            if len(draft.tokens) >= max(1, self.params.draft_min, seq.spec.n_min):
+            st = seq.spec
+            if len(draft.tokens) >= max(1, min(max(self.params.draft_min, st.n_min), st.n_max)):
                 seq.draft = draft
             elif self.drafter.costly:    # paid for nothing: back off as after a refused draft
                 self._back_off(seq.spec)
@@ -425,5 +428,7 @@ def make_speculator(params: SpecParams, engine, draft_engine=None) -> Speculator
         return Speculator(params, NgramDrafter(params))
     if draft_engine is None:
         raise SpeculativeError("--spec-type draft needs a draft model: -md/--model-draft MODEL")
-    check_compatible(engine.tokenizer, draft_engine.tokenizer, engine.name, draft_engine.name)
+    from pathlib import Path
+
+    check_compatible(engine.tokenizer, draft_engine.tokenizer, Path(engine.path).stem, Path(draft_engine.path).stem)
     return Speculator(params, DraftModelDrafter(draft_engine, params, engine.tokenizer.n_vocab))

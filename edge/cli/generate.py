@@ -108,8 +108,9 @@ def cmd_run(args) -> int:
           f"{stats.prompt_tps:.1f} tokens/s | generated: {stats.n_generated} tokens, "
           f"{stats.gen_tps:.1f} tokens/s | finish: {stats.finish_reason}"
           f"{f' (context full: -c {args.ctx_size})' if stats.context_full else ''} | total {total:.1f} s"
-          + (f" | drafted {stats.n_drafted}, accepted {stats.n_accepted} "
-             f"({100 * stats.n_accepted / stats.n_drafted:.0f} %)" if stats.n_drafted else "")
+          + (f" | drafted {stats.n_drafted}, accepted {stats.n_accepted}"
+             + (f" ({100 * stats.n_accepted / stats.n_drafted:.0f} %)" if stats.n_drafted else "")
+             if engine.speculator is not None else "")
           + (f" | grammar: compiled in {processors[0].compile_seconds * 1000:.1f} ms, mask "
              f"{1000 * processors[0].mask_seconds / max(1, processors[0].mask_calls):.2f} ms/token" if processors else "")
           + (f" | {stats.n_restored} prompt tokens restored from {args.session}" if stats.n_restored else "")

@@ -64,33 +64,43 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     """Speculative decoding options, named as llama.cpp's."""
-    g = p.add_argument_group("speculative decoding (lossless: the same text at temperature 0, the "
-                             "same distribution otherwise; computes batch-invariantly)")
+    g = p.add_argument_group("speculative decoding (lossless: at temperature 0 the text of --batch-invariant "
+                             "decoding, which it computes in; the same distribution when sampling)")
     g.add_argument("--spec-type", default=None, metavar="TYPE",
                    help="none, ngram (prompt lookup: drafts what followed the last few tokens earlier in "
                         "the prompt or answer; fast when the answer repeats the prompt) or draft (a draft "
-                        "model, -md); default: draft with -md, else none")
+                        "model, -md); llama.cpp's ngram-simple and draft-simple are accepted; default: draft "
+                        "with -md, else none")
     g.add_argument("-md", "--model-draft", default=None, metavar="MODEL",
                    help="draft model (a name or .gguf path) with the same vocabulary as -m")
-    g.add_argument("--draft-max", "--draft", "--draft-n", dest="draft_max", type=int, default=16,
+    g.add_argument("--draft-max", "--draft", "--draft-n", dest="draft_max", type=int, default=None,
                    help="most tokens drafted per step (default: 16)")
-    g.add_argument("--draft-min", "--draft-n-min", dest="draft_min", type=int, default=0,
+    g.add_argument("--draft-min", "--draft-n-min", dest="draft_min", type=int, default=None,
                    help="fewer drafted tokens than this are not verified (default: 0)")
-    g.add_argument("--draft-p-min", type=float, default=0.75,
+    g.add_argument("--draft-p-min", type=float, default=None,
                    help="a draft model stops drafting below this probability of its best token "
                         "(default: 0.75)")
 
 
 def spec_params(args):
-    """SpecParams from add_spec_args's options (ValueError naming the option)."""
+    """SpecParams from add_spec_args's options (ValueError naming the option); a note on stderr
+    when --draft-* options are given without speculative decoding."""
     from edge.speculative import SpecParams
 
     spec_type = args.spec_type or ("draft" if args.model_draft else "none")
-    params = SpecParams(spec_type, args.draft_max, args.draft_min, args.draft_p_min)
+    given = {k: v for k, v in (("draft_max", args.draft_max), ("draft_min", args.draft_min),
+                               ("draft_p_min", args.draft_p_min)) if v is not None}
+    params = SpecParams(spec_type, **given)
     if params.spec_type == "draft" and not args.model_draft:
         raise ValueError("--spec-type draft needs a draft model: -md/--model-draft MODEL")
     if args.model_draft and params.spec_type != "draft":
         raise ValueError(f"-md/--model-draft is for --spec-type draft, not {params.spec_type}")
+    if given and not params.enabled:
+        print(f"note: {', '.join('--' + k.replace('_', '-') for k in given)} ignored: speculative decoding is "
+              "off (--spec-type ngram, or -md MODEL)", file=sys.stderr)
+    if params.enabled and getattr(args, "batch_size", 2) < 2:
+        raise ValueError("speculative decoding needs -b/--batch-size 2 or more: a verification is one batch of "
+                         "the last token and its drafts")
     return params
 
 
@@ -106,7 +116,11 @@ def set_speculative(engine, args, n_seq: int = 1) -> None:
         return
     draft = None
     if params.spec_type == "draft":
-        draft = Engine(resolve_with_bars(args.model_draft), n_ctx=engine.n_ctx, n_batch=engine.n_batch,
+        try:
+            path = resolve_with_bars(args.model_draft)
+        except Exception as e:
+            raise ValueError(f"-md/--model-draft: {e}") from None
+        draft = Engine(path, n_ctx=engine.n_ctx, n_batch=engine.n_batch,
                        n_seq=n_seq, cache_type_k=engine.cache_type_k, cache_type_v=engine.cache_type_v,
                        kv_storage=engine.kv_storage, batch_invariant=True)
     engine.set_speculative(params, draft)
