@@ -64,11 +64,11 @@ def cmd_run(args) -> int:
             prompt = prompt[:-1]
     with naming_flags():
         params = SamplingParams(**sampling_fields(args))
-    spec_params(args)                  # bad speculative options fail before the model loads
+    spec = spec_params(args)           # bad speculative options fail before the model loads
     grammar = grammar_option(args)     # so do bad schemas and grammars
     t_start = time.perf_counter()
     engine = load_engine(args)
-    set_speculative(engine, args)
+    set_speculative(engine, args, spec)
     if args.raw or engine.template is None:
         if not args.raw:
             print(f"note: {engine.name} has no chat template; the prompt is sent as is", file=sys.stderr)

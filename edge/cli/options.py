@@ -104,14 +104,13 @@ def spec_params(args):
     return params
 
 
-def set_speculative(engine, args, n_seq: int = 1) -> None:
+def set_speculative(engine, args, params, n_seq: int = 1) -> None:
     """Speculative decoding on ``engine`` as the options ask (edge.engine.Engine.set_speculative;
     the draft model loaded with the target's n_ctx, n_batch and KV types). Raises ValueError
     for bad options or an incompatible draft model."""
     from edge.cli.models import resolve_with_bars
     from edge.engine import Engine
 
-    params = spec_params(args)
     if not params.enabled:
         return
     draft = None
