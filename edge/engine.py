@@ -260,6 +260,8 @@ class Engine:
         seq.slot, seq.logits = self._start(prompt_ids, stats, session, save=session_save == "prompt", stop=stop,
                                            lookahead=seq.lookahead)
         try:
+            if seq.spec is not None:       # a draft model takes in the prompt as part of the prompt's time
+                self.speculator.drafter.prefill([seq])
             stats.prompt_seconds = time.perf_counter() - t0
             t_first = None
             for out in loop.run(seq):

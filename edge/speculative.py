@@ -142,6 +142,10 @@ class Drafter:
     def propose(self, seqs: Seq, budgets: Seq[int]) -> list[Draft]:
         raise NotImplementedError
 
+    def prefill(self, seqs) -> None:
+        """Take in the sequences' prompts now (a draft model computes them in its own cache), so
+        that the first draft does not pay for them: the prompt's time, not the answer's."""
+
     def release(self, seq) -> None:
         pass
 
@@ -242,11 +246,11 @@ class DraftModelDrafter(Drafter):
         self.loop = engine.loop()
         self.kv = engine.kv
 
-    def _sync(self, seq) -> list[int]:
-        """Give seq a draft slot whose known tokens are seq's but the last (what the target
-        took back is taken back here too); returns those tokens."""
+    def _sync(self, seq, whole: bool = False) -> list[int]:
+        """Give seq a draft slot whose known tokens are seq's but the last (all of them with
+        ``whole``; what the target took back is taken back here too); returns those tokens."""
         st = seq.spec
-        toks = seq.tokens[:-1]
+        toks = seq.tokens if whole else seq.tokens[:-1]
         if st.index is None:
             slot, _ = self.kv.new_sequence(toks, lookahead=self.params.draft_max + 1)
             st.index = (slot, list(toks))
@@ -267,20 +271,7 @@ class DraftModelDrafter(Drafter):
 
         drafts = [Draft([], [] if seq.sampler.params.temperature > 0 else None) for seq in seqs]
         active = [i for i, k in enumerate(budgets) if k > 0]
-        for i in active:
-            self._sync(seqs[i])
-        while True:            # catch up: every token but the last, n_batch rows a step
-            rows, budget = [], self.loop.n_batch
-            for i in active:
-                slot, known = seqs[i].spec.index
-                done = int(self.kv.pos[slot])
-                if done < len(known) and budget > 0:
-                    chunk = known[done : done + budget]
-                    rows.append(Rows(slot, chunk, 0))
-                    budget -= len(chunk)
-            if not rows:
-                break
-            self._step(rows)
+        self._catch_up([seqs[i] for i in active])
         last = {i: seqs[i].tokens[-1] for i in active}
         while active:          # draft: a row per sequence a step, while each goes on
             rows = []
@@ -304,6 +295,30 @@ class DraftModelDrafter(Drafter):
                     still.append(i)
             active = still
         return drafts
+
+    def prefill(self, seqs) -> None:
+        self._catch_up(seqs, whole=True)
+
+    def _catch_up(self, seqs, whole: bool = False) -> None:
+        """Sync each sequence's draft slot (_sync) and compute its tokens but the last (all of
+        them with ``whole``: a prompt, whose last token the first draft step would compute
+        anyway), n_batch rows a step over all the sequences."""
+        from edge.generate import Rows
+
+        for seq in seqs:
+            self._sync(seq, whole)
+        while True:
+            rows, budget = [], self.loop.n_batch
+            for seq in seqs:
+                slot, known = seq.spec.index
+                done = int(self.kv.pos[slot])
+                if done < len(known) and budget > 0:
+                    chunk = known[done : done + budget]
+                    rows.append(Rows(slot, chunk, 0))
+                    budget -= len(chunk)
+            if not rows:
+                return
+            self._step(rows)
 
     def _step(self, rows):
         for r in rows:
