@@ -285,13 +285,9 @@ class Sampler:
         if ratio >= 1.0 or (ratio > 0.0 and self._rng.random() < ratio):
             return int(draft), True
         # the residual max(0, p - q), over p's support (where p is 0 the residual is 0)
-        q_on_p = np.zeros(ids.shape[0])
-        pos = {int(t): i for i, t in enumerate(q_ids.tolist())} if q is not None else {int(draft): 0}
-        for i, t in enumerate(ids.tolist()):
-            j = pos.get(t)
-            if j is not None:
-                q_on_p[i] = q_p[j]
-        residual = np.maximum(p - q_on_p, 0.0)
+        dense = np.zeros(max(int(ids.max()), int(q_ids.max())) + 1)
+        dense[q_ids] = q_p
+        residual = np.maximum(p - dense[ids], 0.0)
         total = residual.sum()
         if not total > 0.0:          # p <= q everywhere yet the draft was refused: only rounding
             return int(draft), True

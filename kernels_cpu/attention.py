@@ -334,15 +334,18 @@ def _tile_scratch(n_workers: int, max_cells: int, G: int, hd: int, hd_v: int):
     calling thread and grown (x1.5) when too small, so a decode step does not allocate, and
     page-fault in, megabytes of fresh buffers per layer (a 4k-token context of head size 128:
     2 x 1.9 MB per worker, which made a decode step's attention several times slower)."""
-    need_f, need_i = _scratch_floats(max_cells, G, hd, hd_v), max_cells
-    f, i = getattr(_SCRATCH, "f", None), getattr(_SCRATCH, "i", None)
-    if f is None or f.shape[0] < n_workers or f.shape[1] < need_f:
-        rows = max(n_workers, 0 if f is None else f.shape[0])
-        f = _SCRATCH.f = np.empty((rows, max(need_f, 0 if f is None else int(f.shape[1] * 1.5))), np.float32)
-    if i is None or i.shape[0] < n_workers or i.shape[1] < need_i:
-        rows = max(n_workers, 0 if i is None else i.shape[0])
-        i = _SCRATCH.i = np.empty((rows, max(need_i, 0 if i is None else int(i.shape[1] * 1.5))), np.int64)
-    return f, i
+    return (_kept("f", n_workers, _scratch_floats(max_cells, G, hd, hd_v), np.float32),
+            _kept("i", n_workers, max_cells, np.int64))
+
+
+def _kept(name: str, rows: int, cols: int, dtype):
+    """This thread's scratch array ``name`` of at least [rows, cols], grown (x1.5) when smaller."""
+    a = getattr(_SCRATCH, name, None)
+    if a is None or a.shape[0] < rows or a.shape[1] < cols:
+        old_rows, old_cols = (0, 0) if a is None else a.shape
+        a = np.empty((max(rows, old_rows), max(cols, int(old_cols * 1.5))), dtype)
+        setattr(_SCRATCH, name, a)
+    return a
 
 
 @njit(cache=True, nogil=True)

@@ -2,6 +2,7 @@
 API key) and the checks they share: the OpenAI error shape, SSE framing, a POST left unread."""
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -133,6 +134,17 @@ class Server:
                 pytest.fail(f"server not idle after {timeout} s: running {m['edge_requests_running']}, waiting "
                             f"{m['edge_requests_waiting']}, KV blocks used {m['edge_kv_blocks_used']}")
             time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def running(args: list[str], log: Path, timeout: float = 120, **kw):
+    """An `edge serve` subprocess (Server's arguments), ready (GET /health 200), stopped on exit."""
+    srv = Server(args, log, **kw)
+    try:
+        srv.wait_ready(timeout)
+        yield srv
+    finally:
+        srv.stop()
 
 
 def start_post(srv: Server, route: str, body: dict) -> http.client.HTTPConnection:

@@ -18,7 +18,7 @@ from edge.engine import Engine
 from edge.grammar import GrammarError, GrammarMask, from_option, gbnf, json_schema, ll_tokenizer
 from edge.sampling import SamplingParams
 from edge.speculative import SpecParams
-from tests.server_process import Server, assert_error
+from tests.server_process import assert_error, running
 from tests.tiny_chat import IM_END, IM_START, write_tiny_chat_model
 
 CHARS = list('{}[]":,.-0123456789abcdefghijklmnopqrstuvwxyz') + ['{"', '":', '",', '"}', "true", "false", "null"]
@@ -244,12 +244,9 @@ def test_edge_run_options(model_path, tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def server(model_path, tmp_path_factory):
-    srv = Server(["-m", str(model_path), "-np", "2", "-c", "256"], tmp_path_factory.mktemp("gserve") / "serve.log")
-    try:
-        srv.wait_ready(60)
+    with running(["-m", str(model_path), "-np", "2", "-c", "256"], tmp_path_factory.mktemp("gserve") / "serve.log",
+                 60) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 HI = [{"role": "user", "content": "hi"}]

@@ -13,7 +13,7 @@ from typing import Literal
 
 import pytest
 
-from tests.server_process import Server
+from tests.server_process import running
 
 openai = pytest.importorskip("openai", reason="the server tests talk through the official openai client "
                                                "(pip install -e .[test])")
@@ -23,12 +23,8 @@ MODEL = "qwen2.5-coder-0.5b-instruct"
 
 @pytest.fixture(scope="module")
 def server(qwen_path, tmp_path_factory):
-    srv = Server(["-m", str(qwen_path), "-np", "2", "-c", "1024"], tmp_path_factory.mktemp("gserve") / "serve.log")
-    try:
-        srv.wait_ready(120)
+    with running(["-m", str(qwen_path), "-np", "2", "-c", "1024"], tmp_path_factory.mktemp("gserve") / "serve.log") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
