@@ -439,28 +439,23 @@ def _usage(fin: Finished) -> dict:
             "prompt_tokens_details": {"cached_tokens": fin.cached_tokens}}
 
 
-def _sse_response(stream: _Stream, head: dict, include_usage: bool, first, delta, final) -> StreamingResponse:
-    """A streamed response: ``first`` (an SSE event or None), ``delta(ev)`` per Delta,
-    ``final(ev)`` at Finished, then with include_usage one chunk of ``head`` fields with empty
-    choices and the usage, then [DONE]. An error mid-stream becomes an error event; the
-    generation is cancelled when the stream ends early (the client went away)."""
+def _sse_response(chunks, head: dict, include_usage: bool, run) -> StreamingResponse:
+    """OpenAI's streamed response: each chunk dict of ``chunks`` (an async iterator, e.g.
+    ChatRun.chunks()) as a server-sent event, with ``"usage": null`` when include_usage, then
+    with include_usage one chunk of ``head`` fields with empty choices and ``run``'s usage, then
+    [DONE]. An error mid-stream becomes an error event; the generation is cancelled when the
+    stream ends early (the client went away)."""
     async def events():
         try:
-            if first is not None:
-                yield first
-            async for ev in stream.events():
-                if isinstance(ev, Delta):
-                    if out := delta(ev):        # "" when a tool-call parser holds the text
-                        yield out
-                else:
-                    yield final(ev)
-                    if include_usage:
-                        yield _sse({**head, "choices": [], "usage": _usage(ev)})
+            async for c in chunks:
+                yield _sse({**c, "usage": None} if include_usage else c)
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": run.usage()})
             yield "data: [DONE]\n\n"
         except P.APIError as e:
             yield _sse(e.body())
         finally:
-            stream.cancel()
+            run.cancel()
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -470,6 +465,163 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+class _Run:
+    """A submitted generation: its events turned into OpenAI's shapes. ``complete()`` gives the
+    whole response (a dict), ``chunks()`` its streamed chunks (dicts) one Delta at a time; use
+    one of them, once. ``usage()`` is valid after either has finished. Adapters of other APIs
+    (Ollama's, Anthropic's, the Responses API) translate these dicts."""
+
+    kind = ""
+
+    def __init__(self, request: Request, stream: _Stream, engine, model: str):
+        self.request, self.stream, self.engine, self.model = request, stream, engine, model
+        self.created = int(time.time())
+        self.fin: Finished | None = None
+        self.id = f"{self.kind}-{uuid.uuid4().hex}"
+
+    def usage(self) -> dict:
+        return _usage(self.fin)
+
+    def timing(self) -> Finished | None:
+        """The Finished event (token counts, finish reason) once the run has ended."""
+        return self.fin
+
+    def cancel(self) -> None:
+        self.stream.cancel()
+
+    async def _collect(self) -> list[Delta] | None:
+        deltas, self.fin = await _collect(self.request, self.stream)
+        return deltas if self.fin is not None else None
+
+
+class ChatRun(_Run):
+    """A chat completion in flight (see _Run): reasoning split out (edge.server.thinking),
+    content read for tool calls when tools were given."""
+
+    kind = "chatcmpl"
+
+    def __init__(self, request, stream, engine, model, reasoning, parser, logprobs):
+        super().__init__(request, stream, engine, model)
+        self.reasoning, self.parser, self.logprobs = reasoning, parser, logprobs
+        self.head = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": model}
+
+    def _lp_content(self, lps):
+        out = []
+        for lp in lps:
+            text, raw = _piece(self.engine, lp.token)
+            top = []
+            for t, v in lp.top:
+                tt, tb = _piece(self.engine, t)
+                top.append({"token": tt, "logprob": v, "bytes": tb})
+            out.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
+        return out
+
+    async def complete(self) -> dict | None:
+        """The chat.completion object, or None when the client went away first."""
+        deltas = await self._collect()
+        if deltas is None:
+            return None
+        content = self._lp_content([lp for d in deltas for lp in d.logprobs])
+        message, finish = self.reasoning.message("".join(d.text for d in deltas)), self.fin.finish_reason
+        if self.parser is not None:
+            message, finish = _tool_message(self.parser, message, finish)
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "message": message,
+                             "logprobs": {"content": content} if self.logprobs is not None else None,
+                             "finish_reason": finish}],
+                "usage": self.usage()}
+
+    def _chunk(self, delta, finish=None, lps=None) -> dict:
+        return {**self.head, "choices": [{"index": 0, "delta": delta,
+                                          "logprobs": {"content": self._lp_content(lps)} if lps else None,
+                                          "finish_reason": finish}]}
+
+    def _chunks_of(self, ev, finish=None) -> list[dict]:
+        """The chunks of a Delta (or, with ``finish``, of the end): reasoning deltas, then
+        content (read for tool calls when tools are given); the logprobs ride on the last
+        (an empty delta when the text is held)."""
+        lps = ev.logprobs if finish is None else None
+        parts = self.reasoning.deltas(ev.text if finish is None else "", final=finish is not None)
+        if self.parser is not None:
+            parts = _tool_deltas(self.parser, parts, final=finish is not None)
+            finish = "tool_calls" if finish is not None and self.parser.calls else finish
+        if lps and not parts:
+            parts = [self.reasoning.empty_delta()]
+        out = [self._chunk(d, lps=lps if i == len(parts) - 1 else None) for i, d in enumerate(parts)]
+        return out + ([self._chunk({}, finish=finish)] if finish is not None else [])
+
+    async def chunks(self):
+        """The chat.completion.chunk objects: the role first, then per Delta its deltas, the
+        last with finish_reason. Raises APIError for a failure mid-generation."""
+        try:
+            yield self._chunk({"role": "assistant", "content": ""})
+            async for ev in self.stream.events():
+                for c in self._chunks_of(ev, finish=ev.finish_reason if isinstance(ev, Finished) else None):
+                    yield c
+                if isinstance(ev, Finished):
+                    self.fin = ev
+        finally:
+            self.stream.cancel()
+
+
+class CompletionRun(_Run):
+    """A text completion in flight (see _Run)."""
+
+    kind = "cmpl"
+
+    def __init__(self, request, stream, engine, model, logprobs):
+        super().__init__(request, stream, engine, model)
+        self.logprobs = logprobs
+        self.head = {"id": self.id, "object": "text_completion", "created": self.created, "model": model}
+
+    def _lp_block(self, lps, text_start):
+        tokens, token_lps, tops, offsets = [], [], [], []
+        pos = text_start
+        for lp in lps:
+            text, _ = _piece(self.engine, lp.token)
+            tokens.append(text)
+            token_lps.append(lp.logprob)
+            tops.append({_piece(self.engine, t)[0]: v for t, v in lp.top})
+            offsets.append(pos)
+            pos += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    async def complete(self) -> dict | None:
+        """The text_completion object, or None when the client went away first."""
+        deltas = await self._collect()
+        if deltas is None:
+            return None
+        lps = [lp for d in deltas for lp in d.logprobs]
+        return {**self.head, "choices": [{"index": 0, "text": "".join(d.text for d in deltas),
+                                          "logprobs": self._lp_block(lps, 0) if self.logprobs is not None else None,
+                                          "finish_reason": self.fin.finish_reason}],
+                "usage": self.usage()}
+
+    async def chunks(self):
+        """The streamed text_completion objects, one per Delta, then one with finish_reason."""
+        offset = 0
+        try:
+            async for ev in self.stream.events():
+                text = ev.text if isinstance(ev, Delta) else ""
+                lps = ev.logprobs if isinstance(ev, Delta) else None
+                lp = self._lp_block(lps, offset) if lps is not None and self.logprobs is not None else None
+                finish = ev.finish_reason if isinstance(ev, Finished) else None
+                offset += len(text)
+                if isinstance(ev, Finished):
+                    self.fin = ev
+                yield {**self.head, "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
+        finally:
+            self.stream.cancel()
+
+
+async def _respond(run: _Run, stream: bool, include_usage: bool):
+    """OpenAI's response to ``run``: one JSON object, or with ``stream`` its server-sent events."""
+    if not stream:
+        out = await run.complete()
+        return Response(status_code=CLIENT_GONE) if out is None else JSONResponse(out)
+    return _sse_response(run.chunks(), run.head, include_usage, run)
+
+
 class _Handlers:
     def __init__(self, state: ServerState):
         self.state = state
@@ -477,9 +629,15 @@ class _Handlers:
     # ---- chat -----------------------------------------------------------------------------------
 
     async def chat(self, request: Request):
+        body = await _body(request, self.state, P.ChatCompletionRequest)
+        run = await self.start_chat(request, body)
+        return await _respond(run, body.stream, bool(body.stream_options and body.stream_options.include_usage))
+
+    async def start_chat(self, request: Request, body: P.ChatCompletionRequest) -> ChatRun:
+        """Check ``body`` and submit its generation. Raises APIError (4xx, 503) as the chat
+        route answers them."""
         state = self.state
         engine, scheduler = state.require()
-        body = await _body(request, state, P.ChatCompletionRequest)
         body.check_unsupported()
         grammar, grammar_param = body.constraint()
         tool_mode, tools, allowed = body.tool_setup()
@@ -526,69 +684,20 @@ class _Handlers:
                          processors=processors + reasoning.processors, speculative=_speculative(body))
         stream = _Stream(scheduler, gen)
         stream.submit()
-        rid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_id()
-
-        def lp_content(lps):
-            out = []
-            for lp in lps:
-                text, raw = _piece(engine, lp.token)
-                top = []
-                for t, v in lp.top:
-                    tt, tb = _piece(engine, t)
-                    top.append({"token": tt, "logprob": v, "bytes": tb})
-                out.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
-            return out
-
-        if not body.stream:
-            deltas, fin = await _collect(request, stream)
-            if fin is None:
-                return Response(status_code=CLIENT_GONE)
-            content = lp_content([lp for d in deltas for lp in d.logprobs])
-            message, finish = reasoning.message("".join(d.text for d in deltas)), fin.finish_reason
-            if parser is not None:
-                message, finish = _tool_message(parser, message, finish)
-            return JSONResponse({
-                "id": rid, "object": "chat.completion", "created": created, "model": name,
-                "choices": [{"index": 0, "message": message,
-                             "logprobs": {"content": content} if logprobs is not None else None,
-                             "finish_reason": finish}],
-                "usage": _usage(fin)})
-
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name}
-
-        def chunk(delta, finish=None, lps=None):
-            c = {**head, "choices": [{"index": 0, "delta": delta,
-                                      "logprobs": {"content": lp_content(lps)} if lps else None,
-                                      "finish_reason": finish}]}
-            if include_usage:
-                c["usage"] = None
-            return _sse(c)
-
-        def chunks(ev, finish=None):
-            """The chunks of a Delta (or, with ``finish``, of the end): reasoning deltas, then
-            content (read for tool calls when tools are given); the logprobs ride on the last
-            (an empty delta when the text is held)."""
-            lps = ev.logprobs if finish is None else None
-            parts = reasoning.deltas(ev.text if finish is None else "", final=finish is not None)
-            if parser is not None:
-                parts = _tool_deltas(parser, parts, final=finish is not None)
-                finish = "tool_calls" if finish is not None and parser.calls else finish
-            if lps and not parts:
-                parts = [reasoning.empty_delta()]
-            out = [chunk(d, lps=lps if i == len(parts) - 1 else None) for i, d in enumerate(parts)]
-            return "".join(out + ([chunk({}, finish=finish)] if finish is not None else []))
-
-        return _sse_response(stream, head, include_usage, first=chunk({"role": "assistant", "content": ""}),
-                             delta=chunks, final=lambda ev: chunks(ev, finish=ev.finish_reason))
+        return ChatRun(request, stream, engine, state.model_id(), reasoning, parser, logprobs)
 
     # ---- completions -----------------------------------------------------------------------------
 
     async def completions(self, request: Request):
+        body = await _body(request, self.state, P.CompletionRequest)
+        run = await self.start_completion(request, body)
+        return await _respond(run, body.stream, bool(body.stream_options and body.stream_options.include_usage))
+
+    async def start_completion(self, request: Request, body: P.CompletionRequest) -> CompletionRun:
+        """Check ``body`` and submit its generation. Raises APIError (4xx, 503) as the
+        completions route answers them."""
         state = self.state
         engine, scheduler = state.require()
-        body = await _body(request, state, P.CompletionRequest)
         max_tokens, max_tokens_param = body.max_tokens_given()
         if max_tokens is None and max_tokens_param == "max_tokens":
             max_tokens = 16                            # OpenAI's default for completions
@@ -629,47 +738,7 @@ class _Handlers:
             if e.code == "context_length_exceeded":
                 e.param = "prompt"
             raise
-        rid, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_id()
-        offset = [0]
-
-        def lp_block(lps, text_start):
-            tokens, token_lps, tops, offsets = [], [], [], []
-            pos = text_start
-            for lp in lps:
-                text, _ = _piece(engine, lp.token)
-                tokens.append(text)
-                token_lps.append(lp.logprob)
-                tops.append({_piece(engine, t)[0]: v for t, v in lp.top})
-                offsets.append(pos)
-                pos += len(text)
-            return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-        if not body.stream:
-            deltas, fin = await _collect(request, stream)
-            if fin is None:
-                return Response(status_code=CLIENT_GONE)
-            lps = [lp for d in deltas for lp in d.logprobs]
-            return JSONResponse({
-                "id": rid, "object": "text_completion", "created": created, "model": name,
-                "choices": [{"index": 0, "text": "".join(d.text for d in deltas),
-                             "logprobs": lp_block(lps, 0) if body.logprobs is not None else None,
-                             "finish_reason": fin.finish_reason}],
-                "usage": _usage(fin)})
-
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-        head = {"id": rid, "object": "text_completion", "created": created, "model": name}
-
-        def chunk(text, finish=None, lps=None):
-            lp = lp_block(lps, offset[0]) if lps is not None and body.logprobs is not None else None
-            c = {**head, "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
-            if include_usage:
-                c["usage"] = None
-            offset[0] += len(text)
-            return _sse(c)
-
-        return _sse_response(stream, head, include_usage, first=None, delta=lambda ev: chunk(ev.text, lps=ev.logprobs),
-                             final=lambda ev: chunk("", finish=ev.finish_reason))
+        return CompletionRun(request, stream, engine, state.model_id(), body.logprobs)
 
     # ---- the rest --------------------------------------------------------------------------------
 
