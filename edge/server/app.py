@@ -161,11 +161,21 @@ class ServerState:
             names |= {self.config.model, Path(self.config.model).name, Path(self.config.model).stem}
         return {n for n in names if n}
 
-    def require(self):
+    def loaded(self) -> list[dict]:
+        """The models in memory: {"name", "engine", "expires_at" (epoch seconds or None: kept)}."""
+        return [{"name": self.model_id(), "engine": self.engine, "expires_at": None}] if self.engine is not None else []
+
+    def require(self, model: str | None = None):
+        """(engine, scheduler) of the model a request names (None: the default). Raises APIError:
+        404 model_not_found for a name this server does not serve, 503 while it loads or when
+        it failed to load."""
         if self.load_error:
             raise P.APIError(503, f"the model failed to load: {self.load_error}", code="model_load_failed")
         if self.scheduler is None:
             raise P.APIError(503, "the model is loading; retry shortly", code="loading")
+        if model is not None and model not in self.model_names():
+            raise P.APIError(404, f"The model {model!r} does not exist: this server serves "
+                                  f"{self.model_id()!r} (GET /v1/models)", param="model", code="model_not_found")
         return self.engine, self.scheduler
 
 
@@ -272,9 +282,6 @@ def _check_samplers(samplers, params: SamplingParams, n_vocab: int) -> None:
 
 def _check_common(body, state: ServerState, max_tokens, max_tokens_param: str = "max_tokens") -> None:
     body.check_not_implemented()
-    if body.model is not None and body.model not in state.model_names():
-        raise P.APIError(404, f"The model {body.model!r} does not exist: this server serves "
-                              f"{state.model_id()!r} (GET /v1/models)", param="model", code="model_not_found")
     if body.n is not None and body.n != 1:
         raise P.APIError(400, f"n must be 1 (one choice per request), got {body.n}", param="n", code="invalid_value")
     if max_tokens is not None and max_tokens < 1:
@@ -637,7 +644,7 @@ class _Handlers:
         """Check ``body`` and submit its generation. Raises APIError (4xx, 503) as the chat
         route answers them."""
         state = self.state
-        engine, scheduler = state.require()
+        engine, scheduler = state.require(body.model)
         body.check_unsupported()
         grammar, grammar_param = body.constraint()
         tool_mode, tools, allowed = body.tool_setup()
@@ -697,7 +704,7 @@ class _Handlers:
         """Check ``body`` and submit its generation. Raises APIError (4xx, 503) as the
         completions route answers them."""
         state = self.state
-        engine, scheduler = state.require()
+        engine, scheduler = state.require(body.model)
         max_tokens, max_tokens_param = body.max_tokens_given()
         if max_tokens is None and max_tokens_param == "max_tokens":
             max_tokens = 16                            # OpenAI's default for completions
