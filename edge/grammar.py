@@ -321,3 +321,63 @@ class GrammarMask:
             self._refused = n_ok < len(new)
             if n_ok:
                 self._allowed = None
+
+
+class LazyGrammarMask:
+    """A logits processor whose grammar starts at a trigger (llama.cpp's lazy grammars,
+    common_grammar_trigger): the generated text is free until it ends with ``trigger`` at a
+    token boundary; from the token after it, ``grammar`` constrains the rest as GrammarMask
+    does. Tool calls in tool_choice "auto": the answer may be text, but a call, once opened,
+    names a given function with arguments valid against its schema.
+
+    Syncs by the history as GrammarMask does: a history that goes back before the trigger
+    takes the grammar off again. A trigger that ends inside a token (merged with the text
+    after it) starts nothing: the answer stays free there (the tool-call parser still reads it).
+
+    Args:
+        trigger: the text that opens the constrained part (e.g. "<tool_call>").
+        grammar: a :class:`Grammar` of the text after the trigger.
+        tokenizer: the model's edge Tokenizer.
+        n_prompt: the prompt's length: history[n_prompt:] is the generated text.
+    Raises:
+        GrammarError: llguidance refuses the grammar (compiled at once, so a request fails
+            before it is queued).
+    """
+
+    def __init__(self, trigger: str, grammar: Grammar, tokenizer, n_prompt: int):
+        self.trigger, self.grammar, self.n_prompt = trigger.encode(), grammar, int(n_prompt)
+        self._tokenizer = tokenizer
+        self._spare: GrammarMask | None = GrammarMask(grammar, tokenizer, n_prompt)   # checks the grammar now
+        self.compile_seconds = self._spare.compile_seconds
+        self._tokens: list[int] = []      # the generated tokens seen
+        self._text = b""                  # their bytes
+        self._ends: list[int] = []        # len(_text) after each token
+        self._start: int | None = None    # tokens before the constrained part (trigger included)
+        self._mask: GrammarMask | None = None
+        self.triggered = 0                # times the grammar was started (for tests and metrics)
+
+    def __call__(self, history: Sequence[int], logits: np.ndarray) -> np.ndarray:
+        self._sync(history)
+        return logits if self._mask is None else self._mask(history, logits)
+
+    def _sync(self, history: Sequence[int]) -> None:
+        tail = history[self.n_prompt:]
+        common = 0
+        for a, b in zip(self._tokens, tail):
+            if a != int(b):
+                break
+            common += 1
+        if common < len(self._tokens):
+            del self._tokens[common:], self._ends[common:]
+            self._text = self._text[:self._ends[-1] if self._ends else 0]
+            if self._start is not None and self._start > common:
+                self._start, self._mask = None, None
+        for tok in tail[common:]:
+            self._tokens.append(int(tok))
+            self._text += self._tokenizer.token_to_piece(int(tok), special=True)
+            self._ends.append(len(self._text))
+            if self._start is None and self._text.endswith(self.trigger):
+                self._start = len(self._tokens)
+                self._mask, self._spare = self._spare or GrammarMask(self.grammar, self._tokenizer, 0), None
+                self._mask.n_prompt = self.n_prompt + self._start
+                self.triggered += 1

@@ -121,6 +121,15 @@ def chosen_tools(tools: list[dict], tool_choice) -> tuple[str, list[dict]]:
                     "\"function\": {\"name\": ...}}", "tool_choice")
 
 
+def _call_schema(tools: list[dict], fmt: str) -> str:
+    """The JSON schema (text) of one call's object naming one of ``tools``."""
+    key = "parameters" if fmt == "llama3" else "arguments"
+    bodies = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                key: t["function"]["parameters"]},
+               "required": ["name", key], "additionalProperties": False} for t in tools]
+    return json.dumps(bodies[0] if len(bodies) == 1 else {"anyOf": bodies})
+
+
 def call_grammar(tools: list[dict], fmt: str, parallel: bool):
     """The edge.grammar.Grammar (Lark, with llguidance's %json) of answers that are only tool
     calls in format ``fmt``: at least one (exactly one unless ``parallel``), each naming one of
@@ -128,11 +137,7 @@ def call_grammar(tools: list[dict], fmt: str, parallel: bool):
     when llguidance refuses a schema."""
     from edge.grammar import lark
 
-    key = "parameters" if fmt == "llama3" else "arguments"
-    bodies = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                key: t["function"]["parameters"]},
-               "required": ["name", key], "additionalProperties": False} for t in tools]
-    schema = json.dumps(bodies[0] if len(bodies) == 1 else {"anyOf": bodies})
+    schema = _call_schema(tools, fmt)
     if fmt == "mistral":
         limit = "" if parallel else ', "maxItems": 1'
         many = f'{{"type": "array", "items": {schema}, "minItems": 1{limit}}}'
@@ -142,6 +147,25 @@ def call_grammar(tools: list[dict], fmt: str, parallel: bool):
         return lark(f'start: call{rest}\ncall: %json {schema}\n')
     rest = ' ("\\n" call)*' if parallel else ""
     return lark(f'start: call{rest}\ncall: "{HERMES_OPEN}\\n" body "\\n{HERMES_CLOSE}"\nbody: %json {schema}\n')
+
+
+def lazy_call_grammar(tools: list[dict], fmt: str, parallel: bool):
+    """(trigger, grammar of the text after it) for tool_choice "auto" (edge.grammar.LazyGrammarMask):
+    the answer is free until a call opens, then the call (and, with ``parallel``, more calls)
+    must name one of ``tools`` with valid arguments, and nothing follows the calls. None for the
+    formats without an opening tag (llama3 and generic: a call there is the whole answer, and
+    text cannot be told from its start). Raises edge.grammar.GrammarError as call_grammar."""
+    from edge.grammar import lark
+
+    schema = _call_schema(tools, fmt)
+    if fmt == "mistral":
+        limit = "" if parallel else ', "maxItems": 1'
+        return MISTRAL_TAG, lark(f'start: %json {{"type": "array", "items": {schema}, "minItems": 1{limit}}}\n')
+    if fmt != "hermes":
+        return None
+    rest = ' ("\\n" call)*' if parallel else ""
+    return HERMES_OPEN, lark(f'start: first{rest}\nfirst: "\\n" body "\\n{HERMES_CLOSE}"\n'
+                             f'call: "{HERMES_OPEN}\\n" body "\\n{HERMES_CLOSE}"\nbody: %json {schema}\n')
 
 
 def _call(obj, keys=("arguments", "parameters")) -> ToolCall | None:

@@ -228,6 +228,39 @@ def test_chat_prompt_protects_tool_text(qwen_engine):
     assert (clean.count(im_start), clean.count(im_end)) == (5, 4)
 
 
+def test_lazy_grammar_starts_at_the_tag(qwen_engine):
+    """tool_choice auto: text is free until <tool_call>; then the call must name a tool and keep
+    its parameters' types; with parallel_tool_calls false nothing follows the call; a history
+    that goes back before the tag frees the text again."""
+    import numpy as np
+
+    from edge.grammar import LazyGrammarMask
+    from edge.tool_calls import lazy_call_grammar
+
+    tok = qwen_engine.tokenizer
+    trigger, grammar = lazy_call_grammar(check_tools([WEATHER, TIME]), "hermes", parallel=False)
+    assert trigger == "<tool_call>"
+    mask = LazyGrammarMask(trigger, grammar, tok, n_prompt=2)
+    prompt = [9707, 11]
+
+    def allowed(text):
+        ids = tok.encode(text, add_special=False, parse_special=True)
+        kept = np.flatnonzero(np.isfinite(mask(prompt + ids, np.zeros(tok.n_vocab, np.float32))))
+        return {tok.token_to_piece(int(i), special=True) for i in kept}, len(kept), ids
+
+    _, n_free, _ = allowed("Let me check.")
+    assert n_free == tok.n_vocab and mask.triggered == 0
+    names, _, ids = allowed('Let me check.<tool_call>\n{"name": "')
+    assert mask.triggered == 1 and ids[4] == 151657          # the tag is one special token
+    assert b"get" in names and b"_weather" not in names and b"Paris" not in names and len(names) < 20
+    value, _, _ = allowed('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": ')
+    assert b' "' in value and b' [' not in value and b' 1' not in value      # city is a string
+    end, _, _ = allowed('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    assert end == {tok.token_to_piece(i, special=True) for i in tok.eog_ids}
+    _, n_again, _ = allowed("Let me check. It is")           # back before the tag: free again
+    assert n_again == tok.n_vocab
+
+
 # ---- through the server ------------------------------------------------------------------------------
 
 openai = pytest.importorskip("openai", reason="the server tests talk through the official openai client "
@@ -377,6 +410,19 @@ def client_1_5b(tmp_path_factory):
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_tool_loop_1_5b(client_1_5b, stream):
     _tool_loop(client_1_5b, "qwen2.5-coder-1.5b-instruct", stream)
+
+
+def test_parallel_calls_when_asked_1_5b(client_1_5b):
+    """Asked for one call per city, the 1.5b makes two calls in one answer (tool_choice required:
+    with auto it makes one and would go on after the result)."""
+    reply = client_1_5b.chat.completions.create(
+        model="qwen2.5-coder-1.5b-instruct", temperature=0, max_tokens=120, tools=[WEATHER], tool_choice="required",
+        messages=[{"role": "user", "content": "Get the weather for Paris and for Tokyo. Call the tool once for each "
+                                              "city."}])
+    calls = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls" and len({c.id for c in calls}) == 2
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Tokyo"})]
 
 
 def test_tool_deltas_keep_reasoning_first():

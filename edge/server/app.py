@@ -42,13 +42,13 @@ from starlette.routing import Route
 from edge.chat_template import ChatTemplateError, NoChatTemplateError
 from edge.engine import ContextLengthExceeded
 from edge.generate import Limits
-from edge.grammar import GrammarError, GrammarMask
+from edge.grammar import GrammarError, GrammarMask, LazyGrammarMask, ll_tokenizer
 from edge.sampling import InvalidParameter, SamplingParams
 from edge.server import guard, protocol as P, thinking
 from edge.server.metrics import Metrics
 from edge.server.scheduler import Delta, Failed, Finished, QueueFull, Scheduler
 from edge.server.scheduler import Request as GenRequest
-from edge.tool_calls import ToolCallParser, call_grammar
+from edge.tool_calls import ToolCallParser, call_grammar, lazy_call_grammar
 from edge.tool_calls import detect_format as tool_format
 
 MAX_TOP_LOGPROBS = 20
@@ -126,6 +126,7 @@ class ServerState:
             scheduler = Scheduler(engine, max_queue=c.max_queue, n_batch=c.n_batch, threads=c.threads,
                                   observe=self.metrics.observe)
             _warm_up(scheduler)
+            ll_tokenizer(engine.tokenizer)     # built once (about 1 s): no constrained request waits for it
             self.scheduler, self.engine = scheduler, engine
             self.max_piece_bytes()
         except Exception as e:   # reported by /health and every request, and to on_load_error
@@ -322,6 +323,17 @@ def _tool_grammar(allowed: list[dict], fmt: str, parallel: bool, other: str | No
                          param="tool_choice", code="invalid_value")
     try:
         return call_grammar(allowed, fmt, parallel), "tools"
+    except GrammarError as e:
+        raise P.APIError(400, f"tools: a function's parameters: {e}", param="tools", code="invalid_value") from None
+
+
+def _lazy_tool_mask(allowed: list[dict], fmt: str, parallel: bool, engine, n_prompt: int) -> list:
+    """tool_choice "auto": the mask stage that holds a call, once its tag opens, to the tools'
+    names and parameter schemas (edge.tool_calls.lazy_call_grammar; none for formats without
+    a tag). Raises APIError (400) for a parameters schema llguidance refuses."""
+    try:
+        lazy = lazy_call_grammar(allowed, fmt, parallel)
+        return [] if lazy is None else [LazyGrammarMask(*lazy, engine.tokenizer, n_prompt)]
     except GrammarError as e:
         raise P.APIError(400, f"tools: a function's parameters: {e}", param="tools", code="invalid_value") from None
 
@@ -686,6 +698,9 @@ class _Handlers:
         parser = ToolCallParser(fmt, body.parallel_tool_calls, [t["function"]["name"] for t in allowed]) \
             if tool_mode != "none" else None
         processors = await run_in_threadpool(_processors, grammar, grammar_param, engine, len(ids))
+        if tool_mode == "auto" and not processors:
+            processors = await run_in_threadpool(_lazy_tool_mask, allowed, fmt, body.parallel_tool_calls, engine,
+                                                 len(ids))
         reasoning = thinking.ChatReasoning(engine, ids, state.config.reasoning_budget, constrained=bool(processors))
         gen = GenRequest(ids, params, emit=None, max_tokens=max_tokens, stop=body.stop_list(), logprobs=logprobs,
                          processors=processors + reasoning.processors, speculative=_speculative(body))
