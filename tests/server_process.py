@@ -109,7 +109,9 @@ class Server:
         return status, json.loads(raw)
 
     def metrics(self) -> dict[str, float]:
-        """Every sample of /metrics by name (with its labels), and '# TYPE' kinds as 'TYPE name'."""
+        """Every sample of /metrics by name with its labels, the sum over the labels (``model``,
+        ``outcome``) of each labelled name by its bare name (a histogram's buckets by
+        ``name{le="..."}``), and '# TYPE' kinds as 'TYPE name'."""
         status, _, raw = self.request("GET", "/metrics")
         assert status == 200
         out = {}
@@ -120,6 +122,12 @@ class Server:
             elif line and not line.startswith("#"):
                 name, value = line.rsplit(" ", 1)
                 out[name] = float(value)
+                if "{" in name:
+                    bare, labels = name[:-1].split("{", 1)
+                    le = [x for x in labels.split(",") if x.startswith("le=")]
+                    key = f"{bare}{{{le[0]}}}" if le else bare
+                    if key != name:
+                        out[key] = out.get(key, 0.0) + float(value)
         return out
 
     def wait_idle(self, timeout: float = 5) -> dict[str, float]:

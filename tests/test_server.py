@@ -98,7 +98,9 @@ def test_health_and_models(server, client, model_id, qwen_path):
     models = client.models.list().data
     assert [m.id for m in models] == [qwen_path.stem] == [model_id]
     status, body = server.get("/v1/models")
-    assert body["data"][0]["meta"] == {"n_ctx": N_CTX, "n_vocab": n_vocab, "architecture": "qwen2"}
+    assert body["data"][0]["meta"] == {"n_ctx": N_CTX, "n_vocab": n_vocab, "architecture": "qwen2",
+                                       "size": qwen_path.stat().st_size}
+    assert (body["data"][0]["status"], body["data"][0]["context_length"]) == ("loaded", N_CTX)
     # the GGUF's general.name names the model too
     r = _complete(client, name, [9707], max_tokens=1)
     assert r.usage.completion_tokens == 1

@@ -7,7 +7,8 @@ import signal
 import sys
 from pathlib import Path
 
-from edge.cli.options import add_model_args, add_spec_args, check_sizes, physical_cores, positive_int, set_threads, spec_params
+from edge.cli.options import (add_model_args, add_spec_args, check_sizes, kernels_compiled, physical_cores,
+                              positive_int, set_threads, spec_params)
 
 
 def add_parser(sub) -> None:
@@ -53,6 +54,19 @@ def add_parser(sub) -> None:
                        help="reasoning models: close the <think> block after N tokens of reasoning by writing "
                             "</think>; 0 = no thinking (the template's enable_thinking is false, a block the "
                             "template opens is closed at once); -1 = no limit (default)")
+    serve.add_argument("--models-max", type=positive_int, default=3, metavar="N",
+                       help="without -m: most models held in memory at once; loading another unloads the least "
+                            "recently used idle one (default: 3)")
+    serve.add_argument("--models-memory", type=float, default=None, metavar="GB",
+                       help="without -m: most GB of models (files and KV caches) held at once (default: three "
+                            "quarters of physical memory)")
+    serve.add_argument("--keep-alive", default="5m", metavar="DURATION",
+                       help="without -m: how long an idle model stays loaded: seconds or a duration (30s, 5m, "
+                            "1h); 0 = unload once idle; -1 = never (default: 5m; a request's keep_alive wins)")
+    serve.add_argument("--load-timeout", type=float, default=300.0, metavar="SECONDS",
+                       help="how long a request waits for its model to load before a 503 (default: 300)")
+    serve.add_argument("--no-log-requests", dest="log_requests", action="store_false",
+                       help="do not log one line per request on stderr")
     add_spec_args(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -80,6 +94,16 @@ def cmd_serve(args) -> int:
     if not 0 < args.port < 65536 and not args.unix_socket:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     spec = spec_params(args)
+    from edge.server.pool import GB, parse_keep_alive
+    from edge.server.protocol import APIError
+    try:
+        keep_alive = parse_keep_alive(args.keep_alive, "--keep-alive")
+    except APIError as e:
+        raise ValueError(e.message) from None
+    if args.models_memory is not None and not args.models_memory > 0:
+        raise ValueError(f"--models-memory must be more than 0 GB, got {args.models_memory}")
+    if not args.load_timeout > 0:
+        raise ValueError(f"--load-timeout must be more than 0 seconds, got {args.load_timeout}")
     set_threads(args.threads)
     model = str(resolve_with_bars(args.model))      # pull before listening: errors show here
     model_draft = str(resolve_with_bars(args.model_draft)) if args.model_draft else None
@@ -87,22 +111,31 @@ def cmd_serve(args) -> int:
                           n_batch=args.batch_size, threads=args.threads or physical_cores(), api_key=api_key,
                           host=args.host, allowed_hosts=allowed_hosts, cors_origins=cors_origins,
                           cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
-                          spec=spec, model_draft=model_draft, reasoning_budget=args.reasoning_budget)
+                          spec=spec, model_draft=model_draft, reasoning_budget=args.reasoning_budget,
+                          router=args.model is None, models_max=args.models_max,
+                          models_memory=None if args.models_memory is None else int(args.models_memory * GB),
+                          keep_alive=keep_alive, load_timeout=args.load_timeout, log_requests=args.log_requests)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.unix_socket and not api_key:
         print(f"warning: listening on {args.host} without --api-key: anyone who can reach this port can use "
               "the model", file=sys.stderr)
     sock = _listen_socket(args.host, args.port, args.unix_socket)   # errors before the banner
     where = f"unix:{args.unix_socket}" if args.unix_socket else f"http://{args.host}:{args.port}"
-    print(f"edge serve: {Path(model).name} on {where} (-np {args.parallel}, -c {args.ctx_size}"
+    which = (f"every pulled model (default {Path(model).stem}, --models-max {args.models_max})"
+             if args.model is None else Path(model).name)
+    print(f"edge serve: {which} on {where} (-np {args.parallel}, -c {args.ctx_size}"
           + (f", --spec-type {spec.spec_type}" + (f" -md {Path(model_draft).name}" if model_draft else "")
              if spec.enabled else "") + "); "
           "Ctrl+C stops after the running requests (twice: at once)", file=sys.stderr, flush=True)
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
             """A second Ctrl+C exits at once, with status 130 and one line: uvicorn would cancel
-            the running requests and print their tracebacks."""
-            if self.should_exit and sig == signal.SIGINT:
-                print("\ninterrupted: running requests dropped", file=sys.stderr, flush=True)
+            the running requests and print their tracebacks. So does the first while the default
+            model loads (its kernels may be compiling on the load thread, which cannot be
+            interrupted; numba writes its cache files whole, so the cache stays usable)."""
+            loading = state.pool.default is not None and not state.pool.default.ready.is_set()
+            if (self.should_exit or loading) and sig == signal.SIGINT:
+                print("\ninterrupted" + (" while the model loaded" if loading and not self.should_exit
+                                         else ": running requests dropped"), file=sys.stderr, flush=True)
                 if args.unix_socket:
                     with contextlib.suppress(OSError):
                         os.unlink(args.unix_socket)
@@ -117,8 +150,16 @@ def cmd_serve(args) -> int:
         print(f"edge serve: error: {message}", file=sys.stderr, flush=True)
         server.should_exit = True
 
-    config.on_load_error = load_failed
-    server = _Server(uvicorn.Config(create_app(config), log_level="warning", access_log=False, http=protocol,
+    def event(message: str) -> None:
+        print(f"edge serve: {message}", file=sys.stderr, flush=True)
+
+    config.on_load_error, config.on_event = load_failed, event
+    if not kernels_compiled():
+        print("edge serve: first run: compiling edge's kernels for this CPU before /health says ok (about a "
+              "minute on 2 cores, once; later starts load them from numba's cache)", file=sys.stderr, flush=True)
+    app = create_app(config)
+    state = app.state.edge
+    server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, http=protocol,
                                     timeout_graceful_shutdown=None))
     try:
         server.run(sockets=[sock])

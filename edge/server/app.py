@@ -24,17 +24,20 @@ import asyncio
 import contextlib
 import json
 import math
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from prometheus_client import generate_latest
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -46,7 +49,8 @@ from edge.grammar import GrammarError, GrammarMask, LazyGrammarMask, ll_tokenize
 from edge.sampling import InvalidParameter, SamplingParams
 from edge.server import guard, protocol as P, thinking
 from edge.server.metrics import Metrics
-from edge.server.scheduler import Delta, Failed, Finished, QueueFull, Scheduler
+from edge.server.pool import DEFAULT_KEEP_ALIVE, ModelPool, ModelSlot
+from edge.server.scheduler import STEP_LOCK, Delta, Failed, Finished, QueueFull, Scheduler
 from edge.server.scheduler import Request as GenRequest
 from edge.tool_calls import ToolCallParser, call_grammar, lazy_call_grammar
 from edge.tool_calls import detect_format as tool_format
@@ -75,7 +79,14 @@ class ServerConfig:
     spec: object = None                     # edge.speculative.SpecParams (None: no speculation)
     model_draft: str | None = None          # the draft model for spec_type "draft"
     on_load_error: Callable[[str], None] | None = None   # called (on the load thread) with the error
+    on_event: Callable[[str], None] | None = None   # told "loaded NAME in S s", "unloaded NAME" (any thread)
     reasoning_budget: int = -1              # reasoning tokens before </think> is forced (-1: no limit)
+    router: bool = False                    # serve every pulled model by name (no -m given)
+    models_max: int = 3                     # models held at once (router)
+    models_memory: int | None = None        # bytes of models held at once (None: 3/4 of memory)
+    keep_alive: float | None = DEFAULT_KEEP_ALIVE   # idle seconds before a model unloads (None: never)
+    load_timeout: float = 300.0             # seconds a request waits for its model to load
+    log_requests: bool = True               # one line on stderr per request (RequestLog)
 
 
 def _warm_up(scheduler: Scheduler) -> None:
@@ -98,86 +109,134 @@ def _warm_up(scheduler: Scheduler) -> None:
 
 
 class ServerState:
-    """The loaded engine and scheduler (None until loaded; load() runs on a thread)."""
+    """The server's models (edge.server.pool.ModelPool) and metrics. The default model loads
+    with load() on a thread at start; ``engine`` / ``scheduler`` / ``load_error`` are the
+    default model's."""
 
     def __init__(self, config: ServerConfig):
         self.config = config
-        self.engine = None
-        self.scheduler: Scheduler | None = None
+        self.pool = ModelPool(self._load_model, router=config.router, models_max=config.models_max,
+                              memory_budget=config.models_memory, keep_alive=config.keep_alive,
+                              load_timeout=config.load_timeout, on_event=config.on_event)
         self.load_error: str | None = None
-        self._max_piece: int | None = None
         self.metrics = Metrics(self)
         self.created = int(time.time())
 
+    @property
+    def engine(self):
+        slot = self.pool.default
+        return slot.engine if slot is not None else None
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        slot = self.pool.default
+        return slot.scheduler if slot is not None else None
+
     def load(self) -> None:
-        from edge.engine import Engine
+        """Load the default model (config.model) on this thread; an error is kept for /health
+        and every request, and handed to config.on_load_error."""
         from edge.store import resolve_model
         try:
-            c = self.config
-            engine = Engine(resolve_model(c.model), n_ctx=c.n_ctx, n_batch=c.n_batch, n_seq=c.n_parallel,
-                            cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v, kv_storage=c.kv_storage)
-            if c.spec is not None and c.spec.enabled:
-                draft = None
-                if c.model_draft:
-                    draft = Engine(resolve_model(c.model_draft), n_ctx=c.n_ctx, n_batch=c.n_batch,
-                                   n_seq=c.n_parallel, cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v,
-                                   kv_storage=c.kv_storage, batch_invariant=True)
-                engine.set_speculative(c.spec, draft)
-            scheduler = Scheduler(engine, max_queue=c.max_queue, n_batch=c.n_batch, threads=c.threads,
-                                  observe=self.metrics.observe)
-            _warm_up(scheduler)
-            ll_tokenizer(engine.tokenizer)     # built once (about 1 s): no constrained request waits for it
-            self.scheduler, self.engine = scheduler, engine
-            self.max_piece_bytes()
-        except Exception as e:   # reported by /health and every request, and to on_load_error
-            self.load_error = f"{type(e).__name__}: {e}"
+            slot = self.pool.start_default(resolve_model(self.config.model), self.config.model)
+        except Exception as e:
+            self._failed(e)
+            return
+        self.pool._load(slot)
+        if slot.status != "loaded":
+            self.load_error = slot.error
             if self.config.on_load_error is not None:
-                self.config.on_load_error(str(e))
+                self.config.on_load_error(slot.error.split(": ", 1)[-1])
 
-    def max_piece_bytes(self) -> int:
-        """Bytes of the vocabulary's longest token (computed once)."""
-        if self._max_piece is None:
-            tok = self.engine.tokenizer
-            self._max_piece = max(1, max(len(tok.token_to_piece(i, special=True))
-                                         for i in range(self.engine.model.args.n_vocab)))
-        return self._max_piece
+    def _failed(self, e: Exception) -> None:
+        self.load_error = f"{type(e).__name__}: {e}"
+        if self.config.on_load_error is not None:
+            self.config.on_load_error(str(e))
+
+    def _load_model(self, slot: ModelSlot) -> None:
+        """Build ``slot``'s engine and scheduler and compile (or load) their kernels."""
+        from edge.engine import Engine
+        from edge.store import resolve_model
+
+        c = self.config
+        engine = Engine(slot.path, n_ctx=c.n_ctx, n_batch=c.n_batch, n_seq=c.n_parallel,
+                        cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v, kv_storage=c.kv_storage)
+        if c.spec is not None and c.spec.enabled:
+            draft = None
+            if c.model_draft and slot is self.pool.default:
+                draft = Engine(resolve_model(c.model_draft), n_ctx=c.n_ctx, n_batch=c.n_batch,
+                               n_seq=c.n_parallel, cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v,
+                               kv_storage=c.kv_storage, batch_invariant=True)
+            if draft is not None or c.spec.spec_type != "draft":
+                engine.set_speculative(c.spec, draft)
+        name = slot.name
+        scheduler = Scheduler(engine, max_queue=c.max_queue, n_batch=c.n_batch, threads=c.threads,
+                              observe=lambda **kw: self.metrics.observe(name, **kw))
+        try:
+            with STEP_LOCK:
+                _warm_up(scheduler)
+            ll_tokenizer(engine.tokenizer)     # built once (about 1 s): no constrained request waits for it
+            slot.engine, slot.scheduler = engine, scheduler
+            slot.max_piece_bytes()
+            self.metrics.add_model(name)
+            kv = getattr(engine, "kv", None)
+            slot.bytes = slot.path.stat().st_size + int(getattr(kv, "nbytes", 0) or 0)
+        except BaseException:
+            scheduler.stop()
+            raise
 
     def model_id(self) -> str:
-        """The model's id in responses and /v1/models: the GGUF file's stem, the name `edge list`
-        and `-m` use (e.g. qwen2.5-coder-0.5b-instruct)."""
-        from pathlib import Path
-        return Path(self.engine.path).stem
+        """The default model's id in responses and /v1/models: the GGUF file's stem, the name
+        `edge list` and `-m` use (e.g. qwen2.5-coder-0.5b-instruct)."""
+        slot = self.pool.default
+        return slot.name if slot is not None else ""
 
     def model_names(self) -> set[str]:
-        """Names a request's ``model`` may use: the GGUF's general.name, the -m argument, the
-        file's name and stem, and the registry's aliases of that stem (as `-m` takes them)."""
-        from pathlib import Path
+        """Names a request's ``model`` may use for the default model (ModelSlot.names)."""
+        slot = self.pool.default
+        return slot.names() if slot is not None else set()
 
-        from edge.store import find_entry
-        stem = Path(self.engine.path).stem
-        entry = find_entry(stem)
-        names = {self.engine.name, Path(self.engine.path).name, stem,
-                 *((entry.name, *entry.aliases) if entry is not None and entry.name == stem else ())}
-        if self.config.model:
-            names |= {self.config.model, Path(self.config.model).name, Path(self.config.model).stem}
-        return {n for n in names if n}
+    def max_piece_bytes(self) -> int:
+        slot = self.pool.default
+        return slot.max_piece_bytes() if slot is not None and slot.engine is not None else 256
 
     def loaded(self) -> list[dict]:
-        """The models in memory: {"name", "engine", "expires_at" (epoch seconds or None: kept)}."""
-        return [{"name": self.model_id(), "engine": self.engine, "expires_at": None}] if self.engine is not None else []
+        """The models in memory: {"name", "engine", "expires_at" (epoch seconds or None: kept),
+        "slot"}."""
+        return [{"name": s.name, "engine": s.engine, "expires_at": s.expires_at(), "slot": s}
+                for s in self.pool.loaded()]
 
-    def require(self, model: str | None = None):
-        """(engine, scheduler) of the model a request names (None: the default). Raises APIError:
-        404 model_not_found for a name this server does not serve, 503 while it loads or when
-        it failed to load."""
+    def _check_loading(self) -> None:
         if self.load_error:
             raise P.APIError(503, f"the model failed to load: {self.load_error}", code="model_load_failed")
-        if self.scheduler is None:
+        if self.pool.default is None and not self.pool.router:
             raise P.APIError(503, "the model is loading; retry shortly", code="loading")
-        if model is not None and model not in self.model_names():
-            raise P.APIError(404, f"The model {model!r} does not exist: this server serves "
-                                  f"{self.model_id()!r} (GET /v1/models)", param="model", code="model_not_found")
-        return self.engine, self.scheduler
+        slot = self.pool.default
+        if slot is not None and not slot.ready.is_set():
+            raise P.APIError(503, "the model is loading; retry shortly", code="loading",
+                             headers={"Retry-After": "1"})
+
+    def require(self, model: str | None = None):
+        """(engine, scheduler) of a loaded model a request names (None: the default). Raises
+        APIError: 404 model_not_found for a name this server does not serve or hold, 503 while
+        the default model loads or when it failed to load."""
+        self._check_loading()
+        slot = self.pool.find(model)
+        if slot is None and model is None and self.pool.router:
+            raise P.APIError(503, "no model is loaded; name one in the request's model", code="loading")
+        if slot is None or slot.status != "loaded":
+            if slot is not None:
+                raise P.APIError(503, f"the model {slot.name!r} is loading; retry shortly", code="loading",
+                                 headers={"Retry-After": "1"})
+            raise self.pool._not_found(model)
+        return slot.engine, slot.scheduler
+
+    async def acquire(self, model: str | None, keep_alive="default") -> ModelSlot:
+        """The loaded slot of ``model`` with a lease (ModelPool.acquire): load it if needed.
+        Give it back with ``self.pool.release(slot)`` once the request is submitted."""
+        self._check_loading()
+        if model is None and self.pool.default is None and self.pool.router:
+            model = self.config.model
+        return await self.pool.acquire(model, keep_alive)
 
 
 # bytes a body may have whatever n_ctx: for generation (text that cannot fit is refused before it
@@ -192,14 +251,14 @@ async def _body(request: Request, state: "ServerState", model_cls, min_limit: in
     more than any prompt that fits can need, 400 for bad JSON (protocol.parse_json_object) or
     fields."""
     P.check_content_type(request.headers.get("content-type"))
-    limit = max(min_limit, 8 * state.engine.n_ctx * state.max_piece_bytes())
+    limit = max(min_limit, 8 * state.config.n_ctx * state.max_piece_bytes())
     chunks, n = [], 0
     try:
         async for chunk in request.stream():
             n += len(chunk)
             if n > limit:
                 raise P.APIError(413, f"the request body is larger than {limit} bytes, more than any prompt that "
-                                      f"fits the context (n_ctx {state.engine.n_ctx}) can need",
+                                      f"fits the context (n_ctx {state.config.n_ctx}) can need",
                                  code="request_too_large")
             chunks.append(chunk)
     except ClientDisconnect:
@@ -290,12 +349,12 @@ def _check_common(body, state: ServerState, max_tokens, max_tokens_param: str = 
                          code="invalid_value")
 
 
-def _too_long_to_tokenize(state: "ServerState", n_bytes: int, param: str) -> None:
+def _too_long_to_tokenize(slot: ModelSlot, n_bytes: int, param: str) -> None:
     """400 at once for text that cannot fit n_ctx whatever its tokens: no token is longer than
     the vocabulary's longest piece, so it has at least n_bytes / that many tokens (spares
     the server from tokenizing megabytes only to refuse them)."""
-    n_ctx = state.engine.n_ctx
-    at_least = -(-n_bytes // state.max_piece_bytes())
+    n_ctx = slot.engine.n_ctx
+    at_least = -(-n_bytes // slot.max_piece_bytes())
     if at_least > n_ctx:
         raise P.APIError(400, f"the prompt has at least {at_least} tokens but the context size (n_ctx) is "
                               f"{n_ctx}; shorten the prompt or raise -c/--ctx-size", param=param,
@@ -375,6 +434,28 @@ def _tool_deltas(parser: ToolCallParser, parts: list[dict], final: bool) -> list
             out.append({"tool_calls": [{"index": i, "id": value.id, "type": "function",
                                         "function": {"name": value.name, "arguments": ""}}]})
             out.append({"tool_calls": [{"index": i, "function": {"arguments": value.arguments}}]})
+    return out
+
+
+def _model_entry(slot: ModelSlot | None, state: ServerState, info: dict | None = None) -> dict:
+    """A /v1/models entry: OpenAI's id / object / created / owned_by, the model's status
+    (loaded, loading, unloaded), its context size (``context_length`` and ``meta.n_ctx``: what a
+    request may use) and, as llama-server's ``meta``, the vocabulary and architecture."""
+    status = "unloaded" if slot is None else slot.status if slot.status in ("loaded", "loading") else "unloaded"
+    engine = slot.engine if slot is not None and slot.status == "loaded" else None
+    name = slot.name if slot is not None else info["name"]
+    n_ctx = engine.n_ctx if engine is not None else state.config.n_ctx
+    meta = {"n_ctx": n_ctx}
+    if engine is not None:
+        meta |= {"n_vocab": engine.model.args.n_vocab, "architecture": engine.model.args.arch}
+    elif info is not None:
+        meta |= {"architecture": info["architecture"], "n_params": info["n_params"]}
+    size = slot.path.stat().st_size if slot is not None and slot.path.exists() else info["size"] if info else None
+    meta["size"] = size
+    out = {"id": name, "object": "model", "created": state.created, "owned_by": "edge", "status": status,
+           "context_length": n_ctx, "meta": meta}
+    if slot is not None and status == "loaded":
+        out["expires_at"] = slot.expires_at()
     return out
 
 
@@ -653,10 +734,19 @@ class _Handlers:
         return await _respond(run, body.stream, bool(body.stream_options and body.stream_options.include_usage))
 
     async def start_chat(self, request: Request, body: P.ChatCompletionRequest) -> ChatRun:
-        """Check ``body`` and submit its generation. Raises APIError (4xx, 503) as the chat
-        route answers them."""
+        """Check ``body`` and submit its generation on the model it names (loaded first if
+        needed: ServerState.acquire). Raises APIError (4xx, 503) as the chat route answers them."""
+        slot = await self.state.acquire(body.model, body.keep_alive_seconds())
+        request.state.edge_model = slot.name
+        try:
+            request.state.edge_run = run = await self._start_chat(request, body, slot)
+            return run
+        finally:
+            self.state.pool.release(slot)
+
+    async def _start_chat(self, request: Request, body: P.ChatCompletionRequest, slot: ModelSlot) -> ChatRun:
         state = self.state
-        engine, scheduler = state.require(body.model)
+        engine, scheduler = slot.engine, slot.scheduler
         body.check_unsupported()
         grammar, grammar_param = body.constraint()
         tool_mode, tools, allowed = body.tool_setup()
@@ -680,13 +770,13 @@ class _Handlers:
                                  param=f"messages.{i}.content", code="invalid_value")
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text(),
                      **m.template_fields()} for m in body.messages]
-        _too_long_to_tokenize(state, sum(len(m["content"].encode()) for m in messages), "messages")
+        _too_long_to_tokenize(slot, sum(len(m["content"].encode()) for m in messages), "messages")
         variables = thinking.template_variables(body, engine.tokenizer, state.config.reasoning_budget)
         tools_variable = {"tools": tools} if tools else {}
         try:
             ids = await run_in_threadpool(engine.chat_prompt, messages, True, {**variables, **tools_variable})
         except NoChatTemplateError:       # C3
-            raise P.APIError(400, f"model {state.model_id()!r} has no chat template, so it cannot take chat "
+            raise P.APIError(400, f"model {slot.name!r} has no chat template, so it cannot take chat "
                                   "messages; send the text to POST /v1/completions instead", param="messages",
                              code="no_chat_template") from None
         except ChatTemplateError as e:   # the template's own error: the client's request (C2)
@@ -706,7 +796,7 @@ class _Handlers:
                          processors=processors + reasoning.processors, speculative=_speculative(body))
         stream = _Stream(scheduler, gen)
         stream.submit()
-        return ChatRun(request, stream, engine, state.model_id(), reasoning, parser, logprobs)
+        return ChatRun(request, stream, engine, slot.name, reasoning, parser, logprobs)
 
     # ---- completions -----------------------------------------------------------------------------
 
@@ -716,10 +806,19 @@ class _Handlers:
         return await _respond(run, body.stream, bool(body.stream_options and body.stream_options.include_usage))
 
     async def start_completion(self, request: Request, body: P.CompletionRequest) -> CompletionRun:
-        """Check ``body`` and submit its generation. Raises APIError (4xx, 503) as the
-        completions route answers them."""
+        """Check ``body`` and submit its generation on the model it names (as start_chat).
+        Raises APIError (4xx, 503) as the completions route answers them."""
+        slot = await self.state.acquire(body.model, body.keep_alive_seconds())
+        request.state.edge_model = slot.name
+        try:
+            request.state.edge_run = run = await self._start_completion(request, body, slot)
+            return run
+        finally:
+            self.state.pool.release(slot)
+
+    async def _start_completion(self, request: Request, body: P.CompletionRequest, slot: ModelSlot) -> CompletionRun:
         state = self.state
-        engine, scheduler = state.require(body.model)
+        engine, scheduler = slot.engine, slot.scheduler
         max_tokens, max_tokens_param = body.max_tokens_given()
         if max_tokens is None and max_tokens_param == "max_tokens":
             max_tokens = 16                            # OpenAI's default for completions
@@ -739,7 +838,7 @@ class _Handlers:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            _too_long_to_tokenize(state, len(prompt.encode()), "prompt")
+            _too_long_to_tokenize(slot, len(prompt.encode()), "prompt")
             ids = await run_in_threadpool(engine.raw_prompt, prompt)
         else:
             n_vocab = engine.model.args.n_vocab
@@ -760,26 +859,57 @@ class _Handlers:
             if e.code == "context_length_exceeded":
                 e.param = "prompt"
             raise
-        return CompletionRun(request, stream, engine, state.model_id(), body.logprobs)
+        return CompletionRun(request, stream, engine, slot.name, body.logprobs)
 
     # ---- the rest --------------------------------------------------------------------------------
 
     async def models(self, request: Request):
-        engine, _ = self.state.require()
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.state.model_id(), "object": "model", "created": self.state.created, "owned_by": "edge",
-             "meta": {"n_ctx": engine.n_ctx, "n_vocab": engine.model.args.n_vocab,
-                      "architecture": engine.model.args.arch}}]})
+        """GET /v1/models: the default model (started with -m), or every pulled model (router),
+        each with its status (loaded / loading / unloaded) and context size."""
+        state = self.state
+        if not state.pool.router:
+            engine, _ = state.require()
+            return JSONResponse({"object": "list", "data": [_model_entry(state.pool.default, state)]})
+        from edge.store import list_models
+
+        stored = await run_in_threadpool(list_models)
+        held = {s.path.resolve(): s for s in list(state.pool.slots.values())}
+        data = []
+        for info in stored:
+            if info["error"] is not None:
+                continue
+            slot = held.pop(Path(info["path"]).resolve(), None)
+            data.append(_model_entry(slot, state, info))
+        data += [_model_entry(slot, state) for slot in held.values()]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def load_model(self, request: Request):
+        """POST /models/load {"model"}: load a pulled model now (router); answers once it is loaded."""
+        body = await _body(request, self.state, P.ModelRequest)
+        slot = await self.state.acquire(body.model, body.keep_alive_seconds())
+        self.state.pool.release(slot)
+        return JSONResponse({"success": True, "model": slot.name, "status": slot.status})
+
+    async def unload_model(self, request: Request):
+        """POST /models/unload {"model"}: unload a model now, or once its requests are done."""
+        body = await _body(request, self.state, P.ModelRequest)
+        slot = await run_in_threadpool(self.state.pool.unload, body.model)
+        return JSONResponse({"success": True, "model": slot.name, "status": slot.status})
+
+    async def root(self, request: Request):
+        return Response("edge is running", media_type="text/plain")
 
     async def tokenize(self, request: Request):
-        engine, _ = self.state.require()
+        self.state.require()
         body = await _body(request, self.state, P.TokenizeRequest, MIN_TOKENIZE_BODY_LIMIT)
+        engine, _ = self.state.require(body.model)
         ids = await run_in_threadpool(engine.tokenizer.encode, body.content, body.add_special, body.parse_special)
         return JSONResponse({"tokens": [int(t) for t in ids]})
 
     async def detokenize(self, request: Request):
-        engine, _ = self.state.require()
+        self.state.require()
         body = await _body(request, self.state, P.DetokenizeRequest, MIN_TOKENIZE_BODY_LIMIT)
+        engine, _ = self.state.require(body.model)
         n_vocab = engine.model.args.n_vocab
         bad = [t for t in body.tokens if not 0 <= t < n_vocab]
         if bad:
@@ -793,13 +923,62 @@ class _Handlers:
     async def health(self, request: Request):
         if self.state.load_error:
             return JSONResponse({"status": "error", "error": self.state.load_error}, status_code=503)
-        if self.state.scheduler is None:
+        slot = self.state.pool.default
+        if slot is not None and not slot.ready.is_set() or slot is None and not self.state.pool.router:
             return JSONResponse({"status": "loading model"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def metrics(self, request: Request):
         return Response(generate_latest(self.state.metrics.registry),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+class RequestLog:
+    """ASGI middleware: one line on stderr per request once its response has ended (method,
+    route, model, status, prompt / cached / generated tokens, TTFT, duration; /health and
+    /metrics are not logged) and, for requests that named a model, the outcome counter of
+    /metrics (edge.server.metrics.outcome). Handlers leave ``edge_model`` and ``edge_run`` in
+    request.state."""
+
+    QUIET = ("/health", "/metrics")
+
+    def __init__(self, app, state: "ServerState", log: bool = True):
+        self.app, self.state, self.log = app, state, log
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        status = [0]
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            self._record(scope, status[0] or CLIENT_GONE, time.perf_counter() - t0)
+
+    def _record(self, scope, status: int, seconds: float) -> None:
+        info = scope.get("state") or {}
+        model, run = info.get("edge_model"), info.get("edge_run")
+        fin = run.fin if run is not None else None
+        if run is not None and fin is None and status < 400:
+            status = CLIENT_GONE                # a stream the client left before its end
+        if scope.get("path") in self.QUIET:
+            return
+        self.state.metrics.count(model or "", status)
+        if not self.log:
+            return
+        parts = [scope.get("method", ""), scope.get("path", ""), *([model] if model else []), str(status)]
+        if fin is not None:
+            parts.append(f"prompt={fin.prompt_tokens} cached={fin.cached_tokens} gen={fin.completion_tokens}")
+            if fin.ttft is not None:
+                parts.append(f"ttft={fin.ttft:.3f}s")
+        parts.append(f"{seconds:.3f}s")
+        print("edge serve: " + " ".join(parts), file=sys.stderr, flush=True)
 
 
 def create_app(config: ServerConfig, load: bool = True) -> Starlette:
@@ -827,17 +1006,29 @@ def create_app(config: ServerConfig, load: bool = True) -> Starlette:
         Route("/detokenize", h.detokenize, methods=["POST"]),
         Route("/health", h.health, methods=["GET"]),
         Route("/metrics", h.metrics, methods=["GET"]),
+        Route("/models/load", h.load_model, methods=["POST"]),
+        Route("/models/unload", h.unload_model, methods=["POST"]),
+        Route("/", h.root, methods=["GET", "HEAD"]),
     ]
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         if load:
             threading.Thread(target=state.load, name="edge-load", daemon=True).start()
-        yield
-        if state.scheduler is not None:
-            await run_in_threadpool(state.scheduler.stop)
 
-    middleware = guard.middleware(config.host, config.allowed_hosts, config.cors_origins, config.api_key)
+        async def reaper():          # unloads the models idle past their keep-alive
+            while True:
+                await asyncio.sleep(1.0)
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(state.pool.reap)
+
+        task = asyncio.create_task(reaper())
+        yield
+        task.cancel()
+        await run_in_threadpool(state.pool.stop)
+
+    middleware = [Middleware(RequestLog, state=state, log=config.log_requests),
+                  *guard.middleware(config.host, config.allowed_hosts, config.cors_origins, config.api_key)]
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={Exception: on_error, HTTPException: on_error, P.APIError: on_error})
     app.state.edge = state

@@ -251,7 +251,18 @@ _SAMPLING_NOT_IMPLEMENTED: dict[str, _Neutral] = {
 }
 
 
-class _Sampling(_Body):
+class _KeepAlive(_Body):
+    keep_alive: int | float | str | None = None   # Ollama's: how long the model stays loaded after this request
+
+    def keep_alive_seconds(self):
+        """keep_alive as seconds (None: forever), or "default" when not given (edge.server.pool).
+        Raises APIError (400) for a value that is not seconds or a duration."""
+        from edge.server.pool import parse_keep_alive
+
+        return "default" if self.keep_alive is None else parse_keep_alive(self.keep_alive)
+
+
+class _Sampling(_KeepAlive):
     model: str | None = None
     max_tokens: int | None = None
     n_predict: int | None = None               # llama-server's max_tokens; -1 = no limit
@@ -441,11 +452,18 @@ class CompletionRequest(_Sampling):
         **_SAMPLING_NOT_IMPLEMENTED, "best_of": (lambda v: v == 1, "1")}
 
 
+class ModelRequest(_KeepAlive):
+    """POST /models/load and /models/unload."""
+    model: str
+
+
 class TokenizeRequest(_Body):
+    model: str | None = None
     content: str
     add_special: bool = False
     parse_special: bool = True
 
 
 class DetokenizeRequest(_Body):
+    model: str | None = None
     tokens: list[int]

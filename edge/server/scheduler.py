@@ -67,6 +67,9 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    ttft: float | None = None          # seconds from submit to the first token
+    queue_wait: float | None = None    # seconds from submit to admission
+    duration: float | None = None      # seconds from submit to the end
 
 
 @dataclass
@@ -100,6 +103,8 @@ class Request:
     speculative: dict = field(default_factory=dict)   # n_max / n_min / p_min: this request's drafts
     cancelled: bool = False
     t_submit: float = 0.0
+    t_admit: float | None = None
+    t_first: float | None = None
 
 
 @dataclass(eq=False)
@@ -123,6 +128,11 @@ class SchedulerStats:
     draft_accepted_tokens: int = 0    # and kept
 
 
+# one forward pass at a time across the server's schedulers (one per loaded model): they share
+# the cores, and numba's workqueue threading layer must not be entered from two threads at once
+STEP_LOCK = threading.Lock()
+
+
 class Scheduler:
     """Serves generation requests on ``engine`` with continuous batching (module docstring).
 
@@ -131,8 +141,9 @@ class Scheduler:
         max_queue: most requests waiting for a slot; more get QueueFull.
         n_batch: most rows (prompt tokens plus decode rows) per forward pass.
         threads: numba threads for the forward passes (default: numba's setting).
-        observe: called as observe(ttft=seconds) at a request's first token and
-            observe(tpot=seconds) between later tokens (metrics).
+        observe: called as observe(ttft=seconds) at a request's first token,
+            observe(tpot=seconds) between later tokens, observe(queue=seconds) at its admission
+            and observe(e2e=seconds) at its end (metrics).
 
     submit() and cancel() may be called from any thread; stop() ends the thread.
     """
@@ -211,7 +222,8 @@ class Scheduler:
                 if self._stopping and not (self._waiting or self._running):
                     return
             try:
-                self._step()
+                with STEP_LOCK:
+                    self._step()
             except Exception as e:   # a bug must not kill the server: fail the batch, go on
                 message = f"internal error: {type(e).__name__}: {e}"
                 traceback.print_exc()
@@ -243,6 +255,8 @@ class Scheduler:
                 except (NoFreeSlot, NoFreeBlocks):
                     return
                 self._waiting.popleft()
+            req.t_admit = time.perf_counter()
+            self._observe(queue=req.t_admit - req.t_submit)
             self._running.append(_Seq(req, gen))
             self.stats.prompt_tokens += len(req.prompt_ids)
             self.stats.cached_tokens += gen.n_cached
@@ -321,6 +335,7 @@ class Scheduler:
             self.stats.draft_tokens += spec.drafted - before[0]
             self.stats.draft_accepted_tokens += spec.accepted - before[1]
         if first:
+            seq.req.t_first = now
             self._observe(ttft=now - seq.req.t_submit)
         else:
             for _ in outs:
@@ -347,7 +362,12 @@ class Scheduler:
         if out.tail is not None:
             self._emit_delta(seq, out.tail)
         gen = seq.gen
-        self._safe_emit(seq.req, Finished(out.finish_reason, len(gen.prompt_ids), gen.n_generated, gen.n_cached))
+        req, now = seq.req, time.perf_counter()
+        self._observe(e2e=now - req.t_submit)
+        self._safe_emit(req, Finished(out.finish_reason, len(gen.prompt_ids), gen.n_generated, gen.n_cached,
+                                      ttft=None if req.t_first is None else req.t_first - req.t_submit,
+                                      queue_wait=None if req.t_admit is None else req.t_admit - req.t_submit,
+                                      duration=now - req.t_submit))
         self.stats.requests_finished += 1
         seq.done = True
 

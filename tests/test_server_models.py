@@ -1,0 +1,204 @@
+"""`edge serve` without -m: every pulled model by name, loaded on demand, unloaded when idle or
+for room (edge.server.pool); /v1/models with statuses, /models/load and /models/unload, the
+request log line and the per-model metrics. The store is a temporary EDGE_HOME holding links
+to the real qwen2.5-coder-0.5b-instruct (the default) and smollm2-135m-instruct files."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from edge.server.pool import parse_keep_alive
+from edge.server.protocol import APIError
+from tests.server_process import assert_error, running
+
+QWEN, SMOL = "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"
+
+
+@pytest.mark.parametrize("value, seconds", [(0, 0.0), (30, 30.0), (2.5, 2.5), ("5m", 300.0), ("1h30m", 5400.0),
+                                            ("45s", 45.0), ("300ms", 0.3), ("-1", None), (-1, None), ("-5m", None),
+                                            ("10", 10.0)])
+def test_parse_keep_alive(value, seconds):
+    assert parse_keep_alive(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["soon", "5 minutes", "", True, "1d", None])
+def test_parse_keep_alive_refuses(value):
+    with pytest.raises(APIError) as e:
+        parse_keep_alive(value)
+    assert e.value.status == 400 and e.value.param == "keep_alive"
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory, qwen_path, smollm2_path):
+    home = tmp_path_factory.mktemp("edgehome")
+    (home / "models").mkdir()
+    for path in (qwen_path, smollm2_path):
+        (home / "models" / path.name).symlink_to(path)
+    return home
+
+
+def _serve(home, tmp_path_factory, *extra):
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    return running(["-np", "1", "-c", "512", *extra], log, timeout=240, env={"EDGE_HOME": str(home)})
+
+
+def _chat(srv, model, content="Say hi.", **kw):
+    return srv.post("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": content}],
+                                             "max_tokens": 4, "temperature": 0, **kw})
+
+
+def _statuses(srv) -> dict[str, str]:
+    status, body = srv.get("/v1/models")
+    assert status == 200
+    return {m["id"]: m["status"] for m in body["data"]}
+
+
+def _wait_status(srv, model, want, timeout=20):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _statuses(srv).get(model) == want:
+            return
+        time.sleep(0.25)
+    pytest.fail(f"{model} did not become {want}: {_statuses(srv)}")
+
+
+@pytest.fixture(scope="module")
+def router(home, tmp_path_factory):
+    with _serve(home, tmp_path_factory, "--keep-alive", "-1") as srv:
+        yield srv
+
+
+def test_models_lists_every_pulled_model(router):
+    status, body = router.get("/v1/models")
+    by_id = {m["id"]: m for m in body["data"]}
+    assert set(by_id) == {QWEN, SMOL}
+    assert by_id[QWEN]["status"] == "loaded"              # the default loads at start
+    assert by_id[SMOL]["status"] in ("unloaded", "loaded")
+    assert by_id[SMOL]["context_length"] == 512 and by_id[SMOL]["meta"]["n_ctx"] == 512
+    assert by_id[SMOL]["meta"]["architecture"] == "llama"
+
+
+def test_a_request_loads_its_model_and_is_served_by_it(router):
+    status, body = _chat(router, SMOL)
+    assert status == 200, body
+    assert body["model"] == SMOL and body["usage"]["completion_tokens"] >= 1
+    assert _statuses(router) == {QWEN: "loaded", SMOL: "loaded"}
+    status, other = _chat(router, QWEN)                  # both stay held (--models-max 3)
+    assert status == 200 and other["model"] == QWEN
+    status, tagged = _chat(router, f"{SMOL}:latest")     # Ollama's tag names the same model
+    assert status == 200 and tagged["model"] == SMOL
+    metrics = router.metrics()
+    assert metrics[f'edge_model_loaded{{model="{SMOL}"}}'] == 1
+    assert metrics[f'edge_requests_total{{model="{SMOL}",outcome="finished"}}'] >= 2
+    assert metrics[f'edge_time_to_first_token_seconds_count{{model="{SMOL}"}}'] >= 2
+
+
+def test_unknown_model_is_404(router):
+    for name in ("gpt-4o", "../etc/passwd", "/etc/hostname", "qwen2.5-coder-7b-instruct"):
+        status, body = _chat(router, name)
+        assert_error(status, body, 404, code="model_not_found", param="model")
+
+
+def test_keep_alive_zero_unloads_after_the_request(router):
+    status, body = _chat(router, SMOL, keep_alive=0)
+    assert status == 200 and body["model"] == SMOL
+    _wait_status(router, SMOL, "unloaded")
+    assert router.metrics()["edge_models_unloaded_total"] >= 1
+    status, body = _chat(router, SMOL)                   # loads again on the next request
+    assert status == 200 and body["model"] == SMOL
+
+
+def test_load_and_unload_routes(router):
+    status, body = router.post("/models/unload", {"model": SMOL})
+    assert status == 200 and body["success"] is True
+    _wait_status(router, SMOL, "unloaded")
+    status, body = router.post("/models/load", {"model": SMOL})
+    assert status == 200 and body == {"success": True, "model": SMOL, "status": "loaded"}
+    assert _statuses(router)[SMOL] == "loaded"
+    assert_error(*router.post("/models/load", {"model": "nope"}), 404, code="model_not_found", param="model")
+    assert_error(*router.post("/models/load", {"model": SMOL, "keep_alive": "soon"}), 400, param="keep_alive")
+
+
+def test_root_and_request_log(router):
+    status, _, raw = router.request("GET", "/")
+    assert status == 200 and raw == b"edge is running"
+    _chat(router, QWEN, content="Log me.")
+    deadline, words = time.monotonic() + 10, None
+    while words is None and time.monotonic() < deadline:   # written once the response has ended
+        lines = [ln for ln in router.log_text().splitlines()
+                 if ln.startswith(f"edge serve: POST /v1/chat/completions {QWEN} ")]
+        words = lines[-1].split() if lines else time.sleep(0.1)
+    assert words, router.log_text()
+    assert words[4:6] == [QWEN, "200"] and words[6].startswith("prompt=") and words[8] == "gen=4"
+    assert words[9].startswith("ttft=") and words[-1].endswith("s")
+
+
+def test_models_max_unloads_the_least_recently_used(home, tmp_path_factory):
+    with _serve(home, tmp_path_factory, "--models-max", "1") as srv:
+        assert _statuses(srv) == {QWEN: "loaded", SMOL: "unloaded"}
+        status, body = _chat(srv, SMOL)
+        assert status == 200 and body["model"] == SMOL
+        assert _statuses(srv) == {QWEN: "unloaded", SMOL: "loaded"}
+        # while SMOL generates, a request for QWEN finds no room: 503 with Retry-After
+        done = {}
+
+        def long_request():
+            done["reply"] = _chat(srv, SMOL, content="Count from 1 to 200.", max_tokens=300, ignore_eos=True)
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        deadline = time.monotonic() + 30
+        while srv.metrics().get("edge_requests_running", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        conn = srv.connection()
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(
+            {"model": QWEN, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+            headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        status, retry, body = resp.status, resp.getheader("Retry-After"), json.loads(resp.read())
+        conn.close()
+        assert_error(status, body, 503, code="models_busy")
+        assert retry == "5"
+        t.join(120)
+        assert done["reply"][0] == 200
+        status, body = _chat(srv, QWEN)                  # idle again: room is made
+        assert status == 200 and body["model"] == QWEN
+
+
+def test_ctrl_c_while_the_model_loads(tmp_path, qwen_path):
+    """Ctrl+C while the model loads (its kernels may be compiling): status 130 and one line."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.server_process import _free_port
+
+    port = str(_free_port())
+    proc = subprocess.Popen([sys.executable, "-m", "edge.cli", "serve", "-m", str(qwen_path), "--port", port],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "NUMBA_NUM_THREADS": "2"})
+    try:
+        banner = proc.stderr.readline()
+        assert banner.startswith("edge serve: "), banner
+        import http.client
+        deadline, status = time.monotonic() + 60, None
+        while status is None and time.monotonic() < deadline:   # until /health answers: 503 while loading
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", int(port), timeout=5)
+                conn.request("GET", "/health")
+                status = conn.getresponse().status
+                conn.close()
+            except OSError:
+                time.sleep(0.02)
+        assert status == 503
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(60)
+        rest = proc.stderr.read()
+    finally:
+        proc.kill()
+    assert rc == 130, rest
+    assert [ln for ln in rest.splitlines() if ln.strip()] == ["interrupted while the model loaded"]
