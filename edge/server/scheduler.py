@@ -61,12 +61,14 @@ class Delta:
 @dataclass
 class Finished:
     """The end of a request. finish_reason: "stop" (end-of-generation token or stop string)
-    or "length" (max_tokens or the context full). Token counts as OpenAI's usage."""
+    or "length" (max_tokens or the context full). Token counts as OpenAI's usage.
+    stop_sequence: the stop string that ended the text (None: another reason)."""
 
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    stop_sequence: str | None = None
 
 
 @dataclass
@@ -347,7 +349,8 @@ class Scheduler:
         if out.tail is not None:
             self._emit_delta(seq, out.tail)
         gen = seq.gen
-        self._safe_emit(seq.req, Finished(out.finish_reason, len(gen.prompt_ids), gen.n_generated, gen.n_cached))
+        stop = gen.text.matched if gen.text is not None else None
+        self._safe_emit(seq.req, Finished(out.finish_reason, len(gen.prompt_ids), gen.n_generated, gen.n_cached, stop))
         self.stats.requests_finished += 1
         seq.done = True
 
