@@ -226,3 +226,126 @@ def test_api_key_in_either_header(server, client, chat):
     assert status == 200 and chat_body["usage"]["completion_tokens"] == 1
     status, err = _raw(server, body, "/v1/chat/completions", **{"x-api-key": "wrong"})
     assert status == 401 and err["error"]["code"] == "invalid_api_key"
+
+
+# ---- the translation, without a server: a reasoning answer, the request's blocks --------------------
+
+class FakeRun:
+    """A ChatRun's interface (edge.server.app) over given chat deltas: prompt of 10 tokens, 4 cached."""
+
+    model = MODEL
+
+    def __init__(self, deltas: list[dict], finish: str = "stop", n_out: int = 5):
+        self.deltas, self.finish, self.n_out, self.fin = deltas, finish, n_out, None
+
+    def prompt_tokens(self) -> int:
+        return 10
+
+    def _end(self):
+        from edge.server.scheduler import Finished
+        self.fin = Finished(self.finish, 10, self.n_out, 4)
+
+    async def chunks(self):
+        yield {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+        for d in self.deltas:
+            yield {"choices": [{"index": 0, "delta": d, "finish_reason": None}]}
+        yield {"choices": [{"index": 0, "delta": {}, "finish_reason": self.finish}]}
+        self._end()
+
+    async def complete(self):
+        message: dict = {"role": "assistant", "content": "".join(d.get("content", "") for d in self.deltas) or None}
+        for d in self.deltas:
+            if "reasoning_content" in d:
+                message["reasoning_content"] = message.get("reasoning_content", "") + d["reasoning_content"]
+            if d.get("tool_calls"):
+                message.setdefault("tool_calls", []).append(d["tool_calls"][0])
+        self._end()
+        return {"choices": [{"index": 0, "message": message, "finish_reason": self.finish}]}
+
+    def timing(self):
+        return self.fin
+
+    def cancel(self):
+        pass
+
+
+THINKING = [{"reasoning_content": "The user", "reasoning": "The user"}, {"reasoning_content": " greets."},
+            {"content": "Hi"}, {"content": "!"}]
+CALL = [{"content": "Let me look."},
+        {"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                                                       "arguments": ""}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Paris"}'}}]}]
+
+
+def _run_async(coro_or_gen):
+    import asyncio
+
+    async def collect():
+        if hasattr(coro_or_gen, "__anext__"):
+            return [x async for x in coro_or_gen]
+        return await coro_or_gen
+    return asyncio.run(collect())
+
+
+def _events(frames: list[str]) -> list[dict]:
+    out = []
+    for frame in frames:
+        name, data = frame.rstrip("\n").split("\n")
+        out.append(json.loads(data.removeprefix("data: ")))
+        assert out[-1]["type"] == name.removeprefix("event: ")
+    return out
+
+
+@pytest.mark.parametrize("deltas,blocks,stop", [(THINKING, ["thinking", "text"], "end_turn"),
+                                                (CALL, ["text", "tool_use"], "tool_use")], ids=["thinking", "call"])
+def test_answer_blocks_whole_and_streamed(deltas, blocks, stop):
+    from pydantic import TypeAdapter
+
+    from edge.server import anthropic as A
+    whole = json.loads(_run_async(A._complete(FakeRun(deltas))).body)
+    m = anthropic.types.Message.model_validate(whole)                  # every field the client reads
+    assert [b.type for b in m.content] == blocks and m.stop_reason == stop
+    assert (m.usage.input_tokens, m.usage.cache_read_input_tokens, m.usage.output_tokens) == (6, 4, 5)
+    events = _events(_run_async(A._frames(FakeRun(deltas))))
+    parse = TypeAdapter(anthropic.types.RawMessageStreamEvent).validate_python
+    [parse(e) for e in events if e["type"] != "ping"]
+    starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    assert starts == blocks and [e["index"] for e in events if e["type"] == "content_block_stop"] == [0, 1]
+    deltas_of = {i: [e["delta"] for e in events if e["type"] == "content_block_delta" and e["index"] == i]
+                 for i in (0, 1)}
+    if blocks[0] == "thinking":
+        assert whole["content"][0] == {"type": "thinking", "thinking": "The user greets.", "signature": ""}
+        assert [d["thinking"] for d in deltas_of[0]] == ["The user", " greets."]
+        assert [d["text"] for d in deltas_of[1]] == ["Hi", "!"]
+    else:
+        assert whole["content"][1] == {"type": "tool_use", "id": "call_1", "name": "get_weather",
+                                       "input": {"city": "Paris"}}
+        assert deltas_of[1] == [{"type": "input_json_delta", "partial_json": '{"city": "Paris"}'}]
+    assert events[-2]["delta"]["stop_reason"] == stop and events[-2]["usage"]["input_tokens"] == 6
+
+
+def test_request_blocks_become_chat_messages():
+    from edge.server.anthropic import MessagesRequest, chat_request
+    body = MessagesRequest.model_validate({
+        "model": MODEL, "max_tokens": 9, "system": [{"type": "text", "text": "Be brief."}],
+        "thinking": {"type": "disabled"}, "stop_sequences": ["END"], "top_k": 1,
+        "messages": [{"role": "user", "content": "Weather and time in Paris?"},
+                     {"role": "assistant", "content": [
+                         {"type": "thinking", "thinking": "Two tools.", "signature": "x"},
+                         {"type": "text", "text": "Checking."},
+                         {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Paris"}},
+                         {"type": "tool_use", "id": "t2", "name": "get_time", "input": {"city": "Paris"}}]},
+                     {"role": "user", "content": [
+                         {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "21 C"}]},
+                         {"type": "tool_result", "tool_use_id": "t2", "content": "no clock", "is_error": True},
+                         {"type": "text", "text": "Thanks."}]}]})
+    chat = chat_request(body)
+    got = [(m.role, m.text(), [(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []],
+            m.tool_call_id) for m in chat.messages]
+    assert got == [("system", "Be brief.", [], None), ("user", "Weather and time in Paris?", [], None),
+                   ("assistant", "Checking.", [("t1", "get_weather", '{"city": "Paris"}'),
+                                               ("t2", "get_time", '{"city": "Paris"}')], None),
+                   ("tool", "21 C", [], "t1"), ("tool", "Error: no clock", [], "t2"), ("user", "Thanks.", [], None)]
+    assert (chat.reasoning_effort, chat.stop, chat.top_k, chat.max_tokens) == ("none", ["END"], 1, 9)
+    effort = MessagesRequest.model_validate({"model": MODEL, "messages": HELLO, "output_config": {"effort": "max"}})
+    assert chat_request(effort).reasoning_effort == "xhigh"

@@ -187,3 +187,68 @@ def test_errors(client, server):
         assert e.value.body["type"] == "invalid_request_error" and e.value.body["message"]
     status, body = server.post("/v1/responses", {"model": MODEL})
     assert status == 400 and body["error"]["param"] == "input"
+
+
+# ---- the translation, without a server ------------------------------------------------------------
+
+def test_answer_items_whole_and_streamed_validate():
+    """A reasoning answer and a call through the Responses shapes, each event checked against the
+    openai package's types (the run is a stand-in: tests/test_server_anthropic.FakeRun)."""
+    from pydantic import TypeAdapter
+
+    from edge.server import responses as R
+    from tests.test_server_anthropic import CALL, THINKING, FakeRun, _events, _run_async
+
+    class Tok:
+        def encode(self, text, add_special, parse_special):
+            return text.split()
+
+    body = R.ResponsesRequest.model_validate({"model": MODEL, "input": "hi", "max_output_tokens": 5})
+    parse = TypeAdapter(openai.types.responses.ResponseStreamEvent).validate_python
+    for deltas, kinds in ((THINKING, ["reasoning", "message"]), (CALL, ["message", "function_call"])):
+        for finish, status in (("stop", "completed"), ("length", "incomplete")):
+            status = "completed" if deltas is CALL else status      # a whole call: the answer is complete
+            run = FakeRun(deltas, finish)
+            run.engine = type("E", (), {"tokenizer": Tok()})
+            whole = openai.types.responses.Response.model_validate(
+                json.loads(_run_async(R._complete(R._Answer(body, run))).body))
+            assert [o.type for o in whole.output] == kinds and whole.status == status
+            assert whole.usage.input_tokens == 10 and whole.usage.input_tokens_details.cached_tokens == 4
+            assert whole.usage.output_tokens_details.reasoning_tokens == (3 if kinds[0] == "reasoning" else 0)
+            run = FakeRun(deltas, finish)
+            run.engine = type("E", (), {"tokenizer": Tok()})
+            events = [parse(e) for e in _events(_run_async(R._frames(R._Answer(body, run))))]
+            assert [e.sequence_number for e in events] == list(range(len(events)))
+            assert events[-1].type == f"response.{status}"
+            same = {"exclude": {"id", "created_at", "output"}}
+            assert events[-1].response.model_dump(**same) == whole.model_dump(**same)
+            assert [o.model_dump() for o in events[-1].response.output] == [
+                {**o.model_dump(), "id": n.id} for o, n in zip(whole.output, events[-1].response.output)]
+            assert [e.item.type for e in events if e.type == "response.output_item.done"] == kinds
+            if kinds[0] == "reasoning":
+                assert [e.delta for e in events if e.type == "response.reasoning_text.delta"] == ["The user", " greets."]
+                assert whole.output[0].content[0].text == "The user greets." and whole.output[1].content[0].text == "Hi!"
+            else:
+                assert [e.delta for e in events if e.type == "response.function_call_arguments.delta"] == [
+                    '{"city": "Paris"}'] == [whole.output[1].arguments]
+            assert whole.output[-1].status == status and whole.output[0].status == "completed"
+
+
+def test_input_items_become_chat_messages():
+    from edge.server.responses import ResponsesRequest, chat_request
+    body = ResponsesRequest.model_validate({"model": MODEL, "instructions": "Be brief.", "reasoning": {"effort": "none"},
+                                            "input": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "x"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city":"Paris"}'},
+        {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": '{"city":"Paris"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "21 C"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "noon"}]}]})
+    chat = chat_request(body)
+    got = [(m.role, m.text(), [(c.id, c.function.name) for c in m.tool_calls or []], m.tool_call_id)
+           for m in chat.messages]
+    assert got == [("system", "Be brief.", [], None), ("user", "Weather in Paris?", [], None),
+                   ("assistant", "Checking.", [("c1", "get_weather"), ("c2", "get_time")], None),
+                   ("tool", "21 C", [], "c1"), ("tool", "noon", [], "c2")]
+    assert chat.reasoning_effort == "none"

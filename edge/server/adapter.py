@@ -7,14 +7,17 @@ list of typed blocks where Chat Completions has one message: reasoning, then tex
 calls. :class:`Blocks` turns chat.completion.chunk deltas (or a whole chat.completion message)
 into that list, as start / delta / stop events of :class:`Block`; :func:`outcome` reads the
 end of a run; :func:`sse` frames a server-sent event with its ``event:`` name (both APIs
-name their events); :func:`rename` puts an error's chat field names into the adapter's.
+name their events); :func:`chat_body` validates the translated request; :func:`renaming` makes
+a route's errors name the adapter's fields instead of the chat request's.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
 
+from pydantic import ValidationError
 from starlette.responses import StreamingResponse
 
 from edge.server import protocol as P
@@ -174,3 +177,31 @@ def rename(err: P.APIError, names: list[tuple[str, str]]) -> P.APIError:
             err.param = new
             break
     return err
+
+
+def chat_body(body, fields: dict[str, str], chat: dict) -> P.ChatCompletionRequest:
+    """The chat request ``chat`` (fields already translated) with ``body``'s fields named in
+    ``fields`` (the adapter's name -> the chat request's) that are given, validated. Raises
+    APIError (400) naming the chat request's field (``renaming`` puts it back)."""
+    for ours, theirs in fields.items():
+        value = getattr(body, ours)
+        if value is not None:
+            chat[theirs] = value
+    try:
+        return P.ChatCompletionRequest.model_validate(chat)
+    except ValidationError as e:
+        raise P.validation_error(e) from None
+
+
+def renaming(names: list[tuple[str, str]]):
+    """Decorator of a route handler: its APIErrors get ``names`` (rename), so they name the
+    fields the client sent."""
+    def wrap(handler):
+        @functools.wraps(handler)
+        async def route(request):
+            try:
+                return await handler(request)
+            except P.APIError as e:
+                raise rename(e, names) from None
+        return route
+    return wrap

@@ -44,13 +44,14 @@ import json
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from edge.server import protocol as P
-from edge.server.adapter import Blocks, event_stream, function_tool, outcome, rename, sse, tool_arguments
+from edge.server.adapter import Blocks, chat_body, event_stream, function_tool, outcome, renaming, sse, \
+    tool_arguments
 from edge.server.app import CLIENT_GONE, _body
 
 PREFIX = "/v1/messages"
@@ -269,10 +270,6 @@ def chat_request(body: MessagesRequest) -> P.ChatCompletionRequest:
     for i, m in enumerate(body.messages):
         messages += _chat_messages(m, f"messages.{i}")
     chat: dict = {"model": body.model, "messages": messages, "stream": body.stream}
-    for ours, theirs in (("max_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
-                         ("top_k", "top_k"), ("stop_sequences", "stop")):
-        if getattr(body, ours) is not None:
-            chat[theirs] = getattr(body, ours)
     if body.tools is not None:
         chat["tools"] = _tools(body.tools)
     if body.tool_choice is not None:
@@ -282,10 +279,8 @@ def chat_request(body: MessagesRequest) -> P.ChatCompletionRequest:
         chat["reasoning_effort"] = effort
     if fmt is not None:
         chat["response_format"] = fmt
-    try:
-        return P.ChatCompletionRequest.model_validate(chat)
-    except ValidationError as e:
-        raise P.validation_error(e) from None
+    return chat_body(body, {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
+                            "top_k": "top_k", "stop_sequences": "stop"}, chat)
 
 
 # ---- the answer ---------------------------------------------------------------------------------
@@ -372,28 +367,23 @@ async def _frames(run):
 def routes(h) -> list[Route]:
     """The Messages API's routes over ``h`` (app._Handlers: its state and start_chat)."""
 
+    @renaming(_NAMES)
     async def messages(request: Request):
-        try:
-            body = await _body(request, h.state, MessagesRequest)
-            if body.max_tokens is None:
-                raise P.APIError(400, "max_tokens: Field required", param="max_tokens", code="invalid_value")
-            run = await h.start_chat(request, chat_request(body))
-        except P.APIError as e:
-            raise rename(e, _NAMES) from None
+        body = await _body(request, h.state, MessagesRequest)
+        if body.max_tokens is None:
+            raise P.APIError(400, "max_tokens: Field required", param="max_tokens", code="invalid_value")
+        run = await h.start_chat(request, chat_request(body))
         return event_stream(_frames(run), run) if body.stream else await _complete(run)
 
+    @renaming(_NAMES)
     async def count_tokens(request: Request):
         """{"input_tokens": the prompt's tokens as /v1/messages renders it}: its usage's
         input_tokens plus cache_read_input_tokens."""
-        try:
-            body = await _body(request, h.state, MessagesRequest)
-            chat = chat_request(body)
-            engine, _ = h.state.require(chat.model)
-            _, tools, _ = chat.tool_setup()
-            ids = await h.chat_prompt(engine, chat, tools)
-        except P.APIError as e:
-            raise rename(e, _NAMES) from None
-        return JSONResponse({"input_tokens": len(ids)})
+        body = await _body(request, h.state, MessagesRequest)
+        chat = chat_request(body)
+        engine, _ = h.state.require(chat.model)
+        _, tools, _ = chat.tool_setup()
+        return JSONResponse({"input_tokens": len(await h.chat_prompt(engine, chat, tools))})
 
     return [Route(PREFIX, messages, methods=["POST"]),
             Route(f"{PREFIX}/count_tokens", count_tokens, methods=["POST"])]

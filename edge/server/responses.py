@@ -44,13 +44,13 @@ import time
 import uuid
 from typing import Annotated, Any
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from edge.server import protocol as P
-from edge.server.adapter import Blocks, event_stream, function_tool, outcome, rename, sse
+from edge.server.adapter import Blocks, chat_body, event_stream, function_tool, outcome, renaming, sse
 from edge.server.app import CLIENT_GONE, _body
 
 _NAMES = [(r"tools\.(\d+)\.function\.", r"tools.\1."), (r"response_format", "text.format"),
@@ -210,10 +210,6 @@ def chat_request(body: ResponsesRequest) -> P.ChatCompletionRequest:
     """The chat completion request of a Responses API body (module docstring). Raises APIError (400)."""
     _check(body)
     chat: dict = {"model": body.model, "messages": _chat_messages(body), "stream": body.stream}
-    for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
-                         ("parallel_tool_calls", "parallel_tool_calls")):
-        if getattr(body, ours) is not None:
-            chat[theirs] = getattr(body, ours)
     if body.tools is not None:
         chat["tools"] = _tools(body.tools)
     if body.tool_choice is not None:
@@ -227,10 +223,8 @@ def chat_request(body: ResponsesRequest) -> P.ChatCompletionRequest:
             raise P.APIError(400, f"reasoning.effort: must be one of {', '.join(_EFFORTS)}, got {json.dumps(effort)}",
                              param="reasoning.effort", code="invalid_value")
         chat["reasoning_effort"] = effort
-    try:
-        return P.ChatCompletionRequest.model_validate(chat)
-    except ValidationError as e:
-        raise P.validation_error(e) from None
+    return chat_body(body, {"max_output_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
+                            "parallel_tool_calls": "parallel_tool_calls"}, chat)
 
 
 # ---- the answer ---------------------------------------------------------------------------------
@@ -372,12 +366,10 @@ async def _frames(answer: _Answer):
 def routes(h) -> list[Route]:
     """The Responses API's route over ``h`` (app._Handlers: its state and start_chat)."""
 
+    @renaming(_NAMES)
     async def create(request: Request):
-        try:
-            body = await _body(request, h.state, ResponsesRequest)
-            run = await h.start_chat(request, chat_request(body))
-        except P.APIError as e:
-            raise rename(e, _NAMES) from None
+        body = await _body(request, h.state, ResponsesRequest)
+        run = await h.start_chat(request, chat_request(body))
         answer = _Answer(body, run)
         return event_stream(_frames(answer), run) if body.stream else await _complete(answer)
 
