@@ -2,7 +2,9 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events or
 not), GET /v1/models, POST /tokenize, POST /detokenize (llama-server's shapes), GET /health
-(503 while the model loads, then 200), GET /metrics (Prometheus text). A request constrained
+(503 while the model loads, then 200), GET /metrics (Prometheus text); Anthropic's Messages API
+(edge.server.anthropic) and OpenAI's Responses API (edge.server.responses) translate their
+requests into a chat completion (start_chat) and its answer back. A request constrained
 by response_format json_object / json_schema, json_schema or grammar (protocol's
 ``constraint``) gets an edge.grammar.GrammarMask in its sampler's mask stage. ``tools`` are
 rendered by the model's chat template and its answer is read for calls (edge.tool_calls);
@@ -15,7 +17,8 @@ Origin: 403; a body larger than any prompt that fits: 413; not application/json:
 that does not arrive whole in --timeout: 408) and 503 when the queue is full, the model is not
 loaded yet or the KV cache's file system is full (that request fails, its KV blocks are freed,
 the others go on); an unexpected exception becomes a 500 of the same shape and the server goes
-on. With an API key, every route but /health needs ``Authorization: Bearer KEY``; the Host
+on (under /v1/messages the error is Anthropic's shape and status: edge.server.anthropic). With an
+API key, every route but /health needs ``Authorization: Bearer KEY`` or ``x-api-key: KEY``; the Host
 and Origin checks and CORS are edge.server.guard's.
 """
 from __future__ import annotations
