@@ -120,18 +120,18 @@ def outcome(run, blocks: list[Block]) -> Outcome:
                    fin.completion_tokens, fin.cached_tokens)
 
 
-def tool_arguments(text: str, param: str) -> dict:
+def tool_arguments(text: str) -> dict:
     """A call's arguments JSON text as an object (the ToolCallParser gives only objects)."""
     try:
         value = json.loads(text or "{}")
     except ValueError:
         value = None
     if not isinstance(value, dict):
-        raise P.APIError(500, f"{param}: a tool call's arguments are not a JSON object", code="internal_error")
+        raise P.APIError(500, "a tool call's arguments are not a JSON object", code="internal_error")
     return value
 
 
-def function_tool(name, description, schema, where: str) -> dict:
+def function_tool(name, description, schema) -> dict:
     """An OpenAI chat ``tools`` entry from a flat tool definition (Anthropic's name /
     description / input_schema, the Responses API's name / description / parameters); the
     chat side (edge.tool_calls.check_tools) checks the values."""

@@ -212,7 +212,7 @@ def _tools(tools: list[dict]) -> list[dict]:
         if not isinstance(tool.get("input_schema"), dict):
             raise P.APIError(400, f"{where}.input_schema: a tool needs its input_schema (a JSON schema object)",
                              param=f"{where}.input_schema", code="invalid_value")
-        out.append(function_tool(tool.get("name"), tool.get("description"), tool["input_schema"], where))
+        out.append(function_tool(tool.get("name"), tool.get("description"), tool["input_schema"]))
     return out
 
 
@@ -294,7 +294,7 @@ def _block(b) -> dict:
         return {"type": "thinking", "thinking": b.text, "signature": ""}
     if b.kind == "text":
         return {"type": "text", "text": b.text}
-    return {"type": "tool_use", "id": b.id, "name": b.name, "input": tool_arguments(b.text, "content")}
+    return {"type": "tool_use", "id": b.id, "name": b.name, "input": tool_arguments(b.text)}
 
 
 def _usage(oc) -> dict:

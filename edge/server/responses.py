@@ -178,7 +178,7 @@ def _tools(tools: list[dict]) -> list[dict]:
         if kind != "function":
             raise P.APIError(400, f"{where}.type: tools of type {json.dumps(kind)} are not supported by this server "
                                   "(function tools only)", param=f"{where}.type", code="unsupported_value")
-        out.append(function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), where))
+        out.append(function_tool(tool.get("name"), tool.get("description"), tool.get("parameters")))
     return out
 
 
