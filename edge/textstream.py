@@ -51,6 +51,7 @@ class TextStream:
         self._released = 0     # characters released
         self._total = 0        # characters decoded
         self.stopped = False
+        self.matched: str | None = None   # the stop string that ended the text, once one did
         self.text = ""         # all text released
 
     def push(self, token_id: int) -> Released:
@@ -80,7 +81,7 @@ class TextStream:
         for s in self._stop:
             i = self._held.find(s)
             if i != -1 and i < cut:
-                cut, stopped = i, True
+                cut, stopped, self.matched = i, True, s
         if not stopped and not final:
             cut -= self._partial_stop_tail()
         out = self._held[:cut]

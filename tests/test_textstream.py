@@ -50,6 +50,14 @@ def test_earliest_of_several_stops_and_tokens_of_multibyte_characters():
     assert out[0] == ("", [], False)                     # half a character: nothing yet
     assert out[1] == ("€A", [0], True)                   # token 1 holds the stop: never reported
     assert ts.text == "€A" and ts.stopped
+    assert ts.matched == "B"                             # the one that cut the text (Anthropic's stop_sequence)
+
+
+def test_matched_names_the_earliest_stop_and_is_none_without_one():
+    _, ts = _run([b"one END two STOP"], ["STOP", "END"])
+    assert ts.matched == "END" and ts.text == "one "
+    _, ts = _run([b"a#", b"#b"], ["###"])
+    assert ts.matched is None and not ts.stopped
 
 
 def test_finish_releases_held_text_and_incomplete_tail():

@@ -2,7 +2,9 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events or
 not), GET /v1/models, POST /tokenize, POST /detokenize (llama-server's shapes), GET /health
-(503 while the model loads, then 200), GET /metrics (Prometheus text). A request constrained
+(503 while the model loads, then 200), GET /metrics (Prometheus text); Anthropic's Messages API
+(edge.server.anthropic) and OpenAI's Responses API (edge.server.responses) translate their
+requests into a chat completion (start_chat) and its answer back. A request constrained
 by response_format json_object / json_schema, json_schema or grammar (protocol's
 ``constraint``) gets an edge.grammar.GrammarMask in its sampler's mask stage. ``tools`` are
 rendered by the model's chat template and its answer is read for calls (edge.tool_calls);
@@ -15,7 +17,8 @@ Origin: 403; a body larger than any prompt that fits: 413; not application/json:
 that does not arrive whole in --timeout: 408) and 503 when the queue is full, the model is not
 loaded yet or the KV cache's file system is full (that request fails, its KV blocks are freed,
 the others go on); an unexpected exception becomes a 500 of the same shape and the server goes
-on. With an API key, every route but /health needs ``Authorization: Bearer KEY``; the Host
+on (under /v1/messages the error is Anthropic's shape and status: edge.server.anthropic). With an
+API key, every route but /health needs ``Authorization: Bearer KEY`` or ``x-api-key: KEY``; the Host
 and Origin checks and CORS are edge.server.guard's.
 """
 from __future__ import annotations
@@ -582,6 +585,10 @@ class _Run:
     def usage(self) -> dict:
         return _usage(self.fin)
 
+    def prompt_tokens(self) -> int:
+        """The prompt's length in tokens (known before the run ends; usage() has the cached part)."""
+        return len(self.stream.gen.prompt_ids)
+
     def timing(self) -> Finished | None:
         """The Finished event (token counts, finish reason) once the run has ended."""
         return self.fin
@@ -768,19 +775,7 @@ class _Handlers:
             if m.content is None and m.role != "assistant":
                 raise P.APIError(400, f"messages[{i}].content is null: a {m.role} message needs content",
                                  param=f"messages.{i}.content", code="invalid_value")
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text(),
-                     **m.template_fields()} for m in body.messages]
-        _too_long_to_tokenize(slot, sum(len(m["content"].encode()) for m in messages), "messages")
-        variables = thinking.template_variables(body, engine.tokenizer, state.config.reasoning_budget)
-        tools_variable = {"tools": tools} if tools else {}
-        try:
-            ids = await run_in_threadpool(engine.chat_prompt, messages, True, {**variables, **tools_variable})
-        except NoChatTemplateError:       # C3
-            raise P.APIError(400, f"model {slot.name!r} has no chat template, so it cannot take chat "
-                                  "messages; send the text to POST /v1/completions instead", param="messages",
-                             code="no_chat_template") from None
-        except ChatTemplateError as e:   # the template's own error: the client's request (C2)
-            raise P.APIError(400, str(e), param="messages", code="chat_template_error") from None
+        ids = await self.chat_prompt(slot, body, tools)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         fmt = tool_format(engine.template.source if engine.template is not None else None)
         if tool_mode == "required":
@@ -797,6 +792,26 @@ class _Handlers:
         stream = _Stream(scheduler, gen)
         stream.submit()
         return ChatRun(request, stream, engine, slot.name, reasoning, parser, logprobs)
+
+    async def chat_prompt(self, slot: ModelSlot, body: P.ChatCompletionRequest, tools: list[dict]) -> list[int]:
+        """The prompt tokens of a chat request: its messages and ``tools`` (body.tool_setup()'s)
+        rendered by the model's chat template with the generation prompt (what start_chat
+        generates from; Anthropic's count_tokens counts them). Raises APIError (400): no chat
+        template, the template's own error, text that cannot fit n_ctx."""
+        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text(),
+                     **m.template_fields()} for m in body.messages]
+        engine = slot.engine
+        _too_long_to_tokenize(slot, sum(len(m["content"].encode()) for m in messages), "messages")
+        variables = thinking.template_variables(body, engine.tokenizer, self.state.config.reasoning_budget)
+        tools_variable = {"tools": tools} if tools else {}
+        try:
+            return await run_in_threadpool(engine.chat_prompt, messages, True, {**variables, **tools_variable})
+        except NoChatTemplateError:       # C3
+            raise P.APIError(400, f"model {slot.name!r} has no chat template, so it cannot take chat "
+                                  "messages; send the text to POST /v1/completions instead", param="messages",
+                             code="no_chat_template") from None
+        except ChatTemplateError as e:   # the template's own error: the client's request (C2)
+            raise P.APIError(400, str(e), param="messages", code="chat_template_error") from None
 
     # ---- completions -----------------------------------------------------------------------------
 
@@ -984,19 +999,25 @@ class RequestLog:
 def create_app(config: ServerConfig, load: bool = True) -> Starlette:
     """The ASGI app. With ``load``, the model loads on a thread at startup (/health answers
     503 until it is ready); the scheduler is stopped at shutdown after its requests finish."""
+    from edge.server import anthropic, responses   # the other APIs' adapters build on this module
+
     state = ServerState(config)
     h = _Handlers(state)
 
+    def respond(path: str, err: P.APIError) -> Response:
+        """An error in the shape of the API ``path`` belongs to: Anthropic's or OpenAI's."""
+        return anthropic.error_response(path, err) if anthropic.serves(path) else guard.openai_error(path, err)
+
     async def on_error(request: Request, exc: Exception):
         if isinstance(exc, P.APIError):
-            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+            return respond(request.url.path, exc)
         if isinstance(exc, HTTPException):
             code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
             msg = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
-            err = P.APIError(exc.status_code, msg.get(exc.status_code, str(exc.detail)), code=code)
-            return JSONResponse(err.body(), status_code=exc.status_code)
-        err = P.APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
-        return JSONResponse(err.body(), status_code=500)
+            return respond(request.url.path, P.APIError(exc.status_code, msg.get(exc.status_code, str(exc.detail)),
+                                                         code=code))
+        return respond(request.url.path, P.APIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                                    code="internal_error"))
 
     routes = [
         Route("/v1/chat/completions", h.chat, methods=["POST"]),
@@ -1009,6 +1030,8 @@ def create_app(config: ServerConfig, load: bool = True) -> Starlette:
         Route("/models/load", h.load_model, methods=["POST"]),
         Route("/models/unload", h.unload_model, methods=["POST"]),
         Route("/", h.root, methods=["GET", "HEAD"]),
+        *anthropic.routes(h),
+        *responses.routes(h),
     ]
 
     @contextlib.asynccontextmanager
@@ -1028,7 +1051,7 @@ def create_app(config: ServerConfig, load: bool = True) -> Starlette:
         await run_in_threadpool(state.pool.stop)
 
     middleware = [Middleware(RequestLog, state=state, log=config.log_requests),
-                  *guard.middleware(config.host, config.allowed_hosts, config.cors_origins, config.api_key)]
+                  *guard.middleware(config.host, config.allowed_hosts, config.cors_origins, config.api_key, respond)]
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={Exception: on_error, HTTPException: on_error, P.APIError: on_error})
     app.state.edge = state

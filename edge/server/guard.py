@@ -17,7 +17,8 @@ this module closes:
   (protocol.check_content_type), which no simple request can send.
 
 Clients that are not browsers (curl, the openai SDK) send no Origin and a loopback Host.
-Every refusal is the API's error shape with a 4xx status.
+Every refusal is the error shape of the API the path belongs to (``respond``: OpenAI's unless
+the app says otherwise, e.g. Anthropic's under /v1/messages) with a 4xx status.
 """
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 
 from edge.server.protocol import APIError
+
+
+def openai_error(path: str, err: APIError) -> JSONResponse:
+    """``err`` in OpenAI's shape (the default ``respond`` of the middleware)."""
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 _LOOPBACK_ORIGIN = re.compile(r"https?://(localhost|[a-z0-9.-]+\.localhost|127(\.[0-9]{1,3}){3}|\[::1\])"
                               r"(:[0-9]{1,5})?")
@@ -84,8 +90,8 @@ class HostOriginGuard:
     (see the module docstring); everything else passes on."""
 
     def __init__(self, app, listen_host: str = "127.0.0.1", allowed_hosts: tuple[str, ...] = (),
-                 cors_origins: tuple[str, ...] = ()):
-        self.app = app
+                 cors_origins: tuple[str, ...] = (), respond=openai_error):
+        self.app, self.respond = app, respond
         names = {"localhost", host_name(socket.gethostname()), *allowed_hosts}
         if listen_host not in _WILDCARD_HOSTS:
             names.add(host_name(listen_host))
@@ -130,27 +136,36 @@ class HostOriginGuard:
             err = APIError(403, f"Origin {origin!r} is not allowed: web pages of other sites may not use this "
                                 f"server; allow this one with --cors-origins {origin}", code="origin_not_allowed")
         if err is not None:
-            await JSONResponse(err.body(), status_code=err.status)(scope, receive, send)
+            await self.respond(scope["path"], err)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
 
 class RequireAPIKey:
-    """ASGI middleware: every HTTP route but /health needs ``Authorization: Bearer KEY``
-    (compared in constant time); otherwise a 401 in the OpenAI error shape."""
+    """ASGI middleware: every HTTP route but /health needs ``Authorization: Bearer KEY`` or
+    ``x-api-key: KEY`` (Anthropic's header, which Claude Code sends), compared in constant
+    time; otherwise a 401 (``respond``'s shape)."""
 
-    def __init__(self, app, key: str):
-        self.app = app
+    def __init__(self, app, key: str, respond=openai_error):
+        self.app, self.respond = app, respond
         self.want = key.encode()
 
+    def _given(self, headers) -> bool:
+        for k, v in headers:
+            if k == b"authorization":
+                scheme, _, token = v.partition(b" ")
+                if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.want):
+                    return True
+            elif k == b"x-api-key" and hmac.compare_digest(v.strip(), self.want):
+                return True
+        return False
+
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] != "/health":
-            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            scheme, _, token = given.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.want):
-                err = APIError(401, "invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key")
-                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
-                return
+        if scope["type"] == "http" and scope["path"] != "/health" and not self._given(scope["headers"]):
+            err = APIError(401, "invalid or missing API key (Authorization: Bearer KEY or x-api-key: KEY)",
+                           code="invalid_api_key")
+            await self.respond(scope["path"], err)(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 
@@ -168,16 +183,17 @@ def check_api_key(key: str | None, source: str = "--api-key") -> None:
 
 
 def middleware(listen_host: str, allowed_hosts: tuple[str, ...], cors_origins: tuple[str, ...],
-               api_key: str | None) -> list[Middleware]:
+               api_key: str | None, respond=openai_error) -> list[Middleware]:
     """The app's middleware, outermost first: the Host/Origin guard, CORS for the origins it
     let through (every Origin that reaches CORSMiddleware is allowed), then the API key (a
-    preflight carries none: CORSMiddleware has answered it)."""
+    preflight carries none: CORSMiddleware has answered it). ``respond(path, APIError)``
+    gives a refusal's response."""
     check_api_key(api_key)
     out = [Middleware(HostOriginGuard, listen_host=listen_host, allowed_hosts=allowed_hosts,
-                      cors_origins=cors_origins),
+                      cors_origins=cors_origins, respond=respond),
            Middleware(CORSMiddleware, allow_origin_regex=".*", allow_methods=["GET", "POST", "OPTIONS"],
                       allow_headers=["*"], allow_private_network=True,   # Chrome's preflight to loopback
                       expose_headers=["Retry-After"], max_age=600)]
     if api_key is not None:
-        out.append(Middleware(RequireAPIKey, key=api_key))
+        out.append(Middleware(RequireAPIKey, key=api_key, respond=respond))
     return out

@@ -61,12 +61,14 @@ class Delta:
 @dataclass
 class Finished:
     """The end of a request. finish_reason: "stop" (end-of-generation token or stop string)
-    or "length" (max_tokens or the context full). Token counts as OpenAI's usage."""
+    or "length" (max_tokens or the context full). Token counts as OpenAI's usage.
+    stop_sequence: the stop string that ended the text (None: another reason)."""
 
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    stop_sequence: str | None = None
     ttft: float | None = None          # seconds from submit to the first token
     queue_wait: float | None = None    # seconds from submit to admission
     duration: float | None = None      # seconds from submit to the end
@@ -364,7 +366,8 @@ class Scheduler:
         gen = seq.gen
         req, now = seq.req, time.perf_counter()
         self._observe(e2e=now - req.t_submit)
-        self._safe_emit(req, Finished(out.finish_reason, len(gen.prompt_ids), gen.n_generated, gen.n_cached,
+        stop = gen.text.matched if gen.text is not None else None
+        self._safe_emit(req, Finished(out.finish_reason, len(gen.prompt_ids), gen.n_generated, gen.n_cached, stop,
                                       ttft=None if req.t_first is None else req.t_first - req.t_submit,
                                       queue_wait=None if req.t_admit is None else req.t_admit - req.t_submit,
                                       duration=now - req.t_submit))
