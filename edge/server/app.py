@@ -44,7 +44,7 @@ from edge.engine import ContextLengthExceeded
 from edge.generate import Limits
 from edge.grammar import GrammarError, GrammarMask
 from edge.sampling import InvalidParameter, SamplingParams
-from edge.server import guard, protocol as P, thinking
+from edge.server import guard, ollama, protocol as P, thinking
 from edge.server.metrics import Metrics
 from edge.server.scheduler import Delta, Failed, Finished, QueueFull, Scheduler
 from edge.server.scheduler import Request as GenRequest
@@ -812,6 +812,7 @@ def create_app(config: ServerConfig, load: bool = True) -> Starlette:
         Route("/detokenize", h.detokenize, methods=["POST"]),
         Route("/health", h.health, methods=["GET"]),
         Route("/metrics", h.metrics, methods=["GET"]),
+        *ollama.routes(h),    # Ollama's API (/api/chat, /api/generate, /api/tags ...) over start_chat / start_completion
     ]
 
     @contextlib.asynccontextmanager

@@ -61,12 +61,17 @@ class Delta:
 @dataclass
 class Finished:
     """The end of a request. finish_reason: "stop" (end-of-generation token or stop string)
-    or "length" (max_tokens or the context full). Token counts as OpenAI's usage."""
+    or "length" (max_tokens or the context full). Token counts as OpenAI's usage. Timings
+    (seconds, for Ollama's durations): prompt_seconds from admission (a slot and KV blocks
+    given; the queue's wait not counted) to the first token sampled, generation_seconds
+    from the first token to the last."""
 
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    prompt_seconds: float = 0.0
+    generation_seconds: float = 0.0
 
 
 @dataclass
@@ -107,6 +112,8 @@ class _Seq:
     req: Request
     gen: Sequence               # the loop's sequence: slot, tokens, sampler, text, limits
     t_last: float = 0.0
+    t_admit: float = 0.0        # perf_counter() when admitted
+    t_first: float = 0.0        # and when its first token was sampled
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     done: bool = False
 
@@ -243,7 +250,7 @@ class Scheduler:
                 except (NoFreeSlot, NoFreeBlocks):
                     return
                 self._waiting.popleft()
-            self._running.append(_Seq(req, gen))
+            self._running.append(_Seq(req, gen, t_admit=time.perf_counter()))
             self.stats.prompt_tokens += len(req.prompt_ids)
             self.stats.cached_tokens += gen.n_cached
 
@@ -321,6 +328,7 @@ class Scheduler:
             self.stats.draft_tokens += spec.drafted - before[0]
             self.stats.draft_accepted_tokens += spec.accepted - before[1]
         if first:
+            seq.t_first = now
             self._observe(ttft=now - seq.req.t_submit)
         else:
             for _ in outs:
@@ -347,7 +355,9 @@ class Scheduler:
         if out.tail is not None:
             self._emit_delta(seq, out.tail)
         gen = seq.gen
-        self._safe_emit(seq.req, Finished(out.finish_reason, len(gen.prompt_ids), gen.n_generated, gen.n_cached))
+        self._safe_emit(seq.req, Finished(out.finish_reason, len(gen.prompt_ids), gen.n_generated, gen.n_cached,
+                                          prompt_seconds=seq.t_first - seq.t_admit,
+                                          generation_seconds=seq.t_last - seq.t_first))
         self.stats.requests_finished += 1
         seq.done = True
 
