@@ -284,21 +284,21 @@ def test_options_sample(client):
 def test_generate(client, oai):
     """prompt through the chat template equals chat with that user message; raw: true equals
     /v1/completions on the prompt as it is; streamed equals not."""
-    opts = {**GREEDY, "num_predict": 16}
+    opts = {**GREEDY, "num_predict": 10}
     r = client.generate(model=MODEL, prompt=HELLO[0]["content"], options=opts)
     chat = client.chat(model=MODEL, messages=HELLO, options=opts)
     assert r.response == chat.message.content and r.done_reason == "length"
     assert r.context is None
-    _assert_stats(r, chat.prompt_eval_count, 16)
+    _assert_stats(r, chat.prompt_eval_count, 10)
     system = client.generate(model=MODEL, prompt=HELLO[0]["content"], system="Answer in French.", options=opts)
     want = client.chat(model=MODEL, messages=[{"role": "system", "content": "Answer in French."}, *HELLO],
                        options=opts)
     assert system.response == want.message.content
     raw = client.generate(model=MODEL, prompt="def add(a, b):", raw=True, options=opts)
-    cmpl = oai.completions.create(model=MODEL, prompt="def add(a, b):", temperature=0, max_tokens=16)
+    cmpl = oai.completions.create(model=MODEL, prompt="def add(a, b):", temperature=0, max_tokens=10)
     assert raw.response == cmpl.choices[0].text and raw.prompt_eval_count == cmpl.usage.prompt_tokens
     parts = list(client.generate(model=MODEL, prompt="def add(a, b):", raw=True, options=opts, stream=True))
-    assert "".join(p.response for p in parts) == raw.response and parts[-1].done and parts[-1].eval_count == 16
+    assert "".join(p.response for p in parts) == raw.response and parts[-1].done and parts[-1].eval_count == 10
 
 
 def test_format_json(client):
@@ -339,11 +339,11 @@ def test_tool_call_round_trip(client, oai):
     assert [p.message.tool_calls[0].function.model_dump() for p in streamed] == [call.function.model_dump()]
 
     history = [*ask, r.message, {"role": "tool", "content": get_weather("Paris"), "tool_name": "get_weather"}]
-    answer = client.chat(model=MODEL, messages=history, options={**GREEDY, "num_predict": 32})
+    answer = client.chat(model=MODEL, messages=history, options={**GREEDY, "num_predict": 16})
     openai_history = [*ask, {"role": "assistant", "content": "", "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "content": get_weather("Paris"), "name": "get_weather"}]
-    want = oai.chat.completions.create(model=MODEL, messages=openai_history, temperature=0, max_tokens=32)
+    want = oai.chat.completions.create(model=MODEL, messages=openai_history, temperature=0, max_tokens=16)
     assert answer.message.content == want.choices[0].message.content and answer.message.content
 
 

@@ -288,8 +288,7 @@ async def _small_body(request: Request, cls):
 @functools.lru_cache(maxsize=64)
 def _facts(path: str, size: int, mtime_ns: int) -> dict:
     """What Ollama's model routes show of a GGUF file, read once per file version: details,
-    the chat template, capabilities, model_info's scalar values (arrays as [] with their names
-    kept), context_length."""
+    the chat template, capabilities, license, model_info (the scalar values; arrays as [])."""
     import gguf
 
     from edge.gguf_file import GGUFFile
@@ -323,7 +322,7 @@ def _facts(path: str, size: int, mtime_ns: int) -> dict:
     details = {"parent_model": "", "format": "gguf", "family": arch, "families": [arch],
                "parameter_size": human_number(n_params), "quantization_level": quant}
     return {"details": details, "template": template or "", "capabilities": capabilities, "model_info": info,
-            "context_length": md.get(f"{arch}.context_length"), "license": md.get("general.license")}
+            "license": md.get("general.license")}
 
 
 def _json_scalar(value):
@@ -531,11 +530,20 @@ class _Ollama:
         fields["n_predict"] = opts.num_predict if opts.num_predict is not None and opts.num_predict > 0 else -1
         if opts.draft_num_predict is not None:
             fields["speculative.n_max"] = opts.draft_num_predict
-        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= A.MAX_TOP_LOGPROBS:
-            raise P.APIError(400, f"top_logprobs must be between 0 and {A.MAX_TOP_LOGPROBS}", param="top_logprobs",
-                             code="invalid_value")
         fields["keep_alive"] = parse_keep_alive(body.keep_alive)
         return fields
+
+    @staticmethod
+    def _logprobs(body: _Generation, chat: bool) -> dict:
+        """The chat request's logprobs / top_logprobs (``chat``) or the completion's logprobs
+        count. Raises APIError 400 for top_logprobs outside 0..20 (Ollama's words)."""
+        n = body.top_logprobs
+        if n is not None and not 0 <= n <= A.MAX_TOP_LOGPROBS:
+            raise P.APIError(400, f"top_logprobs must be between 0 and {A.MAX_TOP_LOGPROBS}", param="top_logprobs",
+                             code="invalid_value")
+        if not (body.logprobs or n):
+            return {}
+        return {"logprobs": True, "top_logprobs": n or 0} if chat else {"logprobs": n or 0}
 
     def _think(self, body: _Generation, engine, name: str) -> dict:
         """The chat request's fields for ``think``: false turns reasoning off, a level is the
@@ -652,8 +660,7 @@ class _Ollama:
             fields["tools"] = body.tools
         fields.update(self._format(body.format, chat=True))
         fields.update(self._think(body, engine, body.model))
-        if body.logprobs or body.top_logprobs:
-            fields.update(logprobs=True, top_logprobs=body.top_logprobs or 0)
+        fields.update(self._logprobs(body, chat=True))
         req = _validate(P.ChatCompletionRequest, {**fields, "model": edge_name(body.model), "messages": messages})
         run = await self._start(self.h.start_chat, request, req, body.model)
         return await self._answer(run, body, True, t0, load_s)
@@ -686,16 +693,13 @@ class _Ollama:
             raise P.APIError(400, f'system: "{body.model}" has no chat template to place a system prompt in',
                              param="system", code="invalid_value")
         fields.update(self._format(body.format, chat=not raw))
+        fields.update(self._logprobs(body, chat=not raw))
         fields["model"] = edge_name(body.model)
         if raw:
-            if body.logprobs or body.top_logprobs:
-                fields["logprobs"] = body.top_logprobs or 0
             req = _validate(P.CompletionRequest, {**fields, "prompt": body.prompt})
             run = await self._start(self.h.start_completion, request, req, body.model)
         else:
             fields.update(self._think(body, engine, body.model))
-            if body.logprobs or body.top_logprobs:
-                fields.update(logprobs=True, top_logprobs=body.top_logprobs or 0)
             messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
                 [{"role": "user", "content": body.prompt}]
             req = _validate(P.ChatCompletionRequest, {**fields, "messages": messages})
@@ -734,19 +738,17 @@ class _Ollama:
         name = body.model_name()
         if not name:
             raise P.APIError(400, "model is required", param="model")
-        m = self.catalog.find(name)
-        path = m["path"] if m is not None else self._loaded_path(name)
-        if path is None:
-            raise P.APIError(404, f'model "{name}" not found', param="model", code="model_not_found")
 
         def read():
+            m = self.catalog.find(name)
+            path = m["path"] if m is not None else self._loaded_path(name)
+            if path is None:
+                raise P.APIError(404, f'model "{name}" not found', param="model", code="model_not_found")
             facts = _file_facts(path)
-            info = facts["model_info"]
-            if body.verbose:
-                info = {**info, **_arrays(path)}
-            return facts, info
-        facts, info = await run_in_threadpool(read)
-        n_ctx = self.state.engine.n_ctx if self.state.engine is not None else self.state.config.n_ctx
+            info = {**facts["model_info"], **_arrays(path)} if body.verbose else facts["model_info"]
+            return path, facts, info
+        path, facts, info = await run_in_threadpool(read)
+        n_ctx = self.state.config.n_ctx
         modelfile = (f"# Modelfile generated by edge\n# The chat template is the GGUF's Jinja template (see "
                      f"\"template\"), not Ollama's Go template.\nFROM {path}\nPARAMETER num_ctx {n_ctx}\n")
         out = {"modelfile": modelfile, "parameters": f"{'num_ctx':<30} {n_ctx}", "template": facts["template"],
