@@ -24,7 +24,7 @@ from edge.gguf_file import GGUFFile
 from edge.server import ollama as O
 from edge.server import protocol as P
 from edge.store import REGISTRY, list_models
-from tests.server_process import running
+from tests.server_process import running, start_post
 
 ollama = pytest.importorskip("ollama", reason="the Ollama API tests talk through the official ollama client "
                                                "(pip install -e .[test])")
@@ -258,6 +258,18 @@ def test_stream_is_the_default_ndjson(server):
                               "eval_duration"}
     assert lines[-1]["eval_count"] == 4 and lines[-1]["done_reason"] == "length"
     assert all(x["created_at"].endswith("Z") for x in lines)
+
+
+def test_client_gone_mid_stream(server):
+    """A client that closes the stream after its first line: the generation is cancelled and
+    its KV blocks freed."""
+    before = server.wait_idle()
+    conn = start_post(server, "/api/chat", {"model": MODEL, "messages": HELLO, "options": {"num_predict": 400}})
+    r = conn.getresponse()
+    assert r.status == 200 and json.loads(r.readline())["done"] is False
+    conn.close()
+    after = server.wait_idle(10)
+    assert after["edge_generation_tokens_total"] - before["edge_generation_tokens_total"] < 400
 
 
 def test_num_predict(client):
