@@ -96,12 +96,13 @@ def test_keep_alive_parsing():
 
 
 def test_keep_alive_reaches_the_chat_request():
-    """keep_alive is stored, as seconds, in the chat request the model pool reads."""
+    """keep_alive is passed as given in the chat / completion request the model pool reads."""
     body = O.ChatBody.model_validate({"model": MODEL, "messages": HELLO, "keep_alive": "10m"})
     req = P.ChatCompletionRequest.model_validate({**O._Ollama._sampling(body), "messages": HELLO})
-    assert req.keep_alive == 600.0
+    assert req.keep_alive == "10m" and O.parse_keep_alive(req.keep_alive) == 600.0
     body = O.GenerateBody.model_validate({"model": MODEL, "prompt": "x", "keep_alive": -1})
-    assert P.CompletionRequest.model_validate({**O._Ollama._sampling(body), "prompt": "x"}).keep_alive == -1.0
+    assert P.CompletionRequest.model_validate({**O._Ollama._sampling(body), "prompt": "x"}).keep_alive == -1
+    assert P.ChatCompletionRequest.model_validate({"messages": HELLO}).keep_alive is None
 
 
 def test_names_and_numbers():

@@ -32,10 +32,10 @@ repeat_penalty 1), not llama.cpp's. num_ctx is accepted and ignored: the server'
 sequence's context (a longer prompt is a 400); the runner options (num_gpu, num_thread,
 num_batch, use_mmap, ...) and names Ollama does not know are ignored, as Ollama does.
 
-``keep_alive`` ("5m", "1h30m", seconds as a number, 0, negative: forever) is parsed by
-:func:`parse_keep_alive` and stored as seconds in the chat / completion request's
-``keep_alive`` field for the model pool; with one model per server, "unload" is answered and
-the model stays.
+``keep_alive`` ("5m", "1h30m", seconds as a number, 0, negative: forever) is checked by
+:func:`parse_keep_alive` and passed as given in the chat / completion request's ``keep_alive``
+field (protocol._Sampling) for the model pool; with one model per server, "unload" is
+answered and the model stays.
 
 Errors are Ollama's ``{"error": "message"}`` with the status the OpenAI routes give (400 for a
 bad request, 404 ``model "x" not found, try pulling it first``, 415 without
@@ -523,14 +523,15 @@ class _Ollama:
     @staticmethod
     def _sampling(body: _Generation) -> dict:
         """The chat / completion request's fields for ``body``'s options (Ollama's defaults
-        for the sampling options left out) and keep_alive."""
+        for the sampling options left out) and keep_alive (as given; 400 if not a duration)."""
         opts = body.options or Options()
         fields = dict(OLLAMA_DEFAULTS)
         fields.update({k: getattr(opts, k) for k in SAMPLING_OPTIONS if getattr(opts, k) is not None})
         fields["n_predict"] = opts.num_predict if opts.num_predict is not None and opts.num_predict > 0 else -1
         if opts.draft_num_predict is not None:
             fields["speculative.n_max"] = opts.draft_num_predict
-        fields["keep_alive"] = parse_keep_alive(body.keep_alive)
+        parse_keep_alive(body.keep_alive)            # a 400 now for a value that is not a duration
+        fields["keep_alive"] = body.keep_alive      # as given, for the model pool
         return fields
 
     @staticmethod

@@ -277,10 +277,10 @@ class _Sampling(_Body):
     speculative_n_max: int | None = Field(default=None, alias="speculative.n_max", ge=0)
     speculative_n_min: int | None = Field(default=None, alias="speculative.n_min", ge=0)
     speculative_p_min: Number | None = Field(default=None, alias="speculative.p_min", ge=0, le=1)
-    # seconds the model stays loaded after this request (-1: until the server stops, 0: unload
-    # it when done; None: the server's default): Ollama's keep_alive, normalised by
-    # edge.server.ollama.parse_keep_alive, for the model pool to read; it changes no answer
-    keep_alive: Number | None = None
+    # how long the model stays loaded after this request, as Ollama's keep_alive is given:
+    # seconds or a duration ("5m"; 0: unload when done; negative: kept), None: the server's
+    # default (edge.server.ollama.parse_keep_alive reads it); for the model pool; no answer changes
+    keep_alive: int | float | str | None = None
     typical_p: Number | None = None
     mirostat: int | None = None
     dynatemp_range: Number | None = None
