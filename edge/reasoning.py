@@ -129,9 +129,15 @@ def _hold_back(text: str, tag: str) -> int:
 def is_reasoning_model(template_source: str | None, tokenizer) -> bool:
     """True when the chat template mentions ``<think>`` / ``</think>`` / ``reasoning_content`` /
     ``enable_thinking``, or the vocabulary has ``<think>`` and ``</think>`` as single tokens."""
-    if template_source and any(m in template_source for m in _TEMPLATE_MARKERS):
+    if template_mentions_reasoning(template_source):
         return True
     return tag_ids(tokenizer, OPEN_TAG) is not None and tag_ids(tokenizer, CLOSE_TAG) is not None
+
+
+def template_mentions_reasoning(template_source: str | None) -> bool:
+    """True when a chat template's text mentions one of ``<think>``, ``</think>``,
+    ``reasoning_content``, ``enable_thinking`` (is_reasoning_model's test of the template)."""
+    return bool(template_source) and any(m in template_source for m in _TEMPLATE_MARKERS)
 
 
 def tag_ids(tokenizer, tag: str) -> list[int] | None:

@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from edge.server.app import ROOT_TEXT
+
 from edge.server.pool import parse_keep_alive
 from edge.server.protocol import APIError
 from tests.server_process import assert_error, running
@@ -124,7 +126,7 @@ def test_load_and_unload_routes(router):
 
 def test_root_and_request_log(router):
     status, _, raw = router.request("GET", "/")
-    assert status == 200 and raw == b"edge is running"
+    assert status == 200 and raw == ROOT_TEXT.encode()
     _chat(router, QWEN, content="Log me.")
     deadline, words = time.monotonic() + 10, None
     while words is None and time.monotonic() < deadline:   # written once the response has ended
@@ -202,3 +204,33 @@ def test_ctrl_c_while_the_model_loads(tmp_path, qwen_path):
         proc.kill()
     assert rc == 130, rest
     assert [ln for ln in rest.splitlines() if ln.strip()] == ["interrupted while the model loaded"]
+
+
+def test_clients_switch_models_and_unload(router):
+    """The ollama, anthropic and openai (Responses) clients name either model; Ollama's
+    keep_alive 0 unloads it after the answer; /api/ps lists what is loaded."""
+    import anthropic
+    import ollama
+    import openai
+
+    base = f"http://127.0.0.1:{router.port}"
+    oc = ollama.Client(host=base)
+    for model in (SMOL, f"{QWEN}:latest", SMOL):
+        r = oc.chat(model=model, messages=[{"role": "user", "content": "Say hi."}], options={"num_predict": 3,
+                                                                                             "temperature": 0})
+        assert r.model == model and r.eval_count == 3 and r.done_reason == "length"
+    assert {m.model for m in oc.ps().models} == {f"{QWEN}:latest", f"{SMOL}:latest"}
+    parts = list(oc.generate(model=SMOL, prompt="Say hi.", stream=True, keep_alive=0,
+                             options={"num_predict": 3, "temperature": 0}))
+    assert parts[-1].done and parts[-1].eval_count == 3
+    _wait_status(router, SMOL, "unloaded")
+    assert {m.model for m in oc.ps().models} == {f"{QWEN}:latest"}
+    ac = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0)
+    msg = ac.messages.create(model=SMOL, max_tokens=3, messages=[{"role": "user", "content": "Say hi."}])
+    assert msg.model == SMOL and msg.usage.output_tokens == 3 and msg.stop_reason == "max_tokens"
+    rc = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+    resp = rc.responses.create(model=QWEN, input="Say hi.", max_output_tokens=3)
+    assert resp.model == QWEN and resp.usage.output_tokens == 3 and resp.status == "incomplete"
+    with pytest.raises(ollama.ResponseError) as e:
+        oc.chat(model="llama3.2", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.status_code == 404

@@ -50,7 +50,7 @@ from edge.engine import ContextLengthExceeded
 from edge.generate import Limits
 from edge.grammar import GrammarError, GrammarMask, LazyGrammarMask, ll_tokenizer
 from edge.sampling import InvalidParameter, SamplingParams
-from edge.server import guard, protocol as P, thinking
+from edge.server import guard, ollama, protocol as P, thinking
 from edge.server.metrics import Metrics
 from edge.server.pool import DEFAULT_KEEP_ALIVE, ModelPool, ModelSlot
 from edge.server.scheduler import STEP_LOCK, Delta, Failed, Finished, QueueFull, Scheduler
@@ -59,6 +59,7 @@ from edge.tool_calls import ToolCallParser, call_grammar, lazy_call_grammar
 from edge.tool_calls import detect_format as tool_format
 
 MAX_TOP_LOGPROBS = 20
+ROOT_TEXT = "edge is running (Ollama is running: its API is served under /api)"
 CLIENT_GONE = 499      # nginx's "client closed request": the status of a response nobody reads
 
 
@@ -912,7 +913,8 @@ class _Handlers:
         return JSONResponse({"success": True, "model": slot.name, "status": slot.status})
 
     async def root(self, request: Request):
-        return Response("edge is running", media_type="text/plain")
+        """GET / and HEAD /: that edge is running, with the text Ollama's clients look for in it."""
+        return Response(ROOT_TEXT, media_type="text/plain")
 
     async def tokenize(self, request: Request):
         self.state.require()
@@ -1032,6 +1034,7 @@ def create_app(config: ServerConfig, load: bool = True) -> Starlette:
         Route("/", h.root, methods=["GET", "HEAD"]),
         *anthropic.routes(h),
         *responses.routes(h),
+        *ollama.routes(h),    # Ollama's API (/api/chat, /api/generate, /api/tags ...) over start_chat / start_completion
     ]
 
     @contextlib.asynccontextmanager

@@ -33,28 +33,32 @@ GB = 1 << 30
 DEFAULT_KEEP_ALIVE = 300.0
 
 
+_DURATION_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
 def parse_keep_alive(value, param: str = "keep_alive") -> float | None:
     """Seconds a model stays loaded after its last request: None = forever (a negative number
-    or duration), 0 = unload when idle. Takes a number of seconds or a Go-style duration string
-    (Ollama's: "5m", "1h30m", "45s", "300ms", "-1", "0"). Raises APIError (400, param) otherwise."""
-    if isinstance(value, bool) or value is None:
+    or duration), 0 = unload when idle. Takes a number of seconds or a Go duration string
+    (Ollama's, time.ParseDuration: "5m", "1h30m", "300ms", "-1m", "0"; a number as text is
+    seconds). Raises APIError (400, param) otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise P.APIError(400, f"{param}: expected seconds or a duration such as \"5m\", got {value!r}",
                          param=param, code="invalid_value")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    else:
-        text = str(value).strip()
+    if isinstance(value, str):
+        text = value.strip()
+        sign = -1.0 if text.startswith("-") else 1.0
+        body = text.lstrip("+-")
         try:
-            seconds = float(text)
+            seconds = float(body)
         except ValueError:
-            m = re.fullmatch(r"(-?)((?:\d+(?:\.\d+)?(?:ms|h|m|s))+)", text)
-            if not m:
-                raise P.APIError(400, f"{param}: expected seconds or a duration such as \"5m\" or \"1h30m\", "
-                                      f"got {text[:40]!r}", param=param, code="invalid_value") from None
-            unit = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
-            seconds = sum(float(n) * unit[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", m.group(2)))
-            seconds = -seconds if m.group(1) else seconds
-    return None if seconds < 0 else seconds
+            parts = _DURATION_PART.findall(body)
+            if not parts or "".join(n + u for n, u in parts) != body:
+                raise P.APIError(400, f"{param}: {value[:40]!r} is not a duration (e.g. \"5m\", \"1h30m\", \"0\", "
+                                      "\"-1m\", or a number of seconds)", param=param, code="invalid_value") from None
+            seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+        value = sign * seconds
+    return None if value < 0 else float(value)
 
 
 def physical_memory() -> int:

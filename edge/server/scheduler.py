@@ -62,7 +62,8 @@ class Delta:
 class Finished:
     """The end of a request. finish_reason: "stop" (end-of-generation token or stop string)
     or "length" (max_tokens or the context full). Token counts as OpenAI's usage.
-    stop_sequence: the stop string that ended the text (None: another reason)."""
+    stop_sequence: the stop string that ended the text (None: another reason). Timings in
+    seconds from the request's submission (see the properties for Ollama's durations)."""
 
     finish_reason: str
     prompt_tokens: int
@@ -72,6 +73,17 @@ class Finished:
     ttft: float | None = None          # seconds from submit to the first token
     queue_wait: float | None = None    # seconds from submit to admission
     duration: float | None = None      # seconds from submit to the end
+
+    @property
+    def prompt_seconds(self) -> float:
+        """Seconds from admission (a slot and KV blocks given) to the first token (Ollama's
+        prompt_eval_duration)."""
+        return max(0.0, (self.ttft or 0.0) - (self.queue_wait or 0.0))
+
+    @property
+    def generation_seconds(self) -> float:
+        """Seconds from the first token to the last (Ollama's eval_duration)."""
+        return max(0.0, (self.duration or 0.0) - (self.ttft or 0.0))
 
 
 @dataclass
