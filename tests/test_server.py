@@ -405,7 +405,6 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content", "invalid_value"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages",
      "unsupported_content"),
-    ("/v1/chat/completions", {"messages": HI, "model": "gpt-4o"}, "model", "model_not_found"),   # 404
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages",
      "invalid_value"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages.0.content",
@@ -424,7 +423,8 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": HI, "stream": "yes"}, "stream", "invalid_value"),
     ("/v1/chat/completions", {"messages": HI, "seed": 1.5}, "seed", "invalid_value"),
     ("/v1/chat/completions", {"messages": HI, "stop": 5}, "stop", "invalid_value"),
-    ("/v1/chat/completions", {"messages": HI, "n": 2}, "n", "invalid_value"),
+    ("/v1/chat/completions", {"messages": HI, "n": 17}, "n", "invalid_value"),
+    ("/v1/chat/completions", {"messages": HI, "n": 0}, "n", "invalid_value"),
     ("/v1/chat/completions", {"messages": HI, "stop": [str(i) for i in range(17)]}, "stop", "invalid_value"),
     ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {"name": "f g"}}]},
      "tools.0.function.name", "invalid_value"),
@@ -494,8 +494,9 @@ def test_404_and_405(server):
 def test_context_length_exceeded(server, client, model_id):
     """S7: 400 naming the prompt's token count and n_ctx; nothing is truncated or generated."""
     status, body = server.post("/v1/completions", {"prompt": [9707] * 2100, "max_tokens": 1})
-    msg = assert_error(status, body, 400, param="prompt", code="context_length_exceeded")["message"]
-    assert "2100" in msg and str(N_CTX) in msg
+    err = assert_error(status, body, 400, param="prompt", code="context_length_exceeded")
+    assert "2100" in err["message"] and str(N_CTX) in err["message"]
+    assert (err["n_prompt_tokens"], err["n_ctx"]) == (2100, N_CTX)     # llama-server's figures
     status, body = server.post("/v1/completions", {"prompt": [9707] * (N_CTX + 1), "max_tokens": 1})
     assert f"{N_CTX + 1} tokens" in assert_error(status, body, 400, code="context_length_exceeded")["message"]
 
@@ -648,3 +649,29 @@ def test_second_sigint_exits_at_once_without_traceback(gemma_path, tmp_path):
         assert "Traceback" not in log and "interrupted: running requests dropped" in log, log
     finally:
         srv.stop()
+
+
+def test_llama_server_habits(server, client, model_id):
+    """llama-server's ways: the OpenAI routes without /v1, any model name served by the one -m
+    model, n choices, system_fingerprint."""
+    import openai as _openai
+
+    bare = _openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}", api_key="x", max_retries=0)
+    assert [m.id for m in bare.models.list().data] == [model_id]
+    r = bare.chat.completions.create(model="gpt-4o-mini", messages=HI, max_tokens=3, temperature=0)
+    assert r.model == model_id and r.system_fingerprint.startswith("edge-") and r.usage.completion_tokens == 3
+    c = bare.completions.create(model="local-model", prompt="def add(a, b):", max_tokens=3, temperature=0)
+    assert c.model == model_id and c.usage.completion_tokens == 3
+    assert server.get("/v1/health") == (200, {"status": "ok"})
+    r = client.chat.completions.create(model=model_id, messages=HI, max_tokens=4, temperature=0, n=3)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert len({ch.message.content for ch in r.choices}) == 1             # greedy: the same choice thrice
+    assert r.usage.completion_tokens == sum(4 for _ in r.choices) and r.usage.prompt_tokens < 40
+    chunks = list(client.chat.completions.create(model=model_id, messages=HI, max_tokens=4, temperature=0, n=2,
+                                                 stream=True))
+    texts = {0: "", 1: ""}
+    for ch in chunks:
+        for choice in ch.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts[0] == texts[1] == r.choices[0].message.content
+    assert len({ch.id for ch in chunks}) == 1

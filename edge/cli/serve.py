@@ -24,7 +24,11 @@ def add_parser(sub) -> None:
     add_model_args(serve, kernels_flag=False)
     serve.add_argument("--batch-invariant", action="store_true",
                        help="accepted for symmetry with edge run: the server always computes this way")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on; several separated by commas, e.g. 127.0.0.1,::1 (default: "
+                            "127.0.0.1)")
+    serve.add_argument("-a", "--alias", default=None, metavar="NAME",
+                       help="the -m model's name in responses and /v1/models (llama-server's --alias)")
     serve.add_argument("--port", type=int, default=8080, help="TCP port (default: 8080)")
     serve.add_argument("--unix-socket", default=None, metavar="PATH",
                        help="listen on this Unix domain socket instead of TCP")
@@ -114,12 +118,27 @@ def cmd_serve(args) -> int:
                           spec=spec, model_draft=model_draft, reasoning_budget=args.reasoning_budget,
                           router=args.model is None, models_max=args.models_max,
                           models_memory=None if args.models_memory is None else int(args.models_memory * GB),
-                          keep_alive=keep_alive, load_timeout=args.load_timeout, log_requests=args.log_requests)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.unix_socket and not api_key:
+                          keep_alive=keep_alive, load_timeout=args.load_timeout, log_requests=args.log_requests,
+                          alias=args.alias)
+    if args.alias is not None and args.model is None:
+        raise ValueError("--alias names the -m model: give -m too (without -m every pulled model is served by "
+                         "its own name)")
+    hosts = [h.strip() for h in args.host.split(",") if h.strip()]
+    if not hosts:
+        raise ValueError("--host: give an address")
+    if any(h not in ("127.0.0.1", "localhost", "::1") for h in hosts) and not args.unix_socket and not api_key:
         print(f"warning: listening on {args.host} without --api-key: anyone who can reach this port can use "
               "the model", file=sys.stderr)
-    sock = _listen_socket(args.host, args.port, args.unix_socket)   # errors before the banner
-    where = f"unix:{args.unix_socket}" if args.unix_socket else f"http://{args.host}:{args.port}"
+    socks = []
+    try:                                                # errors before the banner
+        for host in ([None] if args.unix_socket else hosts):
+            socks.append(_listen_socket(host, args.port, args.unix_socket))
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    where = f"unix:{args.unix_socket}" if args.unix_socket else ", ".join(
+        f"http://{f'[{h}]' if ':' in h else h}:{args.port}" for h in hosts)
     which = (f"every pulled model (default {Path(model).stem}, --models-max {args.models_max})"
              if args.model is None else Path(model).name)
     print(f"edge serve: {which} on {where} (-np {args.parallel}, -c {args.ctx_size}"
@@ -162,11 +181,12 @@ def cmd_serve(args) -> int:
     server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, http=protocol,
                                     timeout_graceful_shutdown=None))
     try:
-        server.run(sockets=[sock])
+        server.run(sockets=socks)
     except KeyboardInterrupt:   # uvicorn re-raises the Ctrl+C it handled: the drain is done
         pass
     finally:
-        sock.close()
+        for sock in socks:
+            sock.close()
         if args.unix_socket:
             with contextlib.suppress(OSError):
                 os.unlink(args.unix_socket)
@@ -209,6 +229,8 @@ def _listen_socket(host: str, port: int, unix_path: str | None):
     family, _, _, _, addr = infos[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if family == socket.AF_INET6:       # :: beside 0.0.0.0 in one --host list: each its own family
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
     try:
         sock.bind(addr)
     except OSError as e:

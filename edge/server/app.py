@@ -45,6 +45,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from edge import __version__
 from edge.chat_template import ChatTemplateError, NoChatTemplateError
 from edge.engine import ContextLengthExceeded
 from edge.generate import Limits
@@ -59,6 +60,8 @@ from edge.tool_calls import ToolCallParser, call_grammar, lazy_call_grammar
 from edge.tool_calls import detect_format as tool_format
 
 MAX_TOP_LOGPROBS = 20
+SYSTEM_FINGERPRINT = f"edge-{__version__}"    # OpenAI's system_fingerprint: the build that answered
+MAX_N = 16                                      # most choices a request may ask for (n)
 ROOT_TEXT = "edge is running (Ollama is running: its API is served under /api)"
 CLIENT_GONE = 499      # nginx's "client closed request": the status of a response nobody reads
 
@@ -91,6 +94,7 @@ class ServerConfig:
     keep_alive: float | None = DEFAULT_KEEP_ALIVE   # idle seconds before a model unloads (None: never)
     load_timeout: float = 300.0             # seconds a request waits for its model to load
     log_requests: bool = True               # one line on stderr per request (RequestLog)
+    alias: str | None = None                # the -m model's name in responses (--alias)
 
 
 def _warm_up(scheduler: Scheduler) -> None:
@@ -141,7 +145,7 @@ class ServerState:
         and every request, and handed to config.on_load_error."""
         from edge.store import resolve_model
         try:
-            slot = self.pool.start_default(resolve_model(self.config.model), self.config.model)
+            slot = self.pool.start_default(resolve_model(self.config.model), self.config.model, self.config.alias)
         except Exception as e:
             self._failed(e)
             return
@@ -234,13 +238,14 @@ class ServerState:
             raise self.pool._not_found(model)
         return slot.engine, slot.scheduler
 
-    async def acquire(self, model: str | None, keep_alive="default") -> ModelSlot:
-        """The loaded slot of ``model`` with a lease (ModelPool.acquire): load it if needed.
-        Give it back with ``self.pool.release(slot)`` once the request is submitted."""
+    async def acquire(self, model: str | None, keep_alive="default", any_name: bool = True) -> ModelSlot:
+        """The loaded slot of ``model`` with a lease (ModelPool.acquire): load it if needed;
+        with ``any_name`` (the OpenAI and Anthropic routes) a server started with -m serves
+        any name. Give it back with ``self.pool.release(slot)`` once the request is submitted."""
         self._check_loading()
         if model is None and self.pool.default is None and self.pool.router:
             model = self.config.model
-        return await self.pool.acquire(model, keep_alive)
+        return await self.pool.acquire(model, keep_alive, any_name)
 
 
 # bytes a body may have whatever n_ctx: for generation (text that cannot fit is refused before it
@@ -346,8 +351,8 @@ def _check_samplers(samplers, params: SamplingParams, n_vocab: int) -> None:
 
 def _check_common(body, state: ServerState, max_tokens, max_tokens_param: str = "max_tokens") -> None:
     body.check_not_implemented()
-    if body.n is not None and body.n != 1:
-        raise P.APIError(400, f"n must be 1 (one choice per request), got {body.n}", param="n", code="invalid_value")
+    if body.n is not None and not 1 <= body.n <= MAX_N:
+        raise P.APIError(400, f"n must be in 1..{MAX_N}, got {body.n}", param="n", code="invalid_value")
     if max_tokens is not None and max_tokens < 1:
         raise P.APIError(400, f"{max_tokens_param} must be at least 1, got {max_tokens}", param=max_tokens_param,
                          code="invalid_value")
@@ -362,7 +367,7 @@ def _too_long_to_tokenize(slot: ModelSlot, n_bytes: int, param: str) -> None:
     if at_least > n_ctx:
         raise P.APIError(400, f"the prompt has at least {at_least} tokens but the context size (n_ctx) is "
                               f"{n_ctx}; shorten the prompt or raise -c/--ctx-size", param=param,
-                         code="context_length_exceeded")
+                         code="context_length_exceeded", extra={"n_prompt_tokens": at_least, "n_ctx": n_ctx})
 
 
 def _processors(grammar, param: str | None, engine, n_prompt: int) -> list:
@@ -482,7 +487,8 @@ class _Stream:
         try:
             self.scheduler.submit(self.gen)
         except ContextLengthExceeded as e:
-            raise P.APIError(400, str(e), param="messages", code="context_length_exceeded") from None
+            raise P.APIError(400, str(e), param="messages", code="context_length_exceeded",
+                             extra={"n_prompt_tokens": e.n_prompt, "n_ctx": e.n_ctx}) from None
         except QueueFull as e:
             raise P.APIError(503, str(e), code="queue_full", headers={"Retry-After": "1"}) from None
         except RuntimeError as e:
@@ -611,7 +617,8 @@ class ChatRun(_Run):
     def __init__(self, request, stream, engine, model, reasoning, parser, logprobs):
         super().__init__(request, stream, engine, model)
         self.reasoning, self.parser, self.logprobs = reasoning, parser, logprobs
-        self.head = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": model}
+        self.head = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": model,
+                     "system_fingerprint": SYSTEM_FINGERPRINT}
 
     def _lp_content(self, lps):
         out = []
@@ -634,6 +641,7 @@ class ChatRun(_Run):
         if self.parser is not None:
             message, finish = _tool_message(self.parser, message, finish)
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "system_fingerprint": SYSTEM_FINGERPRINT,
                 "choices": [{"index": 0, "message": message,
                              "logprobs": {"content": content} if self.logprobs is not None else None,
                              "finish_reason": finish}],
@@ -680,7 +688,8 @@ class CompletionRun(_Run):
     def __init__(self, request, stream, engine, model, logprobs):
         super().__init__(request, stream, engine, model)
         self.logprobs = logprobs
-        self.head = {"id": self.id, "object": "text_completion", "created": self.created, "model": model}
+        self.head = {"id": self.id, "object": "text_completion", "created": self.created, "model": model,
+                     "system_fingerprint": SYSTEM_FINGERPRINT}
 
     def _lp_block(self, lps, text_start):
         tokens, token_lps, tops, offsets = [], [], [], []
@@ -722,6 +731,92 @@ class CompletionRun(_Run):
             self.stream.cancel()
 
 
+class _Runs:
+    """The n choices of one request (OpenAI's ``n``): n runs of the same prompt (the prefix
+    cache computes it once), merged as choices 0..n-1 under the first run's id; usage counts
+    the prompt once and every choice's tokens."""
+
+    def __init__(self, runs: list[_Run]):
+        self.runs = runs
+        self.head = runs[0].head
+
+    def usage(self) -> dict:
+        usages = [r.usage() for r in self.runs]
+        out = dict(usages[0])
+        out["completion_tokens"] = sum(u["completion_tokens"] for u in usages)
+        out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
+        return out
+
+    @property
+    def fin(self):
+        return self.runs[0].fin if all(r.fin is not None for r in self.runs) else None
+
+    def cancel(self) -> None:
+        for r in self.runs:
+            r.cancel()
+
+    async def complete(self) -> dict | None:
+        outs = await asyncio.gather(*(r.complete() for r in self.runs))
+        if any(o is None for o in outs):
+            self.cancel()
+            return None
+        choices = []
+        for i, out in enumerate(outs):
+            choices.append({**out["choices"][0], "index": i})
+        return {**outs[0], "choices": choices, "usage": self.usage()}
+
+    async def chunks(self):
+        """Every run's chunks as they come, each with its choice's index and the first run's id."""
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i, run):
+            try:
+                async for c in run.chunks():
+                    await queue.put({**c, "id": self.head["id"],
+                                     "choices": [{**ch, "index": i} for ch in c["choices"]]})
+            except BaseException as e:
+                await queue.put(e)
+            finally:
+                await queue.put(done)
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(self.runs)]
+        try:
+            left = len(tasks)
+            while left:
+                item = await queue.get()
+                if item is done:
+                    left -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            self.cancel()
+
+
+async def _start_n(start, request: Request, body):
+    """``start(request, body)`` once, or n times for n choices (seeds seed, seed+1, ... when one
+    is given, so that sampled choices differ reproducibly)."""
+    n = body.n or 1
+    if n == 1:
+        return await start(request, body)
+    runs = []
+    try:
+        for i in range(n):
+            b = body.model_copy()
+            if body.seed is not None and body.seed >= 0:
+                b.seed = body.seed + i
+            runs.append(await start(request, b))
+    except BaseException:
+        for r in runs:
+            r.cancel()
+        raise
+    return _Runs(runs)
+
+
 async def _respond(run: _Run, stream: bool, include_usage: bool):
     """OpenAI's response to ``run``: one JSON object, or with ``stream`` its server-sent events."""
     if not stream:
@@ -738,7 +833,7 @@ class _Handlers:
 
     async def chat(self, request: Request):
         body = await _body(request, self.state, P.ChatCompletionRequest)
-        run = await self.start_chat(request, body)
+        run = await _start_n(self.start_chat, request, body)
         return await _respond(run, body.stream, bool(body.stream_options and body.stream_options.include_usage))
 
     async def start_chat(self, request: Request, body: P.ChatCompletionRequest) -> ChatRun:
@@ -818,7 +913,7 @@ class _Handlers:
 
     async def completions(self, request: Request):
         body = await _body(request, self.state, P.CompletionRequest)
-        run = await self.start_completion(request, body)
+        run = await _start_n(self.start_completion, request, body)
         return await _respond(run, body.stream, bool(body.stream_options and body.stream_options.include_usage))
 
     async def start_completion(self, request: Request, body: P.CompletionRequest) -> CompletionRun:
@@ -1025,6 +1120,11 @@ def create_app(config: ServerConfig, load: bool = True) -> Starlette:
         Route("/v1/chat/completions", h.chat, methods=["POST"]),
         Route("/v1/completions", h.completions, methods=["POST"]),
         Route("/v1/models", h.models, methods=["GET"]),
+        # llama-server's aliases: the OpenAI routes without /v1 (clients given base_url without it)
+        Route("/chat/completions", h.chat, methods=["POST"]),
+        Route("/completions", h.completions, methods=["POST"]),
+        Route("/models", h.models, methods=["GET"]),
+        Route("/v1/health", h.health, methods=["GET"]),
         Route("/tokenize", h.tokenize, methods=["POST"]),
         Route("/detokenize", h.detokenize, methods=["POST"]),
         Route("/health", h.health, methods=["GET"]),

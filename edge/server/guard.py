@@ -93,8 +93,9 @@ class HostOriginGuard:
                  cors_origins: tuple[str, ...] = (), respond=openai_error):
         self.app, self.respond = app, respond
         names = {"localhost", host_name(socket.gethostname()), *allowed_hosts}
-        if listen_host not in _WILDCARD_HOSTS:
-            names.add(host_name(listen_host))
+        for host in listen_host.split(","):     # --host may list several addresses
+            if host.strip() not in _WILDCARD_HOSTS:
+                names.add(host_name(host.strip()))
         self.any_host = "*" in allowed_hosts
         self.names = names
         self.any_origin = "*" in cors_origins

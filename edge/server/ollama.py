@@ -480,7 +480,7 @@ class _Ollama:
         t = time.perf_counter()
         try:
             slot = await self.state.acquire(edge_name(name), "default" if keep_alive is None
-                                            else parse_keep_alive(keep_alive))
+                                            else parse_keep_alive(keep_alive), any_name=False)
         except P.APIError as e:
             if e.code == "model_not_found":
                 raise P.APIError(404, f'model "{name}" not found, try pulling it first', param="model",

@@ -31,6 +31,7 @@ from edge.server import protocol as P
 
 GB = 1 << 30
 DEFAULT_KEEP_ALIVE = 300.0
+BUSY_GRACE = 2.0          # seconds a request waits for a held model to go idle before a 503
 
 
 _DURATION_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
@@ -104,9 +105,9 @@ class ModelSlot:
     either way. ``leases``: requests between acquire() and their submission (a model with a
     lease or a request in its scheduler is busy and is never unloaded)."""
 
-    def __init__(self, path: Path, arg: str | None = None):
+    def __init__(self, path: Path, arg: str | None = None, alias: str | None = None):
         self.path, self.arg = Path(path), arg
-        self.name = _model_id(self.path)
+        self.name = alias or _model_id(self.path)
         self.engine = None
         self.scheduler = None
         self.status = "loading"
@@ -144,7 +145,7 @@ class ModelSlot:
 
         stem = self.path.stem
         entry = find_entry(stem)
-        names = {self.name, f"{self.name}:latest", self.path.name, stem,
+        names = {self.name, f"{self.name}:latest", _model_id(self.path), self.path.name, stem,
                  *((entry.name, *entry.aliases) if entry is not None and entry.name == stem else ())}
         if self.engine is not None and self.engine.name:
             names.add(self.engine.name)
@@ -184,9 +185,10 @@ class ModelPool:
 
     # ---- lookup --------------------------------------------------------------------------------
 
-    def start_default(self, path: Path, arg: str | None) -> ModelSlot:
-        """The default model's slot (loaded by the caller, on its thread)."""
-        slot = ModelSlot(path, arg)
+    def start_default(self, path: Path, arg: str | None, alias: str | None = None) -> ModelSlot:
+        """The default model's slot (loaded by the caller, on its thread); ``alias``: its name in
+        responses (--alias)."""
+        slot = ModelSlot(path, arg, alias)
         if not self.router:
             slot.keep_alive = None
         else:
@@ -196,9 +198,11 @@ class ModelPool:
             self.default = slot
         return slot
 
-    def find(self, model: str | None) -> ModelSlot | None:
-        """The slot serving ``model`` (None: the default) if it is held, else None."""
-        if model is None:
+    def find(self, model: str | None, any_name: bool = False) -> ModelSlot | None:
+        """The slot serving ``model`` (None: the default) if it is held, else None. With
+        ``any_name`` a server started with -m serves every name with its one model (llama-server's
+        behaviour: apps hard-code "gpt-4o-mini" or "local-model")."""
+        if model is None or (any_name and not self.router):
             return self.default
         with self._lock:
             slots = list(self.slots.values())
@@ -222,7 +226,8 @@ class ModelPool:
 
     # ---- acquire / release ---------------------------------------------------------------------
 
-    async def acquire(self, model: str | None, keep_alive: float | None | str = "default") -> ModelSlot:
+    async def acquire(self, model: str | None, keep_alive: float | None | str = "default",
+                      any_name: bool = True) -> ModelSlot:
         """The slot of ``model`` (None: the default), loaded, with a lease the caller gives back
         with release() once its request is submitted (or failed). Loads it first when it is a
         pulled model not held (router mode), unloading idle ones to make room.
@@ -230,14 +235,22 @@ class ModelPool:
         Raises APIError: 404 model_not_found; 503 (Retry-After) while it loads past
         --load-timeout, when every held model is busy and the pool is full, or when its load
         failed (model_load_failed)."""
-        slot = self.find(model)
+        slot = self.find(model, any_name)
         if slot is None:
             if not self.router:
                 raise self._not_found(model)
             path = await asyncio.to_thread(store_model, model)
             if path is None:
                 raise self._not_found(model)
-            slot = self._slot_to_load(path, model)
+            deadline = time.monotonic() + BUSY_GRACE
+            while True:
+                try:
+                    slot = self._slot_to_load(path, model)
+                    break
+                except P.APIError as e:        # held models busy: one may be finishing its last step
+                    if e.code != "models_busy" or time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.1)
         slot.leases += 1
         slot.last_active = time.monotonic()
         try:

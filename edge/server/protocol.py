@@ -36,14 +36,16 @@ class APIError(Exception):
     """An error the client gets as ``{"error": {"message", "type", "param", "code"}}``."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str | None = None, headers: dict | None = None):
+                 type_: str | None = None, headers: dict | None = None, extra: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers
         self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
+        self.extra = extra or {}       # more fields of the error object (llama-server's n_prompt_tokens, n_ctx)
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
+                          **self.extra}}
 
 
 def check_content_type(content_type: str | None) -> None:
