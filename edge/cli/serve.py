@@ -67,6 +67,12 @@ def add_parser(sub) -> None:
                        help="how long a request waits for its model to load before a 503 (default: 300)")
     serve.add_argument("--no-log-requests", dest="log_requests", action="store_false",
                        help="do not log one line per request on stderr")
+    serve.add_argument("--embedding", "--embeddings", dest="embedding", action="store_true",
+                       help="accepted for llama-server's command lines: edge serves embeddings (/v1/embeddings, "
+                            "/embedding, /api/embed) always, beside generation")
+    serve.add_argument("--pooling", choices=("none", "mean", "cls", "last"), default=None,
+                       help="embeddings' pooling (default: the model's pooling_type, else last: the last "
+                            "token's hidden state); none gives per-token vectors on /embedding only")
     add_spec_args(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -114,7 +120,8 @@ def cmd_serve(args) -> int:
                           spec=spec, model_draft=model_draft, reasoning_budget=args.reasoning_budget,
                           router=args.model is None, models_max=args.models_max,
                           models_memory=None if args.models_memory is None else int(args.models_memory * GB),
-                          keep_alive=keep_alive, load_timeout=args.load_timeout, log_requests=args.log_requests)
+                          keep_alive=keep_alive, load_timeout=args.load_timeout, log_requests=args.log_requests,
+                          pooling=args.pooling)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.unix_socket and not api_key:
         print(f"warning: listening on {args.host} without --api-key: anyone who can reach this port can use "
               "the model", file=sys.stderr)
