@@ -13,9 +13,10 @@ from edge.cli.options import (add_model_args, add_spec_args, check_sizes, kernel
 
 def add_parser(sub) -> None:
     """The serve subcommand."""
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions) with continuous batching",
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, embeddings) with continuous batching",
                            description="Serve the model over the OpenAI API (POST /v1/chat/completions, "
-                                       "/v1/completions; GET /v1/models, /health, /metrics) on loopback. "
+                                       "/v1/completions, /v1/embeddings; GET /v1/models, /health, /metrics) on "
+                                       "loopback. "
                                        "POST bodies must be sent as Content-Type: application/json. Web pages "
                                        "of other sites cannot use it (Host and Origin are checked; see "
                                        "--allowed-hosts, --cors-origins). The server always computes "
