@@ -205,6 +205,24 @@ class Engine:
         ids = self.tokenizer.encode(rendered, add_special=False, parse_special=True, protect=spans)
         return self._one_bos(ids)
 
+    # ------------------------------------------------------------------ embeddings
+    def embed(self, inputs, pooling: str | None = None, normalize: int = 2, truncate: bool = False,
+              lock=None) -> list[np.ndarray]:
+        """Embeddings of a text, a token list, or a list of texts / token lists, equal to
+        llama.cpp's (edge.embedding.embed: the output norm's result pooled "mean", "cls",
+        "last" or "none", default the GGUF's pooling_type else "last"; normalised as
+        common_embd_normalize, ``normalize`` 2 = euclidean, -1 none). Returns one array per
+        input: f32[n_embd], or f32[n_tokens, n_embd] with pooling "none". Runs in a scratch KV
+        cache (the engine's cache and sequences are untouched); not reentrant with other
+        forwards of this engine (``lock`` is taken around each forward pass).
+
+        Raises edge.embedding.EmbeddingError (empty input, bad token id, pooling or
+        normalize), ContextLengthExceeded (an input longer than n_ctx, unless ``truncate``).
+        """
+        from edge.embedding import embed
+
+        return embed(self, inputs, pooling, normalize, truncate, lock).vectors
+
     # ------------------------------------------------------------------ generation
     def new_cache(self):
         """A fresh contiguous single-sequence f16 KV cache of n_ctx (perplexity, tests)."""

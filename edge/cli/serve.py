@@ -13,9 +13,10 @@ from edge.cli.options import (add_model_args, add_spec_args, check_sizes, kernel
 
 def add_parser(sub) -> None:
     """The serve subcommand."""
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions) with continuous batching",
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, embeddings) with continuous batching",
                            description="Serve the model over the OpenAI API (POST /v1/chat/completions, "
-                                       "/v1/completions; GET /v1/models, /health, /metrics) on loopback. "
+                                       "/v1/completions, /v1/embeddings; GET /v1/models, /health, /metrics) on "
+                                       "loopback. "
                                        "POST bodies must be sent as Content-Type: application/json. Web pages "
                                        "of other sites cannot use it (Host and Origin are checked; see "
                                        "--allowed-hosts, --cors-origins). The server always computes "
@@ -71,6 +72,12 @@ def add_parser(sub) -> None:
                        help="how long a request waits for its model to load before a 503 (default: 300)")
     serve.add_argument("--no-log-requests", dest="log_requests", action="store_false",
                        help="do not log one line per request on stderr")
+    serve.add_argument("--embedding", "--embeddings", dest="embedding", action="store_true",
+                       help="accepted for llama-server's command lines: edge serves embeddings (/v1/embeddings, "
+                            "/embedding, /api/embed) always, beside generation")
+    serve.add_argument("--pooling", choices=("none", "mean", "cls", "last"), default=None,
+                       help="embeddings' pooling (default: the model's pooling_type, else last: the last "
+                            "token's hidden state); none gives per-token vectors on /embedding only")
     add_spec_args(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -119,7 +126,7 @@ def cmd_serve(args) -> int:
                           router=args.model is None, models_max=args.models_max,
                           models_memory=None if args.models_memory is None else int(args.models_memory * GB),
                           keep_alive=keep_alive, load_timeout=args.load_timeout, log_requests=args.log_requests,
-                          alias=args.alias)
+                          alias=args.alias, pooling=args.pooling)
     if args.alias is not None and args.model is None:
         raise ValueError("--alias names the -m model: give -m too (without -m every pulled model is served by "
                          "its own name)")

@@ -95,6 +95,7 @@ class ServerConfig:
     load_timeout: float = 300.0             # seconds a request waits for its model to load
     log_requests: bool = True               # one line on stderr per request (RequestLog)
     alias: str | None = None                # the -m model's name in responses (--alias)
+    pooling: str | None = None              # embeddings' pooling (None: the model's; edge.server.embeddings)
 
 
 def _warm_up(scheduler: Scheduler) -> None:
@@ -1104,7 +1105,7 @@ class RequestLog:
 def create_app(config: ServerConfig, load: bool = True) -> Starlette:
     """The ASGI app. With ``load``, the model loads on a thread at startup (/health answers
     503 until it is ready); the scheduler is stopped at shutdown after its requests finish."""
-    from edge.server import anthropic, responses   # the other APIs' adapters build on this module
+    from edge.server import anthropic, embeddings, responses   # the other APIs' adapters build on this module
 
     state = ServerState(config)
     h = _Handlers(state)
@@ -1143,6 +1144,7 @@ def create_app(config: ServerConfig, load: bool = True) -> Starlette:
         *anthropic.routes(h),
         *responses.routes(h),
         *ollama.routes(h),    # Ollama's API (/api/chat, /api/generate, /api/tags ...) over start_chat / start_completion
+        *embeddings.routes(h),   # /v1/embeddings, /embedding(s) (Ollama's /api/embed: ollama.routes)
     ]
 
     @contextlib.asynccontextmanager

@@ -17,7 +17,8 @@ Routes (:func:`routes`):
 - ``GET /api/tags`` (the pulled models, edge.store.list_models), ``POST /api/show``,
   ``GET /api/ps`` (the loaded models), ``GET /api/version``, ``GET /`` ("Ollama is running",
   the text clients compare). ``POST /api/pull`` answers success for a model already pulled;
-  pulling from Ollama's registry, push, create, copy, delete, blobs and embeddings are 501s.
+  pulling from Ollama's registry, push, create, copy, delete and blobs are 501s.
+- ``POST /api/embed`` and ``/api/embeddings``: edge.server.embeddings (ollama_routes).
 
 The last object of a generation has ``done: true``, ``done_reason`` ("stop" or "length"; a
 tool call ends with "stop" as Ollama's do), ``total_duration``, ``load_duration``,
@@ -833,6 +834,8 @@ async def _ndjson(objects, run) -> Response:
 
 def routes(h) -> list[Route]:
     """Ollama's routes over the OpenAI handlers ``h`` (app._Handlers)."""
+    from edge.server import embeddings
+
     o = _Ollama(h)
     return [
         Route("/api/chat", o.chat, methods=["POST"]),
@@ -842,7 +845,8 @@ def routes(h) -> list[Route]:
         Route("/api/ps", o.ps, methods=["GET"]),
         Route("/api/version", o.version, methods=["GET"]),
         Route("/api/pull", o.pull, methods=["POST"]),
+        *embeddings.ollama_routes(o),    # /api/embed, /api/embeddings
         *(Route(p, o.not_served, methods=["POST", "DELETE"])
-          for p in ("/api/push", "/api/create", "/api/copy", "/api/delete", "/api/embed", "/api/embeddings")),
+          for p in ("/api/push", "/api/create", "/api/copy", "/api/delete")),
         Route("/api/blobs/{digest}", o.not_served, methods=["POST", "HEAD"]),
     ]
