@@ -828,24 +828,16 @@ def _probe(kv, tokens: list[int]) -> tuple[int, int]:
     """A temporary KV sequence over the longest prefix of ``tokens`` the prefix cache holds (a
     multiple of the block size, at most len - 1) plus one more token: (its slot, n_cached).
     Raises APIError (503) when no sequence slot or block is free."""
-    from edge.kv.blocks import NoFreeBlocks
-    from edge.kv.cache import NoFreeSlot
-
-    bs = kv.block_size
-    probe = tokens[: (len(tokens) - 1) // bs * bs + 1]
-    try:
-        return kv.new_sequence(probe)
-    except (NoFreeSlot, NoFreeBlocks) as e:
-        raise P.APIError(503, f"the KV cache is full ({e}); retry when a request has finished", code="busy",
-                         headers={"Retry-After": "1"}) from None
+    return _sequence(kv, tokens[: (len(tokens) - 1) // kv.block_size * kv.block_size + 1])
 
 
 def _save(slot, id_slot: int, path: Path, name: str) -> dict:
-    """Save the K/V of what slot ``id_slot`` holds or last held, as far as the prefix cache
-    still has it, to ``path`` (an edge session file: edge.session, with the logits after its
-    last token, which is computed again here). Returns llama-server's answer (n_saved tokens,
-    n_written bytes). Raises APIError: 400 when the slot holds nothing cached, 503 when no KV
-    slot is free, 500 when the file cannot be written."""
+    """Save the K/V of the tokens slot ``id_slot`` holds or last held to ``path``, an edge
+    session file (edge.session: with the logits after its last token). What the prefix cache
+    still holds is copied, the rest computed again, n_batch rows a step, the scheduler's steps
+    going on between them. Returns llama-server's answer (n_saved tokens, n_written bytes).
+    Raises APIError: 400 when the slot has held nothing, 503 when no KV slot or block is
+    free, 500 when the file cannot be written."""
     from edge.generate import Rows
     from edge.session import save_session
     from edge.threads import use_threads
@@ -859,23 +851,40 @@ def _save(slot, id_slot: int, path: Path, name: str) -> dict:
     use_threads(scheduler.threads or None)
     with STEP_LOCK:
         tokens = _held(scheduler, kv, id_slot)
-        if len(tokens) < 2:
+        if not tokens:
             raise P.APIError(400, f"slot {id_slot} holds no prompt to save", code="empty_slot")
-        seq, n_cached = _probe(kv, tokens)
-        try:
-            if n_cached == 0:
-                raise P.APIError(400, f"slot {id_slot}: the prefix cache no longer holds its prompt", code="empty_slot")
-            rows = Rows(seq, [tokens[n_cached]], 1)
-            loop.reserve(rows)
-            logits = loop.step([rows])[-1]
+        seq, done = _sequence(kv, tokens)
+    try:
+        while done < len(tokens):
+            chunk = tokens[done : done + loop.n_batch]
+            rows = Rows(seq, chunk, int(done + len(chunk) == len(tokens)))
+            with STEP_LOCK:
+                loop.reserve(rows)
+                logits = loop.step([rows])
+            done += len(chunk)
+        with STEP_LOCK:
             try:
-                n_written = save_session(path, engine, seq, logits)
+                n_written = save_session(path, engine, seq, logits[-1])
             except OSError as e:
                 raise P.APIError(500, f"cannot write {name}: {e}", code="write_failed") from None
-        finally:
+    finally:
+        with STEP_LOCK:
             kv.free(seq)
-    return {"id_slot": id_slot, "filename": name, "n_saved": n_cached + 1, "n_written": n_written,
+    return {"id_slot": id_slot, "filename": name, "n_saved": len(tokens), "n_written": n_written,
             "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}}
+
+
+def _sequence(kv, tokens: list[int]) -> tuple[int, int]:
+    """A temporary KV sequence of ``tokens``: (its slot, tokens the prefix cache held). Raises
+    APIError (503) when no sequence slot or block is free."""
+    from edge.kv.blocks import NoFreeBlocks
+    from edge.kv.cache import NoFreeSlot
+
+    try:
+        return kv.new_sequence(tokens)
+    except (NoFreeSlot, NoFreeBlocks) as e:
+        raise P.APIError(503, f"the KV cache is full ({e}); retry when a request has finished", code="busy",
+                         headers={"Retry-After": "1"}) from None
 
 
 def _restore(slot, id_slot: int, path: Path, name: str) -> dict:
