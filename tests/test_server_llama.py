@@ -91,7 +91,14 @@ def test_fim_prompt_layout(qwen_tok):
     assert pre not in L.fim_prompt(qwen_tok, "<|fim_prefix|>", "", [], [], 512, -1, N_CTX)[1:]
     long = "".join(f"x{i} = {i}\n" for i in range(400))
     out = L.fim_prompt(qwen_tok, long, long, [], [], 64, -1, N_CTX)
-    assert out[1:49] == enc(long)[-48:] and out[50:64] == enc(long)[:14] and len(out) == 3 + 48 + 14
+    n = len(enc(long))
+    cut = -(-(n - 48) // L.FIM_ALIGN) * L.FIM_ALIGN         # at most 48 tokens, cut at a multiple of 64
+    kept = n - cut
+    assert 48 - L.FIM_ALIGN < kept <= 48 and out[1 : 1 + kept] == enc(long)[cut:]
+    assert out[2 + kept : 16 + kept] == enc(long)[:14] and len(out) == 3 + kept + 14
+    # typing at the end keeps the start of the prompt while the cut stays
+    more = L.fim_prompt(qwen_tok, long + "y", long, [], [], 64, -1, N_CTX)
+    assert more[1:kept] == out[1:kept] or kept + 1 > 48
 
 
 @pytest.mark.parametrize("name", ["smollm2_path", "gemma_path"])

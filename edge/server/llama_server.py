@@ -55,6 +55,7 @@ _PATHS = ("/completion", "/infill", "/props", "/slots", "/apply-template")
 FLOAT_LOWEST = -3.4028234663852886e38     # llama-server's logprob of a token of probability 0
 DEFAULT_SEED = 4294967295                 # LLAMA_DEFAULT_SEED: a random seed
 _SMALL_BODY = 1 << 20                     # /slots actions: a file name
+FIM_ALIGN = 64                            # /infill cuts a long prefix at a multiple of this many tokens
 # llama.cpp's sampler names and letters (common_sampler_type), in its default order, and infill
 _SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
 _LETTERS = {**dict(zip("edskypmxt", _SAMPLERS)), "i": "infill"}
@@ -207,8 +208,11 @@ def fim_prompt(tok, input_prefix, input_suffix, input_extra: list, prompt_ids: l
     last FIM_SEP line always: without other files they turn small models such as
     qwen2.5-coder-0.5b-instruct from code to prose) and uses the model's FIM_REP / FIM_SEP tokens
     (without FIM_SEP each chunk is put after a "--- snippet ---" line); prefix, suffix, chunks and file names are tokenized
-    with special tokens as text, the prompt with them parsed. The prefix keeps its last 3/4 of
-    n_batch tokens, the suffix its first n_batch/4 less the prompt; the repository part keeps its
+    with special tokens as text, the prompt with them parsed. The prefix keeps at most its last
+    3/4 of n_batch tokens, cut at a multiple of FIM_ALIGN tokens from its start (llama-server cuts
+    at exactly 3/4 of n_batch, so that once the code above the cursor is longer, each keystroke
+    moves the start of the prompt and nothing of it is cached), the suffix its first n_batch/4
+    less the prompt; the repository part keeps its
     last n_ctx - n_batch - 2 * max(n_predict, 2) tokens (none when that is 0 or less).
     ``input_extra``: objects with ``text`` and ``filename``.
 
@@ -240,11 +244,12 @@ def fim_prompt(tok, input_prefix, input_suffix, input_extra: list, prompt_ids: l
         extra += text(chunk.text)
     if input_extra and sep is not None:
         extra += [sep] + text("filename\n")
-    n_prefix = min(len(prefix), 3 * (n_batch // 4))
+    cut = max(0, len(prefix) - 3 * (n_batch // 4))
+    cut = -(-cut // FIM_ALIGN) * FIM_ALIGN      # the next keystrokes' prompts start the same
     n_suffix = min(len(suffix), max(0, n_batch // 4 - (2 + len(prompt_ids))))
     n_extra = min(max(0, n_ctx - n_batch - 2 * max(n_predict, 2)), len(extra))
     head = [tok.bos_id] if tok.add_bos and tok.bos_id is not None else []
-    return (extra[len(extra) - n_extra:] + head + [ids["fim_pre"]] + prefix[len(prefix) - n_prefix:] + prompt_ids
+    return (extra[len(extra) - n_extra:] + head + [ids["fim_pre"]] + prefix[cut:] + prompt_ids
             + [ids["fim_suf"]] + suffix[:n_suffix] + [ids["fim_mid"]])
 
 
