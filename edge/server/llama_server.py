@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
