@@ -208,6 +208,24 @@ def test_completion_stream(server):
     _check_timings(last["timings"], 8, base["tokens_evaluated"])
 
 
+def test_progress_of_a_long_prompt_and_several_prompts(server):
+    """A prompt longer than -b (512) is computed in two steps: a progress event after each."""
+    prompt = "".join(f"y{i} = {i}\n" for i in range(110))
+    status, _, raw = server.request("POST", "/completion", {"prompt": prompt, "n_predict": 1, "stream": True,
+                                                            "return_progress": True, **GREEDY})
+    events = [json.loads(e) for e in sse_events(raw)]
+    progress = [e["prompt_progress"] for e in events if "prompt_progress" in e]
+    total = events[-1]["tokens_evaluated"]
+    assert total > 512 and [p["processed"] for p in progress] == [512, total]
+    assert all(p["total"] == total and p["cache"] == 0 for p in progress)
+    assert progress[0]["time_ms"] <= progress[1]["time_ms"]
+    # several prompts: one answer each, in order
+    outs = _ok(server, "/completion", {"prompt": ["The capital of France is", "def add(a, b):\n"], "n_predict": 2,
+                                       **GREEDY})
+    assert [o["index"] for o in outs] == [0, 1] and [o["prompt"] for o in outs] == ["The capital of France is",
+                                                                                     "def add(a, b):\n"]
+
+
 def test_n_predict_zero_caches_the_prompt(server):
     prompt = PROMPT + "# n_predict 0 only computes this prompt, once\n"
     out = _ok(server, "/completion", {"prompt": prompt, "n_predict": 0})
