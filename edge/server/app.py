@@ -1015,7 +1015,7 @@ def create_app(config: ServerConfig, load: bool = True) -> Starlette:
     h = _Handlers(state)
 
     def respond(path: str, err: P.APIError) -> Response:
-        """An error in the shape of the API ``path`` belongs to: Anthropic's or OpenAI's."""
+        """An error in the shape of the API ``path`` belongs to: llama-server's, Anthropic's or OpenAI's."""
         if llama_server.serves(path):
             return llama_server.error_response(path, err)
         return anthropic.error_response(path, err) if anthropic.serves(path) else guard.openai_error(path, err)
