@@ -185,7 +185,7 @@ def test_any_model_name_is_the_served_model(client, server):
     """Started with -m, the server answers every model name with its model (llama-server's
     behaviour: Claude Code sends claude-* names)."""
     m = client.messages.create(model="claude-sonnet-4-5", max_tokens=2, messages=HELLO)
-    assert m.model == MODEL and m.usage.output_tokens == 2
+    assert m.model == MODEL and 1 <= m.usage.output_tokens <= 2
     assert client.messages.count_tokens(model="claude-nope", messages=HELLO).input_tokens > 0
 
 

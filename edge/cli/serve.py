@@ -78,6 +78,9 @@ def add_parser(sub) -> None:
     serve.add_argument("--pooling", choices=("none", "mean", "cls", "last"), default=None,
                        help="embeddings' pooling (default: the model's pooling_type, else last: the last "
                             "token's hidden state); none gives per-token vectors on /embedding only")
+    serve.add_argument("--slot-save-path", default=None, metavar="DIR",
+                       help="folder of llama-server's POST /slots/ID?action=save|restore files (made if "
+                            "missing; default: none, those actions answer 501)")
     add_spec_args(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -180,6 +183,7 @@ def cmd_serve(args) -> int:
         print(f"edge serve: {message}", file=sys.stderr, flush=True)
 
     config.on_load_error, config.on_event = load_failed, event
+    config.slot_save_path = args.slot_save_path
     if not kernels_compiled():
         print("edge serve: first run: compiling edge's kernels for this CPU before /health says ok (about a "
               "minute on 2 cores, once; later starts load them from numba's cache)", file=sys.stderr, flush=True)

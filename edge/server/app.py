@@ -51,7 +51,7 @@ from edge.engine import ContextLengthExceeded
 from edge.generate import Limits
 from edge.grammar import GrammarError, GrammarMask, LazyGrammarMask, ll_tokenizer
 from edge.sampling import InvalidParameter, SamplingParams
-from edge.server import guard, ollama, protocol as P, thinking
+from edge.server import guard, llama_server, ollama, protocol as P, thinking
 from edge.server.metrics import Metrics
 from edge.server.pool import DEFAULT_KEEP_ALIVE, ModelPool, ModelSlot
 from edge.server.scheduler import STEP_LOCK, Delta, Failed, Finished, QueueFull, Scheduler
@@ -96,6 +96,7 @@ class ServerConfig:
     log_requests: bool = True               # one line on stderr per request (RequestLog)
     alias: str | None = None                # the -m model's name in responses (--alias)
     pooling: str | None = None              # embeddings' pooling (None: the model's; edge.server.embeddings)
+    slot_save_path: str | None = None       # llama-server's /slots save / restore folder (None: 501)
 
 
 def _warm_up(scheduler: Scheduler) -> None:
@@ -569,7 +570,7 @@ def _sse_response(chunks, head: dict, include_usage: bool, run) -> StreamingResp
             async for c in chunks:
                 yield _sse({**c, "usage": None} if include_usage else c)
             if include_usage:
-                yield _sse({**head, "choices": [], "usage": run.usage()})
+                yield _sse({**head, "choices": [], "usage": run.usage(), "timings": run.timings()})
             yield "data: [DONE]\n\n"
         except P.APIError as e:
             yield _sse(e.body())
@@ -608,6 +609,10 @@ class _Run:
     def timing(self) -> Finished | None:
         """The Finished event (token counts, finish reason) once the run has ended."""
         return self.fin
+
+    def timings(self) -> dict:
+        """llama-server's ``timings`` object (llama_server.timings), valid as usage()."""
+        return llama_server.timings(self.fin)
 
     def cancel(self) -> None:
         self.stream.cancel()
@@ -654,7 +659,7 @@ class ChatRun(_Run):
                 "choices": [{"index": 0, "message": message,
                              "logprobs": {"content": content} if self.logprobs is not None else None,
                              "finish_reason": finish}],
-                "usage": self.usage()}
+                "usage": self.usage(), "timings": self.timings()}
 
     def _chunk(self, delta, finish=None, lps=None) -> dict:
         return {**self.head, "choices": [{"index": 0, "delta": delta,
@@ -681,10 +686,10 @@ class ChatRun(_Run):
         try:
             yield self._chunk({"role": "assistant", "content": ""})
             async for ev in self.stream.events():
-                for c in self._chunks_of(ev, finish=ev.finish_reason if isinstance(ev, Finished) else None):
-                    yield c
                 if isinstance(ev, Finished):
                     self.fin = ev
+                for c in self._chunks_of(ev, finish=ev.finish_reason if isinstance(ev, Finished) else None):
+                    yield {**c, "timings": self.timings()} if c["choices"][0]["finish_reason"] else c
         finally:
             self.stream.cancel()
 
@@ -721,7 +726,7 @@ class CompletionRun(_Run):
         return {**self.head, "choices": [{"index": 0, "text": "".join(d.text for d in deltas),
                                           "logprobs": self._lp_block(lps, 0) if self.logprobs is not None else None,
                                           "finish_reason": self.fin.finish_reason}],
-                "usage": self.usage()}
+                "usage": self.usage(), "timings": self.timings()}
 
     async def chunks(self):
         """The streamed text_completion objects, one per Delta, then one with finish_reason."""
@@ -735,7 +740,8 @@ class CompletionRun(_Run):
                 offset += len(text)
                 if isinstance(ev, Finished):
                     self.fin = ev
-                yield {**self.head, "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
+                yield {**self.head, "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}],
+                       **({"timings": self.timings()} if finish else {})}
         finally:
             self.stream.cancel()
 
@@ -1025,6 +1031,8 @@ class _Handlers:
         body = await _body(request, self.state, P.TokenizeRequest, MIN_TOKENIZE_BODY_LIMIT)
         engine, _ = self.state.require(body.model)
         ids = await run_in_threadpool(engine.tokenizer.encode, body.content, body.add_special, body.parse_special)
+        if body.with_pieces:                       # llama-server's [{"id", "piece"}]
+            return JSONResponse({"tokens": llama_server.token_pieces(engine.tokenizer, ids)})
         return JSONResponse({"tokens": [int(t) for t in ids]})
 
     async def detokenize(self, request: Request):
@@ -1111,7 +1119,9 @@ def create_app(config: ServerConfig, load: bool = True) -> Starlette:
     h = _Handlers(state)
 
     def respond(path: str, err: P.APIError) -> Response:
-        """An error in the shape of the API ``path`` belongs to: Anthropic's or OpenAI's."""
+        """An error in the shape of the API ``path`` belongs to: llama-server's, Anthropic's or OpenAI's."""
+        if llama_server.serves(path):
+            return llama_server.error_response(path, err)
         return anthropic.error_response(path, err) if anthropic.serves(path) else guard.openai_error(path, err)
 
     async def on_error(request: Request, exc: Exception):
@@ -1145,6 +1155,7 @@ def create_app(config: ServerConfig, load: bool = True) -> Starlette:
         *responses.routes(h),
         *ollama.routes(h),    # Ollama's API (/api/chat, /api/generate, /api/tags ...) over start_chat / start_completion
         *embeddings.routes(h),   # /v1/embeddings, /embedding(s) (Ollama's /api/embed: ollama.routes)
+        *llama_server.routes(h),   # llama-server's /completion, /infill, /props, /slots, /apply-template
     ]
 
     @contextlib.asynccontextmanager

@@ -468,6 +468,7 @@ class TokenizeRequest(_Body):
     content: str
     add_special: bool = False
     parse_special: bool = True
+    with_pieces: bool = False                  # llama-server: [{"id", "piece"}] instead of ids
 
 
 class DetokenizeRequest(_Body):

@@ -87,6 +87,33 @@ class Finished:
 
 
 @dataclass
+class Progress:
+    """Prompt processing of a request that asked for it (Request.progress), after each step that
+    computed some of its prompt: prompt tokens in all, those the prefix cache held, those whose
+    K/V is computed now (the cached ones included) and seconds since its admission
+    (llama-server's ``prompt_progress``: total, cache, processed, time_ms)."""
+
+    total: int
+    cache: int
+    processed: int
+    seconds: float
+
+
+@dataclass
+class SlotRecord:
+    """What a sequence slot last held (Scheduler.last, for llama-server's /slots): the request
+    it served (None after a /slots restore), its prompt, its tokens (the prompt, then the
+    generated ones), the prompt tokens the prefix cache held and the tokens whose K/V was
+    computed when it ended."""
+
+    req: "Request | None"
+    prompt_ids: list[int]
+    tokens: list[int]
+    n_cached: int
+    n_computed: int
+
+
+@dataclass
 class Failed:
     """The request could not be completed; ``message`` says why. ``status`` and ``code``: the
     HTTP status and error code the client gets (500 internal_error for a bug, 503
@@ -116,6 +143,9 @@ class Request:
     processors: list[LogitsProcessor] = field(default_factory=list)
     speculative: dict = field(default_factory=dict)   # n_max / n_min / p_min: this request's drafts
     cancelled: bool = False
+    progress: bool = False         # emit Progress events while its prompt is computed
+    slot: int | None = None        # the KV cache sequence slot it got (set at admission)
+    n_cached: int = 0              # prompt tokens the prefix cache held (set at admission)
     t_submit: float = 0.0
     t_admit: float | None = None
     t_first: float | None = None
@@ -177,6 +207,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._waiting: deque[Request] = deque()
         self._running: list[_Seq] = []
+        self.last: dict[int, SlotRecord] = {}     # slot -> what it last held (llama-server's /slots)
         self._cv = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="edge-scheduler", daemon=True)
@@ -220,6 +251,10 @@ class Scheduler:
         """(requests running, requests waiting), for /metrics."""
         with self._cv:
             return len(self._running), len(self._waiting)
+
+    def running(self) -> list[tuple[Request, Sequence]]:
+        """The admitted requests with their sequences (slot, tokens, n_cached), a snapshot."""
+        return [(s.req, s.gen) for s in list(self._running)]
 
     def busy(self) -> bool:
         with self._cv:
@@ -270,6 +305,7 @@ class Scheduler:
                     return
                 self._waiting.popleft()
             req.t_admit = time.perf_counter()
+            req.slot, req.n_cached = gen.slot, gen.n_cached
             self._observe(queue=req.t_admit - req.t_submit)
             self._running.append(_Seq(req, gen))
             self.stats.prompt_tokens += len(req.prompt_ids)
@@ -293,6 +329,7 @@ class Scheduler:
             else:
                 seq.gen.draft = None
         budget = max(self.n_batch - sum(len(r.tokens) for r in rows), 1)
+        prefilled = []
         for seq in self._running:                       # prefill chunks, oldest first
             if seq.gen.n_generated or seq.done or budget <= 0:
                 continue
@@ -301,10 +338,12 @@ class Scheduler:
                 continue
             rows.append(r)
             budget -= len(r.tokens)
+            if seq.req.progress:
+                prefilled.append(seq)
             if r.n_logits:
                 owners.append(seq)
         if rows:
-            self._forward(rows, owners)
+            self._forward(rows, owners, prefilled)
         for seq in [s for s in self._running if s.req.cancelled or s.done]:
             self._retire(seq)
 
@@ -320,11 +359,17 @@ class Scheduler:
             return False
         return True
 
-    def _forward(self, rows: list[Rows], owners: list[_Seq]) -> None:
-        """One step over the rows (owners: the sequences that get logits, in row order), then
-        sampling of each owner's next token."""
+    def _forward(self, rows: list[Rows], owners: list[_Seq], prefilled: list[_Seq] = ()) -> None:
+        """One step over the rows (owners: the sequences that get logits, in row order), the
+        Progress of the ``prefilled`` sequences that asked for it, then sampling of each owner's
+        next token."""
         logits = self.loop.step(rows)
         now = time.perf_counter()
+        for seq in prefilled:
+            gen = seq.gen
+            self._safe_emit(seq.req, Progress(len(gen.prompt_ids), gen.n_cached,
+                                              min(int(self.kv.pos[gen.slot]), len(gen.prompt_ids)),
+                                              now - seq.req.t_admit))
         n_logits = {r.slot: r.n_logits for r in rows}
         at = 0
         for seq in owners:
@@ -387,6 +432,10 @@ class Scheduler:
         seq.done = True
 
     def _retire(self, seq: _Seq) -> None:
+        gen = seq.gen
+        if gen.slot is not None:
+            self.last[gen.slot] = SlotRecord(seq.req, gen.prompt_ids, list(gen.tokens), gen.n_cached,
+                                             int(self.kv.pos[gen.slot]))
         self.loop.free(seq.gen)
         self._running.remove(seq)
 

@@ -47,6 +47,9 @@ class Tokenizer:
         add_bos, add_eos: whether ``encode(..., add_special=True)`` adds BOS / EOS.
         add_space_prefix: SPM only: a space is put before text at the start / after a special token.
         eog_ids: end-of-generation token ids (llama.cpp ``special_eog_ids``).
+        special_ids: special token ids by field name (bos, eos, eot, eom, unk, pad, sep, mask,
+            fim_pre, fim_suf, fim_mid, fim_pad, fim_rep, fim_sep), None when the model has none
+            (the FIM ids from the GGUF keys or llama.cpp's text-based detection).
         token_types: int32[n_vocab], GGUF ``tokenizer.ggml.token_type`` (gguf.TokenType values).
     """
 
@@ -64,6 +67,7 @@ class Tokenizer:
         self.add_space_prefix = vocab.add_space_prefix
         self._clean_spaces = vocab.clean_spaces
         self.eog_ids = vocab.eog_ids
+        self.special_ids = dict(vocab.ids)
         self._pieces: list[bytes | None] = [None] * self.n_vocab
 
         # special-token partition candidates, longest text first (llama.cpp cache_special_tokens)
