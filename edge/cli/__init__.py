@@ -29,7 +29,7 @@ __all__ = ["QUANTIZE_TYPES", "build_parser", "main", "physical_cores"]
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edge", description="Local LLM inference on CPUs (GGUF models).")
     parser.add_argument("--version", action="version", version=f"edge {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     generate.add_parsers(sub)      # run, chat
     evaluate.add_parsers(sub)      # perplexity, imatrix
     bench.add_parser(sub)
@@ -47,7 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
-        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+        (parser.commands[args.command] if args.command else parser).error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command is None:    # `edge` alone: the help, as `ollama` prints it
+        args.func = lambda _args: (parser.print_help(), 0)[1]
     return args
 
 
