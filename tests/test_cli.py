@@ -53,7 +53,7 @@ def test_server_state_reports_a_load_failure_once(tmp_path):
     got: list[str] = []
     state = ServerState(ServerConfig(model=missing, on_load_error=got.append))
     state.load()
-    assert len(got) == 1 and got[0].startswith(f"no model file or known model named {missing!r}")
+    assert got == [f"file not found: {missing}"]     # a path-like name is a path only
     assert state.load_error == f"StoreError: {got[0]}" and state.scheduler is None
     state = ServerState(ServerConfig(model=missing))
     state.load()
@@ -85,3 +85,188 @@ def test_uncompiled_weight_types_names_the_missing(monkeypatch, tmp_path):
     assert uncompiled_weight_types(model) == ["IQ4_XS", "Q4_K"]
     monkeypatch.setattr(mk, "quant_kernel", lambda t, n, bi=False: present)  # no numba cache layout: say nothing
     assert uncompiled_weight_types(model) == []
+
+
+# ------------------------------------------------------------------ a newcomer's first hour
+import http.server
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from gguf import GGMLQuantizationType as Q
+
+from tests.tiny_models import write_tiny_model
+
+
+def _edge(*argv, env=None, input=None, timeout=120):
+    """`python -m edge.cli ARGV` in a subprocess: the real command, its exit status and output."""
+    return subprocess.run([sys.executable, "-m", "edge.cli", *argv], capture_output=True, text=True, timeout=timeout,
+                          input=input, env={**os.environ, **(env or {})}, check=False)
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """An EDGE_HOME of tiny fixture models: tiny (Q8_0 matrices, a license and a chat template)
+    and an hf.co file with its manifest; never the real store."""
+    home = tmp_path / "home"
+    models = home / "models"
+    models.mkdir(parents=True)
+    write_tiny_model(models / "tiny.gguf", types={r: Q.Q8_0 for r in ("attn_q", "attn_k", "attn_v", "attn_output",
+                                                                       "ffn_gate", "ffn_up", "ffn_down")},
+                     n_embd=64, metadata={"general.license": "apache-2.0", "general.file_type": 7,
+                                          "tokenizer.chat_template": "\n".join(f"line {i}" for i in range(12))})
+    write_tiny_model(models / "hf.co--alice--Tiny-GGUF--Q8_0.gguf")
+    (models / ".hf.co--alice--Tiny-GGUF--Q8_0.hf.json").write_text("{}")
+    monkeypatch.setenv("EDGE_HOME", str(home))
+    return models
+
+
+def test_edge_alone_prints_the_help():
+    proc = _edge()
+    assert proc.returncode == 0 and proc.stderr == ""
+    assert proc.stdout.startswith("usage: edge ") and "run " in proc.stdout and "Start with: edge run" in proc.stdout
+
+
+def test_list_fits_80_columns_with_the_file_type(store, capsys):
+    assert main(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["NAME", "TYPE", "SIZE", "PARAMS", "ARCH"]
+    assert all(len(line) <= 80 for line in lines), lines
+    rows = {line.split()[0]: line.split() for line in lines[1:] if not line.startswith("available")}
+    assert rows["tiny"][1] == "Q8_0" and rows["tiny"][-1] == "llama"
+    assert rows["hf.co/alice/Tiny-GGUF:Q8_0"][1] == "F32"     # no general.file_type: the tensors' type
+    assert any(line.startswith("available to pull: qwen2.5-coder-0.5b-instruct") for line in lines)
+
+
+def test_show_prints_what_ollama_show_does(store, capsys):
+    from edge.gguf_file import GGUFFile
+
+    n_params = sum(t.n_elements for t in GGUFFile(store / "tiny.gguf").tensors.values())
+    assert main(["show", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert all(len(line) <= 80 for line in out.splitlines() if not line.startswith("    file "))   # a path is a path
+    for key, value in (("architecture", "llama"), ("parameters", f"{n_params / 1e3:.2f}K"), ("quantization", "Q8_0"),
+                       ("context length", "256"), ("embedding length", "64")):
+        assert f"    {key:<18}{value}\n" in out, (key, out)
+    assert "  Chat template\n    line 0\n" in out and "    line 7\n" in out and "line 8\n" not in out
+    assert "4 more lines (edge show tiny --template)" in out
+    assert "  License\n    apache-2.0\n" in out
+    assert main(["show", "tiny", "--template"]) == 0
+    assert capsys.readouterr().out == "\n".join(f"line {i}" for i in range(12)) + "\n"
+    assert main(["show", "qwen2.5-coder-1.5b-instruct"]) == 1      # not pulled here: nothing is downloaded
+    assert capsys.readouterr().err == ("edge show: error: model qwen2.5-coder-1.5b-instruct is not pulled; run: "
+                                       "edge pull qwen2.5-coder-1.5b-instruct\n")
+
+
+def test_rm_removes_from_the_store_only(store, tmp_path, capsys):
+    outside = tmp_path / "outside.gguf"
+    write_tiny_model(outside)
+    (store / "linked.gguf").symlink_to(outside)
+    assert main(["rm", "tiny", "hf.co/alice/Tiny-GGUF:Q8_0", "linked"]) == 0
+    assert capsys.readouterr().out == "deleted tiny\ndeleted hf.co/alice/Tiny-GGUF:Q8_0\ndeleted linked\n"
+    assert sorted(p.name for p in store.iterdir()) == [] and outside.is_file()   # the link, not its target
+    for name in ("tiny", str(outside), "../outside", "..", "qwen2.5-coder-0.5b-instruct"):
+        assert main(["rm", name]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"edge rm: error: no pulled model named {name!r}; pulled models: none"), err
+        assert err.count("\n") == 1
+    assert outside.is_file()
+
+
+def test_a_missing_path_is_file_not_found_not_a_registry_error(tmp_path):
+    for arg, want in ((str(tmp_path / "nope.gguf"), f"file not found: {tmp_path / 'nope.gguf'}"),
+                      ("nope.gguf", "file not found: nope.gguf"), ("./models/x", "file not found: ./models/x"),
+                      (str(tmp_path), f"{tmp_path}: is a directory, not a .gguf file")):
+        proc = _edge("run", "-m", arg, "hi", env={"EDGE_HOME": str(tmp_path / "home")})
+        assert proc.returncode == 1 and proc.stderr == f"edge run: error: {want}\n", proc.stderr
+
+
+class _FakeServer(http.server.BaseHTTPRequestHandler):
+    answers: dict = {}
+
+    def do_GET(self):  # noqa: N802
+        status, body = self.answers.get(self.headers.get("Authorization"), self.answers[None])
+        data = json.dumps(body).encode() if not isinstance(body, bytes) else body
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ps_lists_what_the_server_has_loaded(fake_server, capsys):
+    port = str(fake_server)
+    model = {"id": "qwen2.5-coder-0.5b-instruct", "object": "model", "created": 0, "owned_by": "edge",
+             "status": "loaded", "meta": {"n_ctx": 4096, "architecture": "qwen2"}}
+    _FakeServer.answers = {None: (401, {"error": {"message": "no key"}}),
+                           "Bearer k": (200, {"object": "list", "data": [model, {**model, "id": "gemma-3-270m",
+                                                                                 "status": "unloaded"}]})}
+    assert main(["ps", "--port", port, "--api-key", "k"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "NAME                         CREATED  STATUS    N_CTX  ARCHITECTURE",
+        "qwen2.5-coder-0.5b-instruct  0        loaded    4096   qwen2",
+        "gemma-3-270m                 0        unloaded  4096   qwen2"]
+    assert main(["ps", "--port", port]) == 1
+    assert "wants an API key: --api-key KEY or EDGE_API_KEY" in capsys.readouterr().err
+    _FakeServer.answers = {None: (503, {"error": {"message": "the model is loading; retry shortly"}})}
+    assert main(["ps", "--port", port]) == 0
+    assert capsys.readouterr().out == (f"the edge server on 127.0.0.1:{port} has no model ready: "
+                                       "the model is loading; retry shortly\n")
+    _FakeServer.answers = {None: (404, b"<html>not found</html>")}
+    assert main(["ps", "--port", port]) == 1
+    assert "but not as an edge server does (HTTP 404)" in capsys.readouterr().err
+
+
+def test_ps_without_a_server():
+    port = _free_port()
+    proc = _edge("ps", "--port", str(port))
+    assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", f"no edge server is running on 127.0.0.1:{port}\n")
+    proc = _edge("ps")
+    if proc.returncode == 1:        # unless a developer's edge serve is running on 8080
+        assert proc.stderr == "no edge server is running on 127.0.0.1:8080\n"
+
+
+def test_download_bars_fit_80_columns_and_show_the_total():
+    """The pull's bars, under one line naming the model: each line fits 80 columns and shows
+    the bytes done of the total."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    from edge.cli.models import download_bars
+
+    out = io.StringIO()
+    console = Console(file=out, width=80, force_terminal=True, color_system=None)
+    with download_bars("qwen2.5-coder-1.5b-instruct", console) as bars:
+        download = bars.add_task("download", total=1_117_320_768)
+        join = bars.add_task("join", total=1_117_320_768)
+        bars.update(download, completed=558_000_000, description="download 11/22")
+        bars.update(join, completed=500_000_000, description="join 10/22")
+    text = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", out.getvalue()).replace("\r", "\n")
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert lines[0] == "pulling qwen2.5-coder-1.5b-instruct"
+    assert all(len(line) <= 80 for line in lines), lines
+    assert any(line.startswith("download 11/22") and "0.6/1.1 GB" in line for line in lines), lines
+    assert any(line.startswith("join 10/22") and "0.5/1.1 GB" in line for line in lines), lines

@@ -1,10 +1,12 @@
-"""The ``edge`` command line: run, chat, serve, perplexity, bench, imatrix, quantize, pull, list.
+"""The ``edge`` command line: run, chat, pull, list, show, rm, ps, serve, quantize, bench,
+perplexity, imatrix.
 
 The roof of the house: the only package that imports the applications (quant/, tui/,
 edge/server/) and that prints the library's work as rich tables and progress bars. One module
 per group of commands, each adding its subcommands to the parser: :mod:`~edge.cli.generate`
 (run, chat), :mod:`~edge.cli.serve`, :mod:`~edge.cli.evaluate` (perplexity, imatrix),
-:mod:`~edge.cli.quantize`, :mod:`~edge.cli.bench`, :mod:`~edge.cli.models` (pull, list);
+:mod:`~edge.cli.quantize`, :mod:`~edge.cli.bench`, :mod:`~edge.cli.models` (pull, list, show, rm),
+:mod:`~edge.cli.ps`;
 :mod:`~edge.cli.options` holds what they share.
 
 Flag names follow llama.cpp's tools (llama-cli, llama-perplexity) where users know them.
@@ -19,7 +21,7 @@ import signal
 import sys
 
 from edge import __version__
-from edge.cli import bench, evaluate, generate, models, quantize, serve
+from edge.cli import bench, evaluate, generate, models, ps, quantize, serve
 from edge.cli.options import physical_cores
 from edge.cli.quantize import QUANTIZE_TYPES
 
@@ -27,15 +29,18 @@ __all__ = ["QUANTIZE_TYPES", "build_parser", "main", "physical_cores"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="edge", description="Local LLM inference on CPUs (GGUF models).")
+    parser = argparse.ArgumentParser(prog="edge", description="Local LLM inference on CPUs (GGUF models).",
+                                     epilog='Start with: edge run "Why is the sky blue?" (pulls the default model on '
+                                            'first use). edge COMMAND -h tells more.')
     parser.add_argument("--version", action="version", version=f"edge {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     generate.add_parsers(sub)      # run, chat
-    evaluate.add_parsers(sub)      # perplexity, imatrix
-    bench.add_parser(sub)
+    models.add_parsers(sub)        # pull, list, show, rm
+    ps.add_parser(sub)
     serve.add_parser(sub)
     quantize.add_parser(sub)
-    models.add_parsers(sub)        # pull, list
+    bench.add_parser(sub)
+    evaluate.add_parsers(sub)      # perplexity, imatrix
     parser.commands = sub.choices  # command name -> its parser (for its own usage errors)
     return parser
 
