@@ -60,33 +60,6 @@ def test_server_state_reports_a_load_failure_once(tmp_path):
     assert state.load_error == f"StoreError: {got[0]}"
 
 
-def test_uncompiled_weight_types_names_the_missing(monkeypatch, tmp_path):
-    """The note before a compile of a new weight type names the types whose matmul kernel has
-    no numba cache index yet, each once, float types never."""
-    from types import SimpleNamespace as NS
-
-    import numpy as np
-
-    from gguf import GGMLQuantizationType as T
-
-    import kernels_cpu.matmul_kernels as mk
-    from edge.cli.options import uncompiled_weight_types
-
-    present = tmp_path / "kernel.nbi"
-    present.write_bytes(b"")
-
-    def fake_kernel(t, n_rows, batch_invariant=False):
-        path = present if t == T.Q8_0 else tmp_path / "missing.nbi"
-        return NS(_cache=NS(_cache_file=NS(_index_path=str(path))))
-
-    monkeypatch.setattr(mk, "quant_kernel", fake_kernel)
-    weight = lambda t: NS(ggml_type=t, rows=np.zeros((8, 34), np.uint8))  # noqa: E731
-    model = NS(weights=lambda: [weight(T.Q8_0), weight(T.IQ4_XS), weight(T.F32), weight(T.IQ4_XS), weight(T.Q4_K)])
-    assert uncompiled_weight_types(model) == ["IQ4_XS", "Q4_K"]
-    monkeypatch.setattr(mk, "quant_kernel", lambda t, n, bi=False: present)  # no numba cache layout: say nothing
-    assert uncompiled_weight_types(model) == []
-
-
 # ------------------------------------------------------------------ a newcomer's first hour
 import http.server
 import json
@@ -270,3 +243,61 @@ def test_download_bars_fit_80_columns_and_show_the_total():
     assert all(len(line) <= 80 for line in lines), lines
     assert any(line.startswith("download 11/22") and "0.6/1.1 GB" in line for line in lines), lines
     assert any(line.startswith("join 10/22") and "0.5/1.1 GB" in line for line in lines), lines
+
+
+def _run_args(*argv):
+    from edge.cli import build_parser
+
+    return build_parser().parse_args(["run", *argv])
+
+
+def test_run_prompt_from_argument_file_and_stdin(tmp_path):
+    """PROMPT, then -f FILE, then a piped stdin (Ollama's `ollama run M "Explain:" < file.py`),
+    joined by blank lines; `-` reads stdin alone; a terminal or a device is never read."""
+    from edge.cli.generate import run_prompt
+
+    code = tmp_path / "code.py"
+    code.write_text("print('hi')\n")
+
+    def piped(text):
+        path = tmp_path / "stdin.txt"
+        path.write_text(text)
+        return open(path)
+
+    assert run_prompt(_run_args("Explain:"), piped("print('hi')\n")) == "Explain:\n\nprint('hi')"
+    assert run_prompt(_run_args("-"), piped("from stdin\n")) == "from stdin"
+    assert run_prompt(_run_args("Explain:", "-f", str(code)), open(os.devnull)) == "Explain:\n\nprint('hi')"
+    assert run_prompt(_run_args("-f", str(code)), open(os.devnull)) == "print('hi')"
+    assert run_prompt(_run_args("-p", "A", "-f", str(code)), piped("B")) == "A\n\nprint('hi')\n\nB"
+    assert run_prompt(_run_args("only this"), piped("")) == "only this"
+    read, write = os.pipe()
+    os.write(write, "through a pipe\n".encode())
+    os.close(write)
+    with open(read) as pipe:
+        assert run_prompt(_run_args("Say:"), pipe) == "Say:\n\nthrough a pipe"
+    from edge.cli.options import UsageError
+    with pytest.raises(UsageError, match="no prompt: give it as PROMPT"):
+        run_prompt(_run_args(), open(os.devnull))
+    with pytest.raises(UsageError, match="either as PROMPT or with -p"):
+        run_prompt(_run_args("-p", "a", "b"), open(os.devnull))
+    with pytest.raises(FileNotFoundError):
+        run_prompt(_run_args("-f", str(tmp_path / "none.txt")), open(os.devnull))
+
+
+def test_run_without_a_prompt_at_a_terminal_is_a_usage_error():
+    """No PROMPT and stdin a terminal: a usage error at once (exit 2), not a silent wait."""
+    import pty
+
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "edge.cli", "run"], stdin=slave, capture_output=True, text=True,
+                              timeout=60, check=False)
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("usage: edge run ")
+    assert proc.stderr.splitlines()[-1] == ("edge run: error: no prompt: give it as PROMPT, -p TEXT or -f FILE, pipe "
+                                            "it to stdin, or use `edge chat` to talk")
+    proc = _edge("run", "-f", "/nonexistent/prompt.txt")
+    assert (proc.returncode, proc.stderr) == (1, "edge run: error: /nonexistent/prompt.txt: No such file or directory\n")
