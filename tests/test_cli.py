@@ -62,6 +62,7 @@ def test_server_state_reports_a_load_failure_once(tmp_path):
 
 # ------------------------------------------------------------------ a newcomer's first hour
 import http.server
+import re
 import json
 import os
 import socket
@@ -301,3 +302,181 @@ def test_run_without_a_prompt_at_a_terminal_is_a_usage_error():
                                             "it to stdin, or use `edge chat` to talk")
     proc = _edge("run", "-f", "/nonexistent/prompt.txt")
     assert (proc.returncode, proc.stderr) == (1, "edge run: error: /nonexistent/prompt.txt: No such file or directory\n")
+
+
+def test_chat_without_a_terminal_is_one_line_pointing_to_run(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "edge.cli", "chat"], stdin=subprocess.DEVNULL, capture_output=True,
+                          timeout=60, check=False, env={**os.environ, "EDGE_HOME": str(tmp_path)})
+    assert proc.returncode == 2 and proc.stdout == b""
+    assert proc.stderr == (b'edge chat: error: chat needs a terminal (stdin and stdout); from a script or a pipe, '
+                           b'use: edge run "PROMPT"\n')
+
+
+def _saved_chat(folder, first, model="qwen2.5-coder-0.5b-instruct", title=None, session_bytes=0):
+    from edge.chat import Conversation
+
+    conv = Conversation(model=model, title=title, messages=[{"role": "user", "content": first},
+                                                            {"role": "assistant", "content": "ok"}])
+    conv.save(folder)
+    if session_bytes:
+        conv.session_path(folder).write_bytes(b"s" * session_bytes)
+    return conv
+
+
+def test_chat_list_and_delete(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("EDGE_HOME", str(tmp_path))
+    folder = tmp_path / "chats"
+    a = _saved_chat(folder, "What is   the capital\nof France? " + "x" * 100, session_bytes=10)
+    b = _saved_chat(folder, "Write a haiku", model="/some/where/my-model.gguf", title="poem")
+    assert main(["chat", "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["ID", "DATE", "MODEL", "/", "FIRST", "MESSAGE"] and len(lines) == 5
+    assert all(len(line) <= 80 for line in lines)
+    i = next(i for i, line in enumerate(lines) if line.startswith(a.id))
+    assert re.fullmatch(rf"{a.id}  \d{{4}}-\d\d-\d\d \d\d:\d\d  qwen2.5-coder-0.5b-instruct", lines[i])
+    assert lines[i + 1].startswith("  What is the capital of France? xxx") and lines[i + 1].endswith("x…")
+    i = next(i for i, line in enumerate(lines) if line.startswith(b.id))
+    assert lines[i].endswith("  my-model") and lines[i + 1] == "  [poem] Write a haiku"
+    assert main(["chat", "--delete", a.id, "poem", "nope"]) == 1
+    out, err = capsys.readouterr()
+    assert out == f"deleted {a.id}\ndeleted {b.id} (poem)\n"
+    assert err == "edge chat: error: no saved chat named 'nope'; saved chats: none (edge chat --list)\n"
+    assert list(folder.iterdir()) == []
+    assert main(["chat", "--list"]) == 0 and capsys.readouterr().out == f"no saved chats in {folder}\n"
+
+
+def test_chat_kv_cache_files_stay_within_their_budget(tmp_path, monkeypatch):
+    """prune_sessions keeps the newest chats' KV cache files within the budget (the current
+    chat's always), deletes those of chats that are gone, and never a conversation."""
+    import time as _time
+
+    from edge.chat import prune_sessions, session_budget_bytes
+
+    folder = tmp_path / "chats"
+    chats = []
+    for i in range(5):
+        chats.append(_saved_chat(folder, f"chat {i}", session_bytes=400))
+        os.utime(chats[-1].session_path(folder), (_time.time() - 100 + i, _time.time() - 100 + i))
+    (folder / "orphan.session").write_bytes(b"o")
+    removed = prune_sessions(folder, keep=chats[0].id, budget=1000)
+    left = sorted(p.stem for p in folder.glob("*.session"))
+    # newest first: chat 4 (400), chat 3 (800), chat 2 would make 1200; chat 0 is kept (current)
+    assert left == sorted([chats[0].id, chats[3].id, chats[4].id]), left
+    assert sorted(p.stem for p in removed) == sorted([chats[1].id, chats[2].id, "orphan"])
+    assert len(list(folder.glob("*.json"))) == 5
+    monkeypatch.setenv("EDGE_CHAT_CACHE_MB", "2.5")
+    assert session_budget_bytes() == 2_500_000
+    monkeypatch.setenv("EDGE_CHAT_CACHE_MB", "")
+    assert session_budget_bytes() == 512_000_000
+
+
+def test_compile_notes_say_when_numba_compiles():
+    """A note when numba starts compiling (never when it compiles nothing); on a terminal, a
+    line that counts the kernels and ends "done"."""
+    import io
+
+    import numba
+
+    from edge.cli.options import compile_notes
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    quiet = io.StringIO()
+    with compile_notes(stream=quiet):
+        pass
+    assert quiet.getvalue() == ""
+    plain, tty = io.StringIO(), Tty()
+    for stream, value in ((plain, 1), (tty, 2)):
+        @numba.njit(cache=False)
+        def fresh(x):
+            return x + 1
+
+        with compile_notes(stream=stream) as watch:
+            assert fresh(value) == value + 1
+        assert watch.count == 1
+    assert plain.getvalue().startswith("note: compiling ") and plain.getvalue().count("\n") == 1
+    final = tty.getvalue().split("\r\x1b[K")[-1]
+    assert re.fullmatch(r"compiling (kernels \(first run only\)|new kernels)\.\.\. done: 1 in \d+ s\n", final), final
+
+
+def test_quantize_takes_a_store_name(store, tmp_path, capsys):
+    write_tiny_model(store / "tiny-f32.gguf", n_embd=256, n_ff=256)
+    out = tmp_path / "out.gguf"
+    assert main(["quantize", "tiny-f32", str(out), "Q8_0", "--dry-run"]) == 0
+    assert "Q8_0:" in capsys.readouterr().out
+    assert main(["quantize", "qwen2.5-coder-0.5b-instruct", str(out), "Q8_0"]) == 1     # not pulled: not downloaded
+    assert "model qwen2.5-coder-0.5b-instruct is not pulled; run: edge pull" in capsys.readouterr().err
+    assert main(["quantize", "missing.gguf", str(out), "Q8_0"]) == 1
+    assert capsys.readouterr().err == "edge quantize: error: file not found: missing.gguf\n"
+
+
+def test_on_sigint_inside_an_llvm_callback_is_delivered_again(monkeypatch):
+    """Ctrl+C landing in numba's ctypes callbacks (where an exception would be lost) is not
+    raised there but delivered again; elsewhere it is a KeyboardInterrupt."""
+    import signal as _signal
+    import edge.cli as cli
+
+    later = []
+    monkeypatch.setattr(cli, "_deliver_later", lambda: later.append(1))
+    cli._interrupt.clear()
+
+    def _raw_object_cache_notify():
+        return sys._getframe()
+
+    cli._on_sigint(_signal.SIGINT, _raw_object_cache_notify())
+    assert later == [1] and cli._interrupt.is_set()
+    with pytest.raises(KeyboardInterrupt):
+        cli._on_sigint(_signal.SIGINT, sys._getframe())
+    cli._interrupt.clear()
+
+
+@pytest.mark.slow
+def test_ctrl_c_at_any_moment_exits_130_with_one_line_and_leaves_numba_cache_usable(tmp_path, gemma_path):
+    """SIGINT to `edge run` on a cold numba cache (its own NUMBA_CACHE_DIR) at several moments of
+    the start and the kernel compile: status 130, stderr the compile note (if it had begun)
+    and "interrupted", nothing else (no traceback, no "Exception ignored", no "no compiled
+    object yet"). Then the same cache completes, gives the text of a warm cache, and the next
+    run compiles nothing; SIGINT while the answer streams ends its line and says the same."""
+    import signal
+    import time
+
+    model = write_tiny_model(tmp_path / "tiny.gguf", types={r: Q.Q8_0 for r in ("attn_q", "attn_k", "attn_v",
+                                                                              "attn_output", "ffn_gate", "ffn_up",
+                                                                              "ffn_down")})
+    cold = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba-cache"), "EDGE_HOME": str(tmp_path / "home")}
+    cmd = [sys.executable, "-m", "edge.cli", "run", "-m", str(model), "--raw", "-n", "6", "--temp", "0", "-c", "256",
+           "<t1><t2>"]
+
+    def interrupt(delay, argv=cmd, wait_for=None, env=cold):
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=env)
+        if wait_for:
+            assert len(proc.stdout.read(1)) == 1      # the answer has begun
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+        return proc.returncode, out, err.decode()
+
+    notes = []
+    for delay in (0.3, 1.5, 4.0, 7.0, 11.0):
+        code, out, err = interrupt(delay)
+        if code == 0:           # the compile was over before this moment: nothing left to interrupt
+            break
+        lines = err.splitlines()
+        assert code == 130 and out == b"" and lines[-1] == "interrupted", (delay, err)
+        assert all(line.startswith("note: compiling kernels") for line in lines[:-1]) and len(lines) <= 2, err
+        notes += lines[:-1]
+    assert notes, "no interrupt landed during the compile"
+    done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, env=cold, timeout=900, check=False)
+    warm = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, timeout=900, check=False,
+                          env={**os.environ, "EDGE_HOME": str(tmp_path / "home")})
+    assert done.returncode == 0 and warm.returncode == 0, done.stderr
+    assert done.stdout == warm.stdout and done.stdout.startswith(b"<t")
+    again = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, env=cold, timeout=300, check=False)
+    assert again.returncode == 0 and b"compiling" not in again.stderr, again.stderr
+    # while the answer streams (a real model, this checkout's numba cache)
+    code, out, err = interrupt(0.5, [sys.executable, "-m", "edge.cli", "run", "-m", str(gemma_path), "-n", "2000",
+                                     "--temp", "0", "Once upon a time"], wait_for=True, env=dict(os.environ))
+    assert code == 130 and err.splitlines()[-1] == "interrupted" and "Traceback" not in err, err

@@ -241,9 +241,10 @@ def cmd_chat(args) -> int:
 
 
 def list_saved_chats() -> int:
-    """``edge chat --list``: the saved conversations, newest first, one line each fitting the
-    terminal (80 columns when not a terminal): id, last change (local time), model, the first
-    user message (or the /save name) cut to fit. Returns 0."""
+    """``edge chat --list``: the saved conversations, newest first: a line with the id (what
+    --delete and /load take), the last change (local time) and the model, then the first user
+    message (with the /save name) on an indented line cut to the terminal's width (80 columns
+    when not a terminal). Returns 0."""
     import shutil
     from datetime import datetime
 
@@ -254,20 +255,17 @@ def list_saved_chats() -> int:
         print(f"no saved chats in {chats_dir()}")
         return 0
     width = max(80, shutil.get_terminal_size((80, 24)).columns) if _is_terminal(sys.stdout) else 80
-    rows = [("ID", "DATE", "MODEL", "FIRST MESSAGE")]
+    id_width = max(len(c.id) for c in chats)
+    print(f"{'ID':<{id_width}}  {'DATE':<16}  MODEL / FIRST MESSAGE")
     for c in chats:
         try:
             when = datetime.fromisoformat(c.updated).astimezone().strftime("%Y-%m-%d %H:%M")
         except ValueError:
             when = c.updated[:16]
-        first = next((m["content"] for m in c.messages if m["role"] == "user"), c.draft or "")
-        text = " ".join(first.split())
-        rows.append((c.id, when, _cut(Path(c.model).stem if c.model.endswith(".gguf") else c.model, 28),
-                     f"[{c.title}] {text}" if c.title else text))
-    w = [max(len(r[i]) for r in rows) for i in range(3)]
-    for r in rows:
-        line = f"{r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:<{w[2]}}  "
-        print(line + _cut(r[3], max(10, width - len(line))))
+        model = Path(c.model).stem if c.model.endswith(".gguf") else c.model
+        print(_cut(f"{c.id:<{id_width}}  {when:<16}  {model}", width))
+        first = " ".join(next((m["content"] for m in c.messages if m["role"] == "user"), c.draft or "").split())
+        print(_cut(f"  {f'[{c.title}] ' if c.title else ''}{first}", width))
     return 0
 
 
