@@ -206,25 +206,12 @@ class Engine:
         return self._one_bos(ids)
 
     def warm_up(self) -> None:
-        """Run what every generation runs, once, so that numba compiles (or loads from its
-        cache) the kernels before the first real prompt waits on them: a 9-row prefill (the
-        many-row kernels: 8 rows and up), a sampled token and a 1-row decode step, as
-        ``edge serve`` does before it says ready (edge.server.app._warm_up) and llama.cpp's
-        warm-up run. 10 tokens fill no KV block (16 tokens): the prefix cache stays empty.
-        Raises what a generation raises (edge.kv.cache.KVNoSpace when the KV file system is full)."""
-        if self.n_ctx < 10:
-            return
-        loop = self.loop()
-        bos = self.tokenizer.bos_id
-        seq = loop.new([int(bos) if bos is not None and bos >= 0 else 0] * 9, SamplingParams(),
-                       Limits(max_tokens=2, eog=False))
-        loop.admit(seq)
-        try:
-            loop.sample(seq, loop.compute(seq))
-            loop.reserve(rows := loop.rows(seq, 1))
-            loop.step([rows])
-        finally:
-            loop.free(seq)
+        """Compile (or load from numba's cache) the kernels every generation runs before the
+        first real prompt waits on them: GenerationLoop.warm_up (a 9-row prefill, a sampled
+        token, a 1-row step), as ``edge serve`` does before it says ready and as llama.cpp's
+        warm-up run. Raises what a generation raises (edge.kv.cache.KVNoSpace)."""
+        if self.n_ctx >= 10:
+            self.loop().warm_up()
 
     # ------------------------------------------------------------------ generation
     def new_cache(self):

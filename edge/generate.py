@@ -332,6 +332,23 @@ class GenerationLoop:
         seq.logits = self.prefill(seq.slot, seq.tokens[int(self.kv.pos[seq.slot]):])
         return seq.logits
 
+    def warm_up(self) -> None:
+        """Run a 9-row prefill (the many-row kernels: 8 rows and up), one sampled token and a
+        1-row decode step of a throwaway sequence, then free it, so that numba has compiled (or
+        loaded from its cache) each path's kernels before a real request waits on them. 10
+        tokens fill no KV block (16 tokens): the prefix cache stays empty. Raises what a step
+        raises (edge.kv.cache.KVNoSpace, NoFreeSlot)."""
+        bos = self.tokenizer.bos_id if self.tokenizer is not None else None
+        seq = self.new([int(bos) if bos is not None and bos >= 0 else 0] * 9, SamplingParams(),
+                       Limits(max_tokens=2, eog=False))
+        self.admit(seq)
+        try:
+            self.sample(seq, self.compute(seq))
+            self.reserve(rows := self.rows(seq, 1))
+            self.step([rows])
+        finally:
+            self.free(seq)
+
     # ---- sampling and the finish rules ---------------------------------------------------
 
     def sample(self, seq: Sequence, logits: np.ndarray) -> Sampled:

@@ -480,3 +480,15 @@ def test_ctrl_c_at_any_moment_exits_130_with_one_line_and_leaves_numba_cache_usa
     code, out, err = interrupt(0.5, [sys.executable, "-m", "edge.cli", "run", "-m", str(gemma_path), "-n", "2000",
                                      "--temp", "0", "Once upon a time"], wait_for=True, env=dict(os.environ))
     assert code == 130 and err.splitlines()[-1] == "interrupted" and "Traceback" not in err, err
+
+
+def test_quantize_says_so_before_a_compile(tmp_path):
+    """`edge quantize` on a cold numba cache (its own NUMBA_CACHE_DIR): a note on stderr as the
+    quantizer's kernels compile; with them in the cache, none."""
+    src = write_tiny_model(tmp_path / "f32.gguf", n_embd=256, n_ff=256)
+    env = {"NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    for note in (True, False):
+        proc = _edge("quantize", str(src), str(tmp_path / "q8.gguf"), "Q8_0", env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stderr == ("note: compiling kernels (first run only; later runs load them from numba's cache)"
+                               "...\n" if note else ""), proc.stderr

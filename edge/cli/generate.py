@@ -72,7 +72,7 @@ def cmd_run(args) -> int:
     grammar = grammar_option(args)     # so do bad schemas and grammars
     prompt = run_prompt(args)          # after the checks: reading stdin may wait
     t_start = time.perf_counter()
-    with compile_notes():        # a cold numba cache: said, and counted on a terminal, before any text
+    with compile_notes(model_kernels=True):     # a cold numba cache: said, and counted on a terminal, before any text
         engine = load_engine(args)
         set_speculative(engine, args, spec)
         engine.warm_up()

@@ -174,24 +174,25 @@ def kernels_compiled() -> bool:
         return True
 
 
-FIRST_COMPILE_NOTE = ("compiling kernels (first run only: about a minute on 2 cores; later runs load them "
-                      "from numba's cache)")
 LATER_COMPILE_NOTE = "compiling kernels this command has not used before (once; later runs load them from numba's cache)"
 
 
 @contextlib.contextmanager
-def compile_notes(live: bool | None = None, stream=None):
+def compile_notes(live: bool | None = None, stream=None, model_kernels: bool = False):
     """Say on stderr when numba starts compiling edge's kernels (edge.compile_watch), so that no
     command waits a minute in silence on a cold cache: one note line when the first compile
     starts; with ``live`` (default: ``stream`` is a terminal), that line counts the kernels
     compiled and the seconds, and ends "done" when the block ends. Nothing is printed when
-    nothing is compiled. Yields the edge.compile_watch.CompileWatch."""
+    nothing is compiled. ``model_kernels``: the block runs a model (the note says how long the
+    first compile of those takes). Yields the edge.compile_watch.CompileWatch."""
     from edge.compile_watch import CompileWatch
 
     stream = stream or sys.stderr
     live = _isatty(stream) if live is None else live
-    note = FIRST_COMPILE_NOTE if not kernels_compiled() else LATER_COMPILE_NOTE
-    short = "compiling kernels (first run only)" if note is FIRST_COMPILE_NOTE else "compiling new kernels"
+    first = not kernels_compiled()
+    note = ("compiling kernels (first run only" + (": about a minute on 2 cores" if model_kernels else "")
+            + "; later runs load them from numba's cache)") if first else LATER_COMPILE_NOTE
+    short = "compiling kernels (first run only)" if first else "compiling new kernels"
     lock = threading.Lock()
     done = threading.Event()
 
