@@ -492,3 +492,25 @@ def test_quantize_says_so_before_a_compile(tmp_path):
         assert proc.returncode == 0, proc.stderr
         assert proc.stderr == ("note: compiling kernels (first run only; later runs load them from numba's cache)"
                                "...\n" if note else ""), proc.stderr
+
+
+def test_compile_notes_cut_short_do_not_say_done():
+    import io
+
+    import numba
+
+    from edge.cli.options import compile_notes
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    @numba.njit(cache=False)
+    def fresh(x):
+        return x - 1
+
+    tty = Tty()
+    with pytest.raises(KeyboardInterrupt), compile_notes(stream=tty):
+        fresh(3)
+        raise KeyboardInterrupt
+    assert tty.getvalue().endswith("compiled, 0 s\n") and "done" not in tty.getvalue(), tty.getvalue()

@@ -216,13 +216,20 @@ def compile_notes(live: bool | None = None, stream=None, model_kernels: bool = F
                 print(f"note: {note}...", file=stream, flush=True)
 
     watch = CompileWatch(on_first, (lambda n, name: line()) if live else None)
+    finished = False
     try:
         with watch:
             yield watch
+        finished = True
     finally:
         done.set()
         if live and watch.started is not None:
-            line(final=True)
+            if finished:
+                line(final=True)
+            else:                   # Ctrl+C or an error: the count's line ends, not "done"
+                with lock:
+                    stream.write("\n")
+                    stream.flush()
 
 
 def _isatty(stream) -> bool:
