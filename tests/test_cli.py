@@ -514,3 +514,23 @@ def test_compile_notes_cut_short_do_not_say_done():
         fresh(3)
         raise KeyboardInterrupt
     assert tty.getvalue().endswith("compiled, 0 s\n") and "done" not in tty.getvalue(), tty.getvalue()
+
+
+@pytest.mark.slow
+def test_ps_against_a_real_edge_serve(tmp_path, gemma_path):
+    """`edge ps` reads what a real `edge serve` answers on GET /v1/models (on a Unix socket, so
+    that no developer's server on 8080 is in the way), API key included."""
+    from tests.server_process import running
+
+    sock = str(tmp_path / "edge.sock")
+    with running(["-m", str(gemma_path), "-c", "512", "-np", "1"], tmp_path / "serve.log", timeout=300, uds=sock,
+                 api_key="secret"):
+        proc = _edge("ps", "--unix-socket", sock, env={"EDGE_API_KEY": "secret"})
+        assert proc.returncode == 0, proc.stderr
+        lines = proc.stdout.splitlines()
+        assert lines[0].split()[:2] == ["NAME", "CREATED"] and "N_CTX" in lines[0], lines
+        assert lines[1].startswith("gemma-3-270m ") and " 512 " in lines[1] and "gemma3" in lines[1], lines
+        proc = _edge("ps", "--unix-socket", sock, env={"EDGE_API_KEY": ""})
+        assert proc.returncode == 1 and "wants an API key" in proc.stderr
+    proc = _edge("ps", "--unix-socket", sock)
+    assert (proc.returncode, proc.stderr) == (1, f"no edge server is running on unix:{sock}\n")
