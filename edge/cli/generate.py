@@ -7,9 +7,9 @@ import sys
 import time
 from pathlib import Path
 
-from edge.cli.options import (UsageError, add_model_args, add_sampling_args, add_spec_args, check_sizes, compile_notes,
-                              load_engine, naming_flags, physical_cores, sampling_fields, set_speculative,
-                              set_threads, spec_params)
+from edge.cli.options import (UsageError, add_model_args, add_sampling_args, add_spec_args, check_sizes,
+                              compile_notes, is_terminal, load_engine, naming_flags, physical_cores, sampling_fields,
+                              set_speculative, set_threads, spec_params)
 
 
 def add_parsers(sub) -> None:
@@ -72,7 +72,7 @@ def cmd_run(args) -> int:
     grammar = grammar_option(args)     # so do bad schemas and grammars
     prompt = run_prompt(args)          # after the checks: reading stdin may wait
     t_start = time.perf_counter()
-    with compile_notes(model_kernels=True):     # a cold numba cache: said, and counted on a terminal, before any text
+    with compile_notes(model_kernels=True):     # a cold numba cache: said (counted on a terminal) before any text
         engine = load_engine(args)
         set_speculative(engine, args, spec)
         engine.warm_up()
@@ -150,7 +150,7 @@ def run_prompt(args, stdin=None) -> str:
     if given == "-" or _piped(stdin):
         if stdin is None:
             raise UsageError("PROMPT is -, but there is no standard input to read it from")
-        if given == "-" and _is_terminal(stdin):
+        if given == "-" and is_terminal(stdin):
             print("reading the prompt from the terminal: end it with Ctrl+D", file=sys.stderr, flush=True)
         elif not _readable_within(stdin, 1.0):     # a pipe nobody writes to: say what is awaited
             print("reading the prompt from stdin (piped): waiting for its end (< /dev/null to pipe nothing)",
@@ -167,13 +167,6 @@ def run_prompt(args, stdin=None) -> str:
     if not prompt:
         raise ValueError("the prompt is empty")
     return prompt
-
-
-def _is_terminal(stream) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):    # closed or not a file
-        return False
 
 
 def _piped(stream) -> bool:
@@ -215,7 +208,7 @@ def cmd_chat(args) -> int:
         return list_saved_chats()
     if args.delete:
         return delete_saved_chats(args.delete)
-    if not (_is_terminal(sys.stdin) and _is_terminal(sys.stdout)):    # before any escape code is written
+    if not (is_terminal(sys.stdin) and is_terminal(sys.stdout)):    # before any escape code is written
         print('edge chat: error: chat needs a terminal (stdin and stdout); from a script or a pipe, use: '
               'edge run "PROMPT"', file=sys.stderr)
         return 2
@@ -254,7 +247,7 @@ def list_saved_chats() -> int:
     if not chats:
         print(f"no saved chats in {chats_dir()}")
         return 0
-    width = max(80, shutil.get_terminal_size((80, 24)).columns) if _is_terminal(sys.stdout) else 80
+    width = max(80, shutil.get_terminal_size((80, 24)).columns) if is_terminal(sys.stdout) else 80
     id_width = max(len(c.id) for c in chats)
     print(f"{'ID':<{id_width}}  {'DATE':<16}  MODEL / FIRST MESSAGE")
     for c in chats:

@@ -174,7 +174,8 @@ def kernels_compiled() -> bool:
         return True
 
 
-LATER_COMPILE_NOTE = "compiling kernels this command has not used before (once; later runs load them from numba's cache)"
+LATER_COMPILE_NOTE = ("compiling kernels this command has not used before (once; later runs load them from "
+                      "numba's cache)")
 
 
 @contextlib.contextmanager
@@ -188,7 +189,7 @@ def compile_notes(live: bool | None = None, stream=None, model_kernels: bool = F
     from edge.compile_watch import CompileWatch
 
     stream = stream or sys.stderr
-    live = _isatty(stream) if live is None else live
+    live = is_terminal(stream) if live is None else live
     first = not kernels_compiled()
     note = ("compiling kernels (first run only" + (": about a minute on 2 cores" if model_kernels else "")
             + "; later runs load them from numba's cache)") if first else LATER_COMPILE_NOTE
@@ -232,7 +233,8 @@ def compile_notes(live: bool | None = None, stream=None, model_kernels: bool = F
                     stream.flush()
 
 
-def _isatty(stream) -> bool:
+def is_terminal(stream) -> bool:
+    """Whether ``stream`` is a terminal (False for None, a closed or a pseudo file)."""
     try:
         return stream.isatty()
     except (AttributeError, ValueError):
