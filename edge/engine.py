@@ -209,9 +209,15 @@ class Engine:
         """Compile (or load from numba's cache) the kernels every generation runs before the
         first real prompt waits on them: GenerationLoop.warm_up (a 9-row prefill, a sampled
         token, a 1-row step), as ``edge serve`` does before it says ready and as llama.cpp's
-        warm-up run. Raises what a generation raises (edge.kv.cache.KVNoSpace)."""
-        if self.n_ctx >= 10:
-            self.loop().warm_up()
+        warm-up run. A KV cache made for it is closed again (the next generation starts with
+        the pool as a cold run does: no page of its file used). Raises what a generation
+        raises (edge.kv.cache.KVNoSpace)."""
+        if self.n_ctx < 10:
+            return
+        fresh = self._kv is None
+        self.loop().warm_up()
+        if fresh:
+            self.clear_kv_cache()
 
     # ------------------------------------------------------------------ generation
     def new_cache(self):
