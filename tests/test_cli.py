@@ -106,6 +106,7 @@ def test_edge_alone_prints_the_help():
 
 
 def test_list_fits_80_columns_with_the_file_type(store, capsys):
+    (store / "broken.gguf").write_bytes(b"GGUF" + b"\xff" * 64)     # its error is cut to fit too
     assert main(["list"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["NAME", "TYPE", "SIZE", "PARAMS", "ARCH"]
@@ -113,6 +114,7 @@ def test_list_fits_80_columns_with_the_file_type(store, capsys):
     rows = {line.split()[0]: line.split() for line in lines[1:] if not line.startswith("available")}
     assert rows["tiny"][1] == "Q8_0" and rows["tiny"][-1] == "llama"
     assert rows["hf.co/alice/Tiny-GGUF:Q8_0"][1] == "F32"     # no general.file_type: the tensors' type
+    assert rows["broken"][1:5] == ["?", "0", "kB", "unreadable:"]
     assert any(line.startswith("available to pull: qwen2.5-coder-0.5b-instruct") for line in lines)
 
 

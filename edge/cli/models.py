@@ -130,8 +130,8 @@ def cmd_list(args: argparse.Namespace) -> int:
     if models:
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         for r in rows:
-            print(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:>{widths[3]}}  {r[4]}"
-                  .rstrip())
+            line = f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:>{widths[3]}}  "
+            print((line + _cut(r[4], max(20, 80 - len(line)))).rstrip())
     else:
         print(f"no models in {models_dir()} yet: edge pull NAME fetches one")
     present = {m["name"] for m in models}
