@@ -440,7 +440,8 @@ def _process_wall(cfg: BenchConfig, log) -> float | None:
            "-ctk", cfg.cache_type_k, "-ctv", cfg.cache_type_v, *(["--batch-invariant"] if cfg.batch_invariant else []),
            FIRST_PROMPT]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    # no stdin: a piped one would join the prompt
+    proc = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
         log(f"edge: `edge run -n 1` failed (status {proc.returncode}): {proc.stderr.strip()[-300:]}")
         return None

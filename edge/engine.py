@@ -223,6 +223,22 @@ class Engine:
 
         return embed(self, inputs, pooling, normalize, truncate, lock).vectors
 
+    def warm_up(self) -> None:
+        """Compile (or load from numba's cache) the kernels every generation runs before the
+        first real prompt waits on them: GenerationLoop.warm_up (9-row and longer prefills, a
+        sampled token, a 1-row step), as ``edge serve`` does before it says ready and as
+        llama.cpp's warm-up run. It runs in a small KV cache of anonymous memory of the
+        engine's K/V types (the same kernels), closed again: the engine's pool and its file
+        are untouched."""
+        if self.n_ctx < 10:
+            return
+        cache = PagedKVCache(self.model.args, min(self.n_ctx, 128), 1, self.block_size, self.cache_type_k,
+                             self.cache_type_v, storage="anon")
+        try:
+            self.loop(cache).warm_up()
+        finally:
+            cache.close()
+
     # ------------------------------------------------------------------ generation
     def new_cache(self):
         """A fresh contiguous single-sequence f16 KV cache of n_ctx (perplexity, tests)."""

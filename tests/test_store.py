@@ -331,10 +331,12 @@ def test_resolve_model(home, wheels, monkeypatch, tmp_path):
     assert store.resolve_model(str(other)) == other
     (store.models_dir() / "local-one.gguf").write_bytes(data)
     assert store.resolve_model("local-one") == store.models_dir() / "local-one.gguf"
-    with pytest.raises(StoreError) as e:
+    with pytest.raises(StoreError) as e:      # a path is a path: not a registry error
         store.resolve_model(str(tmp_path / "missing.gguf"))
-    assert "missing.gguf" in str(e.value)
-    assert all(name in str(e.value) for name in (*store.REGISTRY, "local-one"))
+    assert str(e.value) == f"file not found: {tmp_path / 'missing.gguf'}"
+    with pytest.raises(StoreError) as e:
+        store.resolve_model("missing-one")
+    assert all(name in str(e.value) for name in ("'missing-one'", *store.REGISTRY, "local-one"))
 
 
 def test_list_models_reads_arch_and_types(home, wheels, monkeypatch):
@@ -375,5 +377,6 @@ def test_cli_commands(home, wheels, monkeypatch, capsys):
     list_args = parser.parse_args(["list"])
     assert list_args.func(list_args) == 0
     out = capsys.readouterr().out
-    assert FAKE in out and "qwen2" in out and "Q8_0×1" in out
+    row = next(line.split() for line in out.splitlines() if line.startswith(FAKE))
+    assert row[1] == "Q8_0" and row[-1] == "qwen2", out     # name, file type, size, params, arch
     assert "available to pull" in out and store.DEFAULT_MODEL in out

@@ -100,30 +100,9 @@ class ServerConfig:
 
 
 def _warm_up(scheduler: Scheduler) -> None:
-    """Run prefills of 9 rows (the many-row kernels: 8 rows and up) and of enough rows that
-    the element-wise kernels take their parallel paths (kernels_cpu.ops.PARALLEL_MIN elements
-    per call), one sampled token and a 1-row decode step each through the scheduler's
-    generation loop, then free the sequences, so that the kernels of each path are compiled (or
-    loaded from numba's cache) before /health says ready and the first request waits for no
-    compile. Called while nothing can be submitted (requests get 503 until the scheduler is
-    set); the prompts are BOS tokens, which no real prompt's cached prefix can match."""
-    from kernels_cpu.ops import PARALLEL_MIN
-
-    loop = scheduler.loop
-    bos = loop.tokenizer.bos_id if loop.tokenizer is not None else None
-    args = scheduler.model.args
-    n_par = -(-PARALLEL_MIN // max(1, args.n_embd)) + 1
-    for n in sorted({9, min(n_par, scheduler.n_batch, scheduler.n_ctx - 2)}):
-        if n < 2:
-            continue
-        seq = loop.new([int(bos) if bos is not None else 0] * n, SamplingParams(), Limits(max_tokens=2, eog=False))
-        loop.admit(seq)
-        try:
-            loop.sample(seq, loop.compute(seq))
-            loop.reserve(rows := loop.rows(seq, 1))
-            loop.step([rows])
-        finally:
-            loop.free(seq)
+    """Compile (or load) every path's kernels before /health says ready, so the first request
+    waits for no compile (GenerationLoop.warm_up). Called while nothing can be submitted."""
+    scheduler.loop.warm_up()
 
 
 class ServerState:
