@@ -39,6 +39,10 @@ from dataclasses import dataclass
 import numpy as np
 
 MAX_ERROR_CHARS = 400     # llguidance's messages can carry parser state dumps: the first lines do
+# The layout of JSON answers: no free whitespace, ", " and ": " between items (as llama.cpp's and
+# OpenAI's answers read). llguidance's default lets a model put any amount of whitespace between
+# tokens, and small models then write blanks until max_tokens (breaker20 F1).
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class GrammarError(ValueError):
@@ -58,8 +62,8 @@ class Grammar:
 
 def json_schema(schema) -> Grammar:
     """The grammar of JSON values valid against ``schema`` (a dict, a JSON string of one, or a
-    bool: true = any JSON value). llguidance's JSON options stay at their defaults (flexible
-    whitespace; a keyword llguidance does not implement is an error, not ignored).
+    bool: true = any JSON value), laid out compactly (:func:`with_layout`; a keyword llguidance
+    does not implement is an error, not ignored).
 
     Raises:
         GrammarError: not a JSON object / bool, ``false`` (no value is valid).
@@ -79,10 +83,16 @@ def json_schema(schema) -> Grammar:
 
     text = json.dumps(schema)
     try:
-        definition = llguidance.LLMatcher.grammar_from_json_schema(text)
+        definition = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(with_layout(schema)))
     except (ValueError, TypeError) as e:
         raise GrammarError(f"invalid JSON schema: {_short(str(e))}") from None
     return _checked(Grammar("json_schema", text, definition))
+
+
+def with_layout(schema: dict) -> dict:
+    """``schema`` with llguidance's layout options set to JSON_LAYOUT, unless it sets its own
+    ``x-guidance`` (llguidance's options: whitespace_flexible, whitespace_pattern, ...)."""
+    return schema if "x-guidance" in schema else {**schema, "x-guidance": JSON_LAYOUT}
 
 
 def gbnf(text: str) -> Grammar:

@@ -21,7 +21,8 @@ from edge.speculative import SpecParams
 from tests.server_process import assert_error, running
 from tests.tiny_chat import IM_END, IM_START, write_tiny_chat_model
 
-CHARS = list('{}[]":,.-0123456789abcdefghijklmnopqrstuvwxyz') + ['{"', '":', '",', '"}', "true", "false", "null"]
+SP = "\u2581"                 # a space, as the SentencePiece vocabulary of the tiny model writes it
+CHARS = list('{}[]":,.-0123456789abcdefghijklmnopqrstuvwxyz') + ['{"', '":', '",', '"}', "true", "false", "null", SP]
 TOKENS = ["<unk>", "<|im_start|>", "<|im_end|>"] + CHARS
 ID = {t: i for i, t in enumerate(TOKENS)}
 GREEDY = SamplingParams(temperature=0.0)
@@ -73,12 +74,17 @@ def test_mask_bans_exactly_what_the_grammar_refuses(engine):
     assert _allowed(mask, PROMPT, tok.n_vocab) == digits - {ID["0"]}
     assert _allowed(mask, PROMPT + [ID["4"]], tok.n_vocab) == digits | {ID["."], IM_END}
     assert _allowed(mask, PROMPT + [ID["4"], ID["0"], ID["."]], tok.n_vocab) == {IM_END}   # complete: eog only
-    # JSON: the first token opens an object, as '{' or '{"'; after '{"id":' a digit
+    # JSON, laid out as JSON_LAYOUT: the first token opens the object, as '{"' (the canonical
+    # tokenization of '{' and the '"' the first required key needs); after
+    # '{"id":' exactly one space, then a digit; after a value ', "' (no other whitespace)
     m = GrammarMask(json_schema(SCHEMA), tok, len(PROMPT))
-    assert _allowed(m, PROMPT, tok.n_vocab) == {ID["{"], ID['{"']}
+    assert _allowed(m, PROMPT, tok.n_vocab) == {ID['{"']}
     spelled = [ID['{"'], ID["i"], ID["d"], ID['":']]
-    assert _allowed(m, PROMPT + spelled, tok.n_vocab) == digits
-    assert m.compile_seconds > 0 and m.mask_calls == 2
+    assert _allowed(m, PROMPT + spelled, tok.n_vocab) == {ID[SP]}
+    assert _allowed(m, PROMPT + spelled + [ID[SP]], tok.n_vocab) == digits
+    assert _allowed(m, PROMPT + spelled + [ID[SP], ID["4"]], tok.n_vocab) == digits | {ID[","]}
+    assert _allowed(m, PROMPT + spelled + [ID[SP], ID["4"], ID[","]], tok.n_vocab) == {ID[SP]}
+    assert m.compile_seconds > 0 and m.mask_calls == 5
 
 
 def test_logits_beyond_the_vocabulary_and_bias_are_banned(engine):
@@ -96,8 +102,9 @@ def test_history_sync_and_rollback_equal_a_fresh_mask(engine):
     grammar = json_schema(SCHEMA)
     shared = GrammarMask(grammar, tok, len(PROMPT))
     rng = random.Random(5)
-    walk = [ID['{"'], ID["i"], ID["d"], ID['":'], ID["4"], ID["2"], ID[","], ID['"'], ID["t"], ID["a"], ID["g"],
-            ID['":'], ID['"'], ID["c"], ID["d"], ID['",'], ID['"'], ID["o"], ID["k"], ID['":'], ID["true"]]
+    walk = [ID['{"'], ID["i"], ID["d"], ID['":'], ID[SP], ID["4"], ID["2"], ID[","], ID[SP], ID['"'], ID["t"],
+            ID["a"], ID["g"], ID['":'], ID[SP], ID['"'], ID["c"], ID["d"], ID['",'], ID[SP], ID['"'], ID["o"],
+            ID["k"], ID['":'], ID[SP], ID["true"]]
     histories = [walk[:rng.randint(0, len(walk))] for _ in range(40)]
     histories += [walk[:9] + [ID["z"]], walk[:4] + [ID["x"], ID["x"]], walk, walk[:3], [ID["}"]], walk[:12]]
     for h in histories:
@@ -161,7 +168,7 @@ def test_speculative_decoding_gives_the_same_tokens(model_path, engine, spec):
     """Greedy constrained tokens with speculation equal those without; the draft model (the same
     weights, so its drafts are kept) calls the shared mask with its drafts first, and the
     verification with the shorter history then rolls it back."""
-    grammar = json_schema({"type": "array", "items": {"enum": ["ab", "cd", "abab"]}, "maxItems": 12})
+    grammar = json_schema({"type": "array", "items": {"enum": ["ab", "cd", "abab"]}, "minItems": 8, "maxItems": 12})
     plain, finish, _ = _generate(engine, grammar, 60)
     e2 = Engine(model_path, n_ctx=256)
     draft = Engine(model_path, n_ctx=256) if spec == "draft" else None

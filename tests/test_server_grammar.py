@@ -150,6 +150,29 @@ def test_client_parse_with_a_pydantic_model(client):
     assert parsed.confidence in ("low", "high") and all(isinstance(s, Step) for s in parsed.steps)
 
 
+class Math(pydantic.BaseModel):
+    steps: list[Step]
+    final_answer: str
+
+
+def test_openai_math_example_finishes(client):
+    """OpenAI's structured-output example (Step / Math, "Solve 8x + 7 = -23."): the JSON is laid
+    out compactly (edge.grammar.JSON_LAYOUT), so the 0.5b model closes it instead of writing
+    blanks after '{' until max_tokens (breaker20 F1); streamed the same."""
+    kw = dict(model=MODEL, temperature=0, max_tokens=200, response_format=Math,
+              messages=[{"role": "user", "content": "Solve 8x + 7 = -23."}])
+    r = client.chat.completions.parse(**kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    assert isinstance(choice.message.parsed, Math) and choice.message.parsed.steps
+    text = choice.message.content
+    assert text.startswith('{"steps": [{"explanation": "') and "  " not in text and "\n" not in text
+    assert json.loads(text) == choice.message.parsed.model_dump()
+    with client.chat.completions.stream(**kw) as stream:
+        final = stream.get_final_completion()
+    assert final.choices[0].message.content == text and final.choices[0].finish_reason == "stop"
+
+
 def test_json_object_streamed_equals_not_streamed(client):
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Describe a cat in JSON."}], temperature=0,
               max_tokens=80, response_format={"type": "json_object"})
