@@ -24,6 +24,7 @@ name stays content.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
@@ -70,10 +71,18 @@ def detect_format(template_source: str | None) -> str:
     return "generic"
 
 
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
 def check_tools(tools) -> list[dict]:
     """``tools`` checked as OpenAI's function tools: ``[{"type": "function", "function": {"name",
     "description"?, "parameters"?, "strict"?}}]``; returns them with ``parameters`` defaulted to
-    an empty object schema. Raises ToolError naming the first bad entry (param ``tools.<i>...``)."""
+    NO_PARAMETERS (a function without parameters takes ``{}``). ``parameters`` must be a JSON
+    schema of type "object" that llguidance compiles (checked here, whatever tool_choice is).
+
+    Raises:
+        ToolError: naming the first bad entry (param ``tools.<i>...``).
+    """
     if not isinstance(tools, list):
         raise ToolError("tools must be a list of {\"type\": \"function\", \"function\": {...}}", "tools")
     out, names = [], set()
@@ -93,10 +102,65 @@ def check_tools(tools) -> list[dict]:
         names.add(name)
         if "description" in fn and not isinstance(fn["description"], str):
             raise ToolError(f"{where}.function.description: must be a string", f"{where}.function.description")
-        params = fn.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(params, dict):
-            raise ToolError(f"{where}.function.parameters: must be a JSON schema object", f"{where}.function.parameters")
+        params = fn.get("parameters")
+        params = dict(NO_PARAMETERS) if params is None else params
+        _check_parameters(params, f"{where}.function.parameters")
         out.append({"type": "function", "function": {**fn, "parameters": params}})
+    return out
+
+
+def _check_parameters(params, param: str) -> None:
+    """Raise ToolError (``param``) unless ``params`` is an object schema llguidance compiles."""
+    if not isinstance(params, dict):
+        raise ToolError(f"{param}: must be a JSON schema object", param)
+    if params.get("type", "object") != "object":
+        raise ToolError(f"{param}: must be a JSON schema of type \"object\", got type "
+                        f"{json.dumps(params['type'])[:40]}", param)
+    error = _compile_error(json.dumps(params, sort_keys=True))
+    if error:
+        raise ToolError(f"{param}: {error}", param)
+
+
+@functools.lru_cache(maxsize=512)
+def _compile_error(params_json: str) -> str | None:
+    """llguidance's message for a parameters schema (JSON text) it cannot compile as the call
+    grammars use it (:func:`closed`), or None."""
+    from edge.grammar import GrammarError, json_schema
+
+    try:
+        json_schema(closed(json.loads(params_json)))
+    except GrammarError as e:
+        return str(e)
+    return None
+
+
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties", "contains", "propertyNames", "not", "if", "then", "else")
+
+
+def closed(schema):
+    """``schema`` (a tool's parameters) with ``"additionalProperties": false`` on every object
+    schema that lists ``properties`` and says nothing of other keys (llama.cpp's
+    json-schema-to-grammar reads them so): forced arguments hold no invented keys. Schemas under
+    ``allOf`` are left as they are (their objects are merged). Returns a new schema."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if isinstance(out.get("properties"), dict) and "allOf" not in out and not any(
+            k in out for k in ("additionalProperties", "patternProperties", "unevaluatedProperties")):
+        out["additionalProperties"] = False
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: closed(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(v) for v in out[key]]
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+        elif key == "items" and isinstance(out.get(key), list):
+            out[key] = [closed(v) for v in out[key]]
     return out
 
 
@@ -121,32 +185,41 @@ def chosen_tools(tools: list[dict], tool_choice) -> tuple[str, list[dict]]:
                     "\"function\": {\"name\": ...}}", "tool_choice")
 
 
-def _call_schema(tools: list[dict], fmt: str) -> str:
-    """The JSON schema (text) of one call's object naming one of ``tools``."""
+def _body_rules(tools: list[dict], fmt: str) -> str:
+    """Lark rules of ``body``, one call's JSON object naming one of ``tools``: ``{"name": "<name>",
+    "arguments": `` (llama3: "parameters") written out, then the tool's ``parameters`` (closed)
+    as its own ``%json`` rule, so each schema keeps its root ("#/$defs/..." refs resolve), laid
+    out as edge.grammar.JSON_LAYOUT."""
+    from edge.grammar import with_layout
+
     key = "parameters" if fmt == "llama3" else "arguments"
-    bodies = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                key: t["function"]["parameters"]},
-               "required": ["name", key], "additionalProperties": False} for t in tools]
-    return json.dumps(bodies[0] if len(bodies) == 1 else {"anyOf": bodies})
+    alts, rules = [], []
+    for i, tool in enumerate(tools):
+        head = json.dumps(f'{{"name": "{tool["function"]["name"]}", "{key}": ')
+        alts.append(f'{head} args{i} "}}"')
+        rules.append(f"args{i}: %json {json.dumps(with_layout(closed(tool['function']['parameters'])))}\n")
+    return "body: " + " | ".join(alts) + "\n" + "".join(rules)
 
 
 def call_grammar(tools: list[dict], fmt: str, parallel: bool):
     """The edge.grammar.Grammar (Lark, with llguidance's %json) of answers that are only tool
     calls in format ``fmt``: at least one (exactly one unless ``parallel``), each naming one of
-    ``tools`` with arguments valid against its ``parameters``. Raises edge.grammar.GrammarError
-    when llguidance refuses a schema."""
+    ``tools`` with arguments valid against its ``parameters`` (:func:`_body_rules`).
+
+    Raises:
+        edge.grammar.GrammarError: llguidance refuses a schema.
+    """
     from edge.grammar import lark
 
-    schema = _call_schema(tools, fmt)
+    body = _body_rules(tools, fmt)
     if fmt == "mistral":
-        limit = "" if parallel else ', "maxItems": 1'
-        many = f'{{"type": "array", "items": {schema}, "minItems": 1{limit}}}'
-        return lark(f'start: "{MISTRAL_TAG}" calls\ncalls: %json {many}\n')
+        rest = ' (", " body)*' if parallel else ""
+        return lark(f'start: "{MISTRAL_TAG}[" body{rest} "]"\n{body}')
     if fmt == "llama3":
-        rest = ' (";" call)*' if parallel else ""
-        return lark(f'start: call{rest}\ncall: %json {schema}\n')
+        rest = ' (";" body)*' if parallel else ""
+        return lark(f'start: body{rest}\n{body}')
     rest = ' ("\\n" call)*' if parallel else ""
-    return lark(f'start: call{rest}\ncall: "{HERMES_OPEN}\\n" body "\\n{HERMES_CLOSE}"\nbody: %json {schema}\n')
+    return lark(f'start: call{rest}\ncall: "{HERMES_OPEN}\\n" body "\\n{HERMES_CLOSE}"\n{body}')
 
 
 def lazy_call_grammar(tools: list[dict], fmt: str, parallel: bool):
@@ -154,18 +227,22 @@ def lazy_call_grammar(tools: list[dict], fmt: str, parallel: bool):
     the answer is free until a call opens, then the call (and, with ``parallel``, more calls)
     must name one of ``tools`` with valid arguments, and nothing follows the calls. None for the
     formats without an opening tag (llama3 and generic: a call there is the whole answer, and
-    text cannot be told from its start). Raises edge.grammar.GrammarError as call_grammar."""
+    text cannot be told from its start).
+
+    Raises:
+        edge.grammar.GrammarError: as call_grammar.
+    """
     from edge.grammar import lark
 
-    schema = _call_schema(tools, fmt)
+    body = _body_rules(tools, fmt)
     if fmt == "mistral":
-        limit = "" if parallel else ', "maxItems": 1'
-        return MISTRAL_TAG, lark(f'start: %json {{"type": "array", "items": {schema}, "minItems": 1{limit}}}\n')
+        rest = ' (", " body)*' if parallel else ""
+        return MISTRAL_TAG, lark(f'start: "[" body{rest} "]"\n{body}')
     if fmt != "hermes":
         return None
     rest = ' ("\\n" call)*' if parallel else ""
     return HERMES_OPEN, lark(f'start: first{rest}\nfirst: "\\n" body "\\n{HERMES_CLOSE}"\n'
-                             f'call: "{HERMES_OPEN}\\n" body "\\n{HERMES_CLOSE}"\nbody: %json {schema}\n')
+                             f'call: "{HERMES_OPEN}\\n" body "\\n{HERMES_CLOSE}"\n{body}')
 
 
 def _call(obj, keys=("arguments", "parameters")) -> ToolCall | None:

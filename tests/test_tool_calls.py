@@ -15,8 +15,8 @@ import os
 
 import pytest
 
-from edge.tool_calls import (FORMATS, ToolCallParser, ToolError, call_grammar, check_tools, chosen_tools,
-                             detect_format, parse)
+from edge.tool_calls import (FORMATS, NO_PARAMETERS, ToolCallParser, ToolError, call_grammar, check_tools,
+                             chosen_tools, detect_format, lazy_call_grammar, parse)
 from tests.server_process import Server
 
 MODEL = "qwen2.5-coder-0.5b-instruct"
@@ -26,6 +26,17 @@ WEATHER = {"type": "function", "function": {
 TIME = {"type": "function", "function": {
     "name": "get_time", "description": "The local time of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+# openai.pydantic_function_tool(Ship) with Ship(to: Address, sender: Address, weight_kg: float) and
+# Address(city: str, country: str): a nested model is a "$ref" to "#/$defs/Address"
+ADDRESS = {"properties": {"city": {"title": "City", "type": "string"}, "country": {"title": "Country", "type": "string"}},
+           "required": ["city", "country"], "title": "Address", "type": "object", "additionalProperties": False}
+SHIP = {"type": "function", "function": {"name": "Ship", "strict": True, "parameters": {
+    "$defs": {"Address": ADDRESS}, "properties": {"to": {"$ref": "#/$defs/Address"}, "sender": {"$ref": "#/$defs/Address"},
+                                                  "weight_kg": {"title": "Weight Kg", "type": "number"}},
+    "required": ["to", "sender", "weight_kg"], "title": "Ship", "type": "object", "additionalProperties": False}}}
+SHIP_ARGS = {"to": {"city": "Kyoto", "country": "Japan"}, "sender": {"city": "Lyon", "country": "France"},
+             "weight_kg": 2}
 
 
 # ---- the parser ---------------------------------------------------------------------------------
@@ -142,8 +153,28 @@ def test_check_tools_names_the_bad_entry(tools, param):
 
 def test_check_tools_defaults_parameters():
     [tool] = check_tools([{"type": "function", "function": {"name": "now"}}])
-    assert tool == {"type": "function", "function": {"name": "now", "parameters": {"type": "object",
-                                                                                   "properties": {}}}}
+    assert tool == {"type": "function", "function": {"name": "now", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}}
+    assert tool["function"]["parameters"] == NO_PARAMETERS
+
+
+@pytest.mark.parametrize("parameters,message", [
+    ({"type": "array", "items": {"type": "integer"}}, 'must be a JSON schema of type "object", got type "array"'),
+    ({"type": "intger"}, 'must be a JSON schema of type "object", got type "intger"'),
+    ({"type": "object", "properties": {"a": {"type": "intger"}}}, "invalid JSON schema: Invalid type: intger"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/Nope"}}},
+     "invalid JSON schema: Pointer '/$defs/Nope' does not exist"),
+    ({"type": "object", "required": 3}, "invalid JSON schema: "),
+])
+def test_check_tools_refuses_parameters_that_are_no_object_schema(parameters, message):
+    """F7 / F13: parameters must be an object schema llguidance compiles, whatever tool_choice
+    is; the message names the field and says why in one line (no grammar dump)."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    with pytest.raises(ToolError) as e:
+        check_tools([WEATHER, tool])
+    assert e.value.param == "tools.1.function.parameters"
+    assert str(e.value).startswith("tools.1.function.parameters: " + message), str(e.value)
+    assert "start:" not in str(e.value) and "%json" not in str(e.value) and "\n" not in str(e.value)
 
 
 def test_chosen_tools():
@@ -165,6 +196,59 @@ def test_call_grammar_compiles(fmt):
     for parallel in (True, False):
         grammar = call_grammar(check_tools([WEATHER, TIME]), fmt, parallel)
         assert grammar.kind == "lark" and "get_weather" in grammar.source and "get_time" in grammar.source
+
+
+def _accepts(engine, grammar, text: str) -> bool:
+    """True when ``grammar`` takes ``text`` (as the qwen tokenizer spells it) as a whole sentence."""
+    import llguidance
+
+    from edge.grammar import ll_tokenizer
+
+    matcher = llguidance.LLMatcher(ll_tokenizer(engine.tokenizer), grammar.definition, log_level=0)
+    ids = engine.tokenizer.encode(text, add_special=False, parse_special=True)
+    return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+
+def _hermes(name, arguments) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
+
+
+def test_call_grammar_resolves_each_tools_refs(qwen_engine):
+    """F19: a tool whose parameters use "$ref": "#/$defs/..." (a nested pydantic model) compiles
+    in the forced and the lazy grammars, beside another tool, and its calls follow the refs."""
+    tools = check_tools([WEATHER, SHIP])
+    ship = _hermes("Ship", SHIP_ARGS)
+    for grammar in (call_grammar(tools, "hermes", True), call_grammar(chosen_tools(tools, {
+            "type": "function", "function": {"name": "Ship"}})[1], "hermes", False)):
+        assert _accepts(qwen_engine, grammar, ship)
+        assert not _accepts(qwen_engine, grammar, ship.replace(', "country": "Japan"', ""))   # Address needs it
+        assert not _accepts(qwen_engine, grammar, ship.replace('"weight_kg": 2', '"weight_kg": "2"'))
+    both = call_grammar(tools, "hermes", True)
+    assert _accepts(qwen_engine, both, _hermes("get_weather", {"city": "Paris"}) + "\n" + ship)
+    trigger, lazy = lazy_call_grammar(tools, "hermes", True)
+    assert _accepts(qwen_engine, lazy, ship[len(trigger):])
+    mistral = call_grammar(tools, "mistral", True)
+    assert _accepts(qwen_engine, mistral, "[TOOL_CALLS]" + json.dumps([{"name": "Ship", "arguments": SHIP_ARGS}]))
+    llama = call_grammar(tools, "llama3", False)
+    assert _accepts(qwen_engine, llama, json.dumps({"name": "Ship", "parameters": SHIP_ARGS}))
+
+
+def test_forced_arguments_hold_no_invented_keys(qwen_engine):
+    """F9: a function without parameters takes {}; an object schema that lists properties takes
+    no other keys (the tool's own "strict" flag cannot be copied into its arguments); a bare
+    {"type": "object"} still takes any object. F1: the call's JSON is laid out compactly."""
+    ping = {"type": "function", "function": {"name": "ping"}}
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    free = {"type": "function", "function": {"name": "free", "parameters": {"type": "object"}}}
+    grammar = call_grammar(check_tools([ping, strict, free]), "hermes", True)
+    assert _accepts(qwen_engine, grammar, _hermes("ping", {}))
+    assert not _accepts(qwen_engine, grammar, _hermes("ping", {"city": "Paris"}))
+    assert _accepts(qwen_engine, grammar, _hermes("get_weather", {"city": "Paris"}))
+    assert not _accepts(qwen_engine, grammar, _hermes("get_weather", {"city": "Paris", "strict": True}))
+    assert not _accepts(qwen_engine, grammar, _hermes("get_weather", {"city": "Paris", "unit": "c"}))
+    assert _accepts(qwen_engine, grammar, _hermes("free", {"x": [1, 2]}))
+    assert not _accepts(qwen_engine, grammar, _hermes("get_weather", {"city": "Paris"}).replace(": {", ":  {"))
+    assert not _accepts(qwen_engine, grammar, _hermes("get_weather", {"city": "Paris"}).replace('{"city"', '{\n"city"'))
 
 
 # ---- the Qwen2.5-coder template -------------------------------------------------------------------
@@ -254,7 +338,7 @@ def test_lazy_grammar_starts_at_the_tag(qwen_engine):
     assert mask.triggered == 1 and ids[4] == 151657          # the tag is one special token
     assert b"get" in names and b"_weather" not in names and b"Paris" not in names and len(names) < 20
     value, _, _ = allowed('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": ')
-    assert b' "' in value and b' [' not in value and b' 1' not in value      # city is a string
+    assert b'"' in value and not {b'[', b'1', b' "', b' '} & value      # city is a string, after one space
     end, _, _ = allowed('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
     assert end == {tok.token_to_piece(i, special=True) for i in tok.eog_ids}
     _, n_again, _ = allowed("Let me check. It is")           # back before the tag: free again
@@ -348,6 +432,47 @@ def test_named_choice_picks_that_function(client):
     assert call.function.name == "get_time" and json.loads(call.function.arguments) == {"city": "Paris"}
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "Ship"}}],
+                         ids=["required", "named"])
+def test_forced_call_of_a_pydantic_tool_with_a_nested_model(client, choice):
+    """F19: openai.pydantic_function_tool of a model with a nested model ("$ref" into "$defs")
+    under tool_choice required / named: a call whose arguments parse as the model."""
+    pydantic = pytest.importorskip("pydantic")
+
+    class Address(pydantic.BaseModel):
+        city: str
+        country: str
+
+    class Ship(pydantic.BaseModel):
+        to: Address
+        sender: Address
+        weight_kg: float
+
+    tool = openai.pydantic_function_tool(Ship)
+    assert tool["function"]["parameters"]["properties"]["to"] == {"$ref": "#/$defs/Address"}
+    r = client.chat.completions.parse(
+        model=MODEL, tools=[tool], tool_choice=choice, parallel_tool_calls=False, temperature=0, max_tokens=80,
+        messages=[{"role": "user", "content": "Ship 2kg from Lyon, France to Kyoto, Japan."}])
+    [call] = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "Ship"
+    assert json.loads(call.function.arguments) == SHIP_ARGS
+    assert call.function.parsed_arguments == Ship(to=Address(city="Kyoto", country="Japan"),
+                                                  sender=Address(city="Lyon", country="France"), weight_kg=2)
+
+
+def test_forced_call_without_parameters_takes_no_arguments(client):
+    """F9: a function without parameters, forced, gets "{}" (not keys copied from the question)."""
+    ping = {"type": "function", "function": {"name": "ping", "description": "Check that the weather service is up"}}
+    r = _ask(client, MODEL, QUESTION, False, tools=[ping], tool_choice="required", parallel_tool_calls=False)
+    [call] = r.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("ping", "{}")
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    r = _ask(client, MODEL, QUESTION, False, tools=[strict], tool_choice={"type": "function", "function": {
+        "name": "get_weather"}}, parallel_tool_calls=False)
+    [call] = r.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
 def test_tool_choice_none_answers_in_words(client):
     r = _ask(client, MODEL, QUESTION, False, tools=[WEATHER], tool_choice="none", max_tokens=12)
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
@@ -383,7 +508,11 @@ def test_stream_deltas_follow_openai(server):
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
                                                                               "required": 3}}}],
-      "tool_choice": "required"}, "tools"),
+      "tool_choice": "required"}, "tools.0.function.parameters"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "intger"}}}]},
+     "tools.1.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
+      "tool_choice": "auto"}, "tools.0.function.parameters"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"type": "function"}]}]},
      "messages.0.tool_calls.0.function"),
 ])
