@@ -28,6 +28,7 @@ import functools
 import json
 import re
 import uuid
+import weakref
 from dataclasses import dataclass, field
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -72,6 +73,25 @@ def detect_format(template_source: str | None) -> str:
 
 
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool", "description": "d", "parameters": NO_PARAMETERS}}
+_renders_tools: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def template_renders_tools(template) -> bool:
+    """True when the chat template (edge.chat_template.ChatTemplate) writes a ``tools`` variable
+    into the prompt: a one-message chat renders differently with a tool than without (a
+    template whose probe fails counts as writing them). Cached per template."""
+    from edge.chat_template import ChatTemplateError
+
+    if template not in _renders_tools:
+        chat = [{"role": "user", "content": "hi"}]
+        try:
+            _renders_tools[template] = template.render(chat, tools=[_PROBE_TOOL]) != template.render(chat)
+        except ChatTemplateError:
+            _renders_tools[template] = True
+    return _renders_tools[template]
 
 
 def check_tools(tools) -> list[dict]:

@@ -593,6 +593,41 @@ def test_bad_tools_are_400(server, body, param):
     assert reply["error"]["param"] == param and reply["error"]["type"] == "invalid_request_error"
 
 
+def test_template_renders_tools():
+    """F21: which of the real templates write the tools variable (rendered with and without)."""
+    from edge.chat_template import ChatTemplate
+    from edge.tool_calls import template_renders_tools
+
+    got = {}
+    for name in sorted(os.listdir(TEMPLATES)):
+        if name.endswith(".jinja"):
+            with open(os.path.join(TEMPLATES, name), encoding="utf-8") as f:
+                got[name[:-6]] = template_renders_tools(ChatTemplate(f.read(), "<s>", "</s>"))
+    assert got == {"Qwen-Qwen2.5-7B-Instruct": True, "Qwen-Qwen3-0.6B": True, "Reka-Edge": True,
+                   "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": False, "google-gemma-2-2b-it": False,
+                   "meta-llama-Llama-3.1-8B-Instruct": True, "mistralai-Mistral-Nemo-Instruct-2407": True,
+                   "microsoft-Phi-3.5-mini-instruct": False}
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_path, tmp_path_factory):
+    srv = _server(smollm2_path, tmp_path_factory, "toolsmol")
+    yield srv
+    srv.stop()
+
+
+def test_tools_on_a_template_without_tools_are_400(smollm2_server):
+    """F21: smollm2-135m-instruct's template ignores tools: a request with tools is a 400 naming
+    them (not an answer from a model that never saw them); tool_choice "none" still answers."""
+    ask = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER], "max_tokens": 4}
+    for extra in ({}, {"tool_choice": "required"}, {"tool_choice": "auto", "stream": True}):
+        status, reply = smollm2_server.post("/v1/chat/completions", {**ask, **extra})
+        assert status == 400 and reply["error"]["param"] == "tools", reply
+        assert "does not support tools" in reply["error"]["message"]
+    status, reply = smollm2_server.post("/v1/chat/completions", {**ask, "tool_choice": "none"})
+    assert status == 200 and reply["choices"][0]["message"]["content"]
+
+
 # ---- the larger model (EDGE_TEST_1_5B=1) ---------------------------------------------------------
 
 @pytest.fixture(scope="module")

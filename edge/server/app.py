@@ -55,7 +55,7 @@ from edge.server.metrics import Metrics
 from edge.server.pool import DEFAULT_KEEP_ALIVE, ModelPool, ModelSlot
 from edge.server.scheduler import STEP_LOCK, Delta, Failed, Finished, QueueFull, Scheduler
 from edge.server.scheduler import Request as GenRequest
-from edge.tool_calls import ToolCallParser, call_grammar, lazy_call_grammar
+from edge.tool_calls import ToolCallParser, call_grammar, lazy_call_grammar, template_renders_tools
 from edge.tool_calls import detect_format as tool_format
 
 MAX_TOP_LOGPROBS = 20
@@ -758,6 +758,10 @@ class _Handlers:
         body.check_unsupported()
         grammar, grammar_param = body.constraint()
         tool_mode, tools, allowed = body.tool_setup()
+        if tools and engine.template is not None and not template_renders_tools(engine.template):
+            raise P.APIError(400, f"tools: model {slot.name!r} does not support tools (its chat template does not "
+                                  "render them); leave tools out or send tool_choice: \"none\"", param="tools",
+                             code="unsupported_value")
         if body.max_completion_tokens is not None:     # OpenAI's newer name wins
             max_tokens, max_tokens_param = body.max_completion_tokens, "max_completion_tokens"
         else:
