@@ -339,19 +339,26 @@ class ToolCallParser:
 
     ``feed(text)`` and ``finish()`` return events: ``("content", str)`` or ``("call", ToolCall)``,
     in the answer's order. ``parallel=False`` keeps the first call only (what follows it is
-    dropped). ``names``: the tools' names; a whole-answer JSON call (no tags) must use one of
-    them, else the answer stays content (a JSON answer the user asked for is not a call).
+    dropped). ``names``: the tools' names; a call (tagged or not) must use one of them, else its
+    text stays content (a JSON answer the user asked for is not a call). ``forced``: the answer
+    is only calls (tool_choice "required": a grammar forced them), so no text of it is content.
     ``calls`` lists the calls emitted so far.
+
+    An answer cut short (max_tokens, a stop string) keeps its complete calls; a call it cut
+    (an open ``<tool_call>`` followed by nothing or by JSON that does not parse, a tag's prefix
+    after a call, a tagged whole-answer format that does not parse) is dropped, not content;
+    a close tag cut short still closes a call whose JSON is whole.
     """
 
-    def __init__(self, fmt: str = "hermes", parallel: bool = True, names=None):
+    def __init__(self, fmt: str = "hermes", parallel: bool = True, names=None, forced: bool = False):
         if fmt not in FORMATS:
             raise ValueError(f"unknown tool-call format {fmt!r} (one of {', '.join(FORMATS)})")
-        self.fmt, self.parallel = fmt, parallel
+        self.fmt, self.parallel, self.forced = fmt, parallel, forced
         self.names = set(names) if names is not None else None
         self.calls: list[ToolCall] = []
         self._buf = ""
         self._in_call = False        # inside <tool_call> ... </tool_call>
+        self._space = ""             # whitespace before the open tag: content again if no call follows
         self._whole = False          # the answer is a JSON format's: held until finish()
         self._started = False        # some non-space text was seen
         self._done = False           # parallel=False and the call is taken: the rest is dropped
@@ -386,6 +393,11 @@ class ToolCallParser:
             if calls:
                 self._buf = ""
                 return self._take(calls)
+            lead = self._buf.lstrip()
+            tag = next((t for t in (PYTHON_TAG, MISTRAL_TAG) if lead.startswith(t)), None)
+            if tag is not None and _unclosed(lead[len(tag):]):
+                self._buf = ""                # a tagged call cut short: no content
+                return []
         self._started, self._whole = True, False     # not a call: the text as it is
         return self._scan(final=True)
 
@@ -415,14 +427,26 @@ class ToolCallParser:
                     if not final:      # whitespace before a call or at the end is no content
                         keep = len(self._buf) - len(self._buf[:len(self._buf) - keep].rstrip())
                     text, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
-                    out += self._content(text.rstrip() if final and self.calls else text)
+                    if final and self.calls:
+                        text = text.rstrip()
+                        if tags and self._after_call and HERMES_OPEN.startswith(text.strip()):
+                            text = ""      # the next call's tag, cut short
+                    out += self._content(text)
                     break
-                out += self._content(self._buf[:j].rstrip())
+                text = self._buf[:j]
+                self._space = text[len(text.rstrip()):]
+                out += self._content(text.rstrip())
                 self._buf, self._in_call = self._buf[j:], True
             k = self._buf.find(HERMES_CLOSE)
             if k < 0:
-                if final:           # an unclosed call: a call if its JSON is whole, else content
-                    out += self._close(self._buf[len(HERMES_OPEN):], self._buf)
+                body = self._buf[len(HERMES_OPEN):]
+                if body.strip() and not body.lstrip().startswith("{"):
+                    out += self._content(self._space + HERMES_OPEN)     # not a call: a tag named in text
+                    self._buf, self._in_call, self._space = body, False, ""
+                    continue
+                if final:           # an unclosed call: a call if its JSON is whole, else cut short
+                    cut = _partial_suffix(body.rstrip(), HERMES_CLOSE)
+                    out += self._close(body.rstrip()[:len(body.rstrip()) - cut], self._buf, unclosed=True)
                     self._buf = ""
                 break
             raw = self._buf[:k + len(HERMES_CLOSE)]
@@ -433,24 +457,44 @@ class ToolCallParser:
     def _content(self, text: str) -> list[tuple[str, object]]:
         if self._after_call:
             text = text.lstrip()
-        if not text:
+        if not text or self.forced:
             return []
         self._after_call = False
         return [("content", text)]
 
-    def _close(self, body: str, raw: str) -> list[tuple[str, object]]:
+    def _close(self, body: str, raw: str, unclosed: bool = False) -> list[tuple[str, object]]:
+        """The events of a call's ``body``; ``raw``: the call's whole text (content when it is
+        not a call, unless it is ``unclosed`` at the end with JSON cut short: dropped)."""
         self._in_call = False
+        space, self._space = self._space, ""
         try:
             call = _call(json.loads(body))
         except ValueError:
             call = None
+        if call is not None and self.names is not None and call.name not in self.names:
+            call = None
         if call is None:
-            return self._content(raw)
+            return [] if unclosed and (not body.strip() or _unclosed(body)) else self._content(space + raw)
         self._after_call = True
         out = self._take([call])
         if self._done:
             self._buf = ""
         return out
+
+
+def _unclosed(text: str) -> bool:
+    """True when ``text`` ends inside a JSON string, object or array (JSON cut short)."""
+    depth, in_str, esc = 0, False, False
+    for ch in text:
+        if in_str:
+            esc, in_str = (not esc and ch == "\\"), in_str and (esc or ch != '"')
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+    return in_str or depth > 0
 
 
 def _partial_suffix(text: str, tag: str) -> int:

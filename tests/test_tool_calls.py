@@ -41,6 +41,7 @@ SHIP_ARGS = {"to": {"city": "Kyoto", "country": "Japan"}, "sender": {"city": "Ly
 
 # ---- the parser ---------------------------------------------------------------------------------
 
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 HERMES = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
           '<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo <x>"}}\n</tool_call>')
 CASES = [  # (format, answer, content, [(name, arguments)])
@@ -68,6 +69,24 @@ CASES = [  # (format, answer, content, [(name, arguments)])
      [("get_weather", {"city": "Paris"})]),
     ("generic", '{"tool_call": {"name": "b", "arguments": {}}}', None, [("b", {})]),
     ("generic", 'Sure <tool_call>{"name": "b", "arguments": {}}</tool_call>', "Sure", [("b", {})]),
+    # F8 / F22: cut short by max_tokens or a stop string: complete calls kept, no tag text in content
+    ("hermes", '<tool_call>\n{"name": "', None, []),
+    ("hermes", 'Let me see. <tool_call>\n{"name": "get_weather", "arguments": {"city": "', "Let me see.", []),
+    ("hermes", CALL + "\n<", None, [("get_weather", {"city": "Paris"})]),
+    ("hermes", CALL + "\n<tool_call>", None, [("get_weather", {"city": "Paris"})]),
+    ("hermes", CALL + '\n<tool_call>\n{"name": "get_time", "argu', None, [("get_weather", {"city": "Paris"})]),
+    ("hermes", CALL[:-len("</tool_call>")], None, [("get_weather", {"city": "Paris"})]),
+    ("hermes", CALL[:-len(">")], None, [("get_weather", {"city": "Paris"})]),
+    ("hermes", CALL[:-len("call>")], None, [("get_weather", {"city": "Paris"})]),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"ci', None, []),
+    ("llama3", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Par', None, []),
+    # F15: a tag named in prose is text, the space before it kept
+    ("hermes", "Qwen wraps calls in a <tool_call> tag; see the docs.",
+     "Qwen wraps calls in a <tool_call> tag; see the docs.", []),
+    ("hermes", "Use <tool_call> and </tool_call> tags.", "Use <tool_call> and </tool_call> tags.", []),
+    # F16: a tagged call must name a given tool too
+    ("hermes", '<tool_call>{"name": "rm_rf", "arguments": {"path": "/"}}</tool_call>',
+     '<tool_call>{"name": "rm_rf", "arguments": {"path": "/"}}</tool_call>', []),
 ]
 
 
@@ -115,6 +134,23 @@ def test_stream_holds_only_what_may_be_a_tag():
     assert (kind, call.name, call.arguments) == ("call", "f", '{"a": 1}')
     assert after == ("content", "after")                                 # the space after a call is dropped
     assert parser.finish() == []                                         # and the one at the end
+
+
+def test_stream_releases_a_tag_named_in_prose():
+    """F15: once the text after "<tool_call>" cannot be a call's JSON, it streams as content."""
+    parser = ToolCallParser("hermes", names=NAMES)
+    assert parser.feed("Qwen wraps calls in a <tool_call>") == [("content", "Qwen wraps calls in a")]
+    assert parser.feed(" tag; see") == [("content", " <tool_call> tag; see")]
+
+
+def test_forced_answers_have_no_content():
+    """tool_choice required: the answer is only calls, so nothing of it (a cut call, stray
+    text) is content, streamed or not."""
+    text = 'x <tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "zz", "arguments": {}}'
+    for i in range(len(text) + 1):
+        parser = ToolCallParser("hermes", names=NAMES, forced=True)
+        events = parser.feed(text[:i]) + parser.feed(text[i:]) + parser.finish()
+        assert [(k, v.name) for k, v in events] == [("call", "b")]
 
 
 def test_parallel_false_keeps_the_first_call():
@@ -541,6 +577,57 @@ def test_forced_call_without_parameters_takes_no_arguments(client):
         "name": "get_weather"}}, parallel_tool_calls=False)
     [call] = r.choices[0].message.tool_calls
     assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+def _streamed(server, body):
+    """(content, [(name, arguments)], finish_reason) of a streamed chat completion, from its deltas."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
+    conn.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}),
+                 {"Content-Type": "application/json"})
+    raw = conn.getresponse().read().decode()
+    chunks = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    calls: dict[int, list] = {}
+    for tc in (tc for d in deltas for tc in d.get("tool_calls", ())):
+        calls.setdefault(tc["index"], ["", ""])
+        calls[tc["index"]][0] += tc["function"].get("name", "")
+        calls[tc["index"]][1] += tc["function"].get("arguments", "")
+    return ("".join(d.get("content") or "" for d in deltas) or None, [tuple(calls[i]) for i in sorted(calls)],
+            chunks[-1]["choices"][0]["finish_reason"])
+
+
+def test_cut_calls_keep_the_complete_ones(server):
+    """F8 / F22: max_tokens cutting a forced answer of two calls anywhere: finish "length", no
+    content (no tag text), the calls complete before the cut kept (a prefix of the whole
+    answer's), streamed the same; a stop string inside a call drops that call (finish "stop", or
+    "tool_calls" when a complete one came before it)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris and in Tokyo?"}],
+            "tools": [WEATHER, TIME], "tool_choice": "required", "temperature": 0, "max_tokens": 80}
+    status, whole = server.post("/v1/chat/completions", body)
+    assert status == 200 and whole["choices"][0]["finish_reason"] == "tool_calls"
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in whole["choices"][0]["message"]["tool_calls"]]
+    assert len(calls) >= 2 and calls[0] == ("get_weather", '{"city": "Paris"}')
+    n = whole["usage"]["completion_tokens"]
+    kept = set()
+    for cut in sorted({*range(1, n, 3), n - 2, n - 1}):
+        status, r = server.post("/v1/chat/completions", {**body, "max_tokens": cut})
+        choice = r["choices"][0]
+        got = [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"].get("tool_calls") or ()]
+        assert choice["finish_reason"] == "length" and choice["message"]["content"] is None, (cut, choice)
+        assert got == calls[:len(got)], (cut, got)
+        assert _streamed(server, {**body, "max_tokens": cut}) == (None, got, "length"), cut
+        kept.add(len(got))
+    assert kept >= {0, 1}
+    status, r = server.post("/v1/chat/completions", {**body, "stop": ["Tokyo"]})
+    choice = r["choices"][0]          # the complete call before the stop string is a call to run
+    assert (choice["finish_reason"], choice["message"]["content"]) == ("tool_calls", None), choice
+    assert [c["function"]["arguments"] for c in choice["message"]["tool_calls"]] == ['{"city": "Paris"}']
+    status, r = server.post("/v1/chat/completions", {**body, "stop": ["Paris"]})
+    choice = r["choices"][0]
+    assert (choice["finish_reason"], choice["message"]["content"], choice["message"].get("tool_calls")) == \
+        ("stop", None, None), choice
 
 
 def test_tool_choice_none_answers_in_words(client):

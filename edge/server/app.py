@@ -403,12 +403,13 @@ def _lazy_tool_mask(allowed: list[dict], fmt: str, parallel: bool, engine, n_pro
 
 def _tool_message(parser: ToolCallParser, message: dict, finish: str) -> tuple[dict, str]:
     """(the chat message, finish_reason) with its content read for tool calls: content outside
-    the calls (None when there is none), tool_calls, finish_reason "tool_calls" when it has some."""
+    the calls (None when there is none), tool_calls, finish_reason "tool_calls" when it has some
+    (a cut by max_tokens stays "length", as OpenAI reports it)."""
     events = parser.feed(message["content"] or "") + parser.finish()
     message = {**message, "content": "".join(v for k, v in events if k == "content") or None}
     if parser.calls:
         message["tool_calls"] = [c.openai() for c in parser.calls]
-        finish = "tool_calls"
+        finish = "length" if finish == "length" else "tool_calls"
     return message, finish
 
 
@@ -652,7 +653,7 @@ class ChatRun(_Run):
         parts = self.reasoning.deltas(ev.text if finish is None else "", final=finish is not None)
         if self.parser is not None:
             parts = _tool_deltas(self.parser, parts, final=finish is not None)
-            finish = "tool_calls" if finish is not None and self.parser.calls else finish
+            finish = "tool_calls" if finish not in (None, "length") and self.parser.calls else finish
         if lps and not parts:
             parts = [self.reasoning.empty_delta()]
         out = [self._chunk(d, lps=lps if i == len(parts) - 1 else None) for i, d in enumerate(parts)]
@@ -785,8 +786,8 @@ class _Handlers:
         fmt = tool_format(engine.template.source if engine.template is not None else None)
         if tool_mode == "required":
             grammar, grammar_param = _tool_grammar(allowed, fmt, body.parallel_tool_calls, grammar_param)
-        parser = ToolCallParser(fmt, body.parallel_tool_calls, [t["function"]["name"] for t in allowed]) \
-            if tool_mode != "none" else None
+        parser = ToolCallParser(fmt, body.parallel_tool_calls, [t["function"]["name"] for t in allowed],
+                                forced=tool_mode == "required") if tool_mode != "none" else None
         processors = await run_in_threadpool(_processors, grammar, grammar_param, engine, len(ids))
         if tool_mode == "auto" and not processors:
             processors = await run_in_threadpool(_lazy_tool_mask, allowed, fmt, body.parallel_tool_calls, engine,
