@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import secrets
 import uuid
 import weakref
 from dataclasses import dataclass, field
@@ -58,6 +59,14 @@ class ToolCall:
     def openai(self) -> dict:
         """The call as OpenAI's ``message.tool_calls[i]``."""
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+_ALNUM = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+
+
+def mistral_id() -> str:
+    """A tool-call id as Mistral's chat templates require it: 9 random letters and digits."""
+    return "".join(secrets.choice(_ALNUM) for _ in range(9))
 
 
 def detect_format(template_source: str | None) -> str:
@@ -409,6 +418,9 @@ class ToolCallParser:
         return lead.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(lead)
 
     def _take(self, calls: list[ToolCall]) -> list[tuple[str, object]]:
+        if self.fmt == "mistral":     # Mistral's templates refuse other ids (llama.cpp makes the same)
+            for call in calls:
+                call.id = mistral_id()
         if not self.parallel:
             calls = calls[:1]
             self._done = True

@@ -102,7 +102,8 @@ def test_parse_whole(fmt, text, content, calls):
     got_content, got_calls = parse(text, fmt, names=NAMES)
     assert got_content == content
     assert _calls(got_calls) == calls
-    assert all(c.id.startswith("call_") for c in got_calls) and len({c.id for c in got_calls}) == len(got_calls)
+    id_ok = (lambda i: len(i) == 9 and i.isalnum()) if fmt == "mistral" else (lambda i: i.startswith("call_"))
+    assert all(id_ok(c.id) for c in got_calls) and len({c.id for c in got_calls}) == len(got_calls)
 
 
 def _stream(fmt, pieces, parallel=True):
@@ -141,6 +142,29 @@ def test_stream_releases_a_tag_named_in_prose():
     parser = ToolCallParser("hermes", names=NAMES)
     assert parser.feed("Qwen wraps calls in a <tool_call>") == [("content", "Qwen wraps calls in a")]
     assert parser.feed(" tag; see") == [("content", " <tool_call> tag; see")]
+
+
+def test_mistral_call_ids_pass_its_template():
+    """F24: calls read in the mistral format get 9-letter-and-digit ids, which Mistral Nemo's
+    template takes back in the next turn (it raises for any other id); other formats keep
+    OpenAI's call_ ids."""
+    from edge.chat_template import ChatTemplate
+
+    _, calls = parse('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "b", '
+                     '"arguments": {}}]', "mistral", names=NAMES)
+    assert [len(c.id) for c in calls] == [9, 9] and all(c.id.isalnum() and c.id.isascii() for c in calls)
+    assert calls[0].id != calls[1].id
+    with open(os.path.join(TEMPLATES, "mistralai-Mistral-Nemo-Instruct-2407.jinja"), encoding="utf-8") as f:
+        nemo = ChatTemplate(f.read(), "<s>", "</s>")
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                   for c in calls]},
+               *({"role": "tool", "tool_call_id": c.id, "content": "21 C"} for c in calls)]
+    rendered = nemo.render(history)
+    assert calls[0].id in rendered and calls[1].id in rendered
+    _, [hermes] = parse(CALL, "hermes", names=NAMES)
+    assert hermes.id.startswith("call_") and len(hermes.id) == 29
 
 
 def test_forced_answers_have_no_content():
