@@ -72,7 +72,8 @@ def json_schema(schema) -> Grammar:
         try:
             schema = json.loads(schema)
         except ValueError as e:
-            raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
+            raise GrammarError(f"a JSON schema must be an object or a boolean, got a string that is not JSON "
+                               f"({e})") from None
     if schema is True:
         schema = {}
     if schema is False:
@@ -243,7 +244,8 @@ class GrammarMask:
             refused).
         rolled_back: tokens taken back from the matcher (histories that went back).
     Raises:
-        GrammarError: llguidance refuses the grammar (its message).
+        GrammarError: llguidance refuses the grammar (its message), or no token can start it
+            (it admits no finite text, or none in this vocabulary).
     """
 
     def __init__(self, grammar: Grammar, tokenizer, n_prompt: int):
@@ -255,14 +257,18 @@ class GrammarMask:
         t0 = time.perf_counter()
         self._matcher = llguidance.LLMatcher(self._ll, grammar.definition, log_level=0)
         self.compile_seconds = time.perf_counter() - t0
+        what = "JSON schema" if grammar.kind == "json_schema" else "grammar"
         if self._matcher.is_error():
-            what = "JSON schema" if grammar.kind == "json_schema" else "grammar"
             raise GrammarError(f"invalid {what}: {_short(self._matcher.get_error())}")
         self._fill = llnp.fill_next_token_bitmask
         self._n_vocab = tokenizer.n_vocab
         self._eog = np.array(sorted(tokenizer.eog_ids), np.int64)
         self._bitmask = llnp.allocate_token_bitmask(1, self._n_vocab)
         self._allowed: np.ndarray | None = None     # bool[n_vocab] for the consumed tokens
+        first = self._allowed_tokens()                # the first mask (computed once anyway)
+        if not self._matcher.is_accepting() and (self._matcher.is_stopped() or not first.any()):
+            raise GrammarError(f"the {what} admits no text the model can write (a rule that never ends, such as "
+                               "left recursion or a $ref cycle)")
         self._consumed: list[int] = []              # generated tokens the matcher has consumed
         self._refused = False                       # the history holds a token the grammar refuses
         self.mask_seconds, self.mask_calls, self.eog_only_calls, self.rolled_back = 0.0, 0, 0, 0

@@ -205,7 +205,7 @@ def test_bench_constrained_runner(model_path):
 @pytest.mark.parametrize("make,value,message", [
     (json_schema, {"type": "intger"}, "invalid JSON schema: Invalid type: intger"),
     (json_schema, False, "accepts no value"),
-    (json_schema, "[1", "not valid JSON"),
+    (json_schema, "[1", "got a string that is not JSON"),
     (json_schema, 5, "must be an object or a boolean"),
     (gbnf, "root ::= foo", "Rule 'foo' not found"),
     (gbnf, "  ", "the grammar is empty"),
@@ -263,8 +263,32 @@ HI = [{"role": "user", "content": "hi"}]
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"a": {"type": "intger"}}}}}}, "response_format", "Invalid type: intger"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format", "json_schema object"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": False}}},
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                                          "schema": False}}},
      "response_format", "accepts no value"),
+    # F17: OpenAI's name and strict rules
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+     "response_format.json_schema.name", "must be 1-64 letters"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "bad name!!",
+                                                                                          "schema": {}}}},
+     "response_format.json_schema.name", "bad name!!"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes",
+                                                                                          "schema": {}}}},
+     "response_format.json_schema.strict", "must be a boolean"),
+    # F4: a schema that is a string but no JSON
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                                          "schema": "string"}}},
+     "response_format", "must be an object or a boolean, got a string that is not JSON"),
+    # F5: no finite text
+    ("/v1/chat/completions", {"grammar": 'root ::= x\nx ::= x "a"'}, "grammar", "admits no text"),
+    ("/v1/completions", {"grammar": 'root ::= x\nx ::= x "a"'}, "grammar", "admits no text"),
+    ("/v1/completions", {"json_schema": {"$ref": "#"}}, "json_schema", "admits no text"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}}},
+     "response_format", "admits no text"),
+    # F3: response_format on /v1/completions too
+    ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "intger"}}}}, "response_format", "Invalid type: intger"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "grammar": 'root ::= "a"'},
      "response_format", "give one"),
     ("/v1/chat/completions", {"json_schema": {"type": "intger"}}, "json_schema", "Invalid type: intger"),
@@ -284,6 +308,30 @@ def test_server_response_format_type_unknown_is_400(server):
     status, body = server.post("/v1/chat/completions", {"messages": HI, "response_format": {"type": "xml"}})
     err = assert_error(status, body, 400, param="response_format", code="unsupported_value")
     assert "xml" in err["message"]
+    status, body = server.post("/v1/completions", {"prompt": "hi", "response_format": {"type": "xml"}})
+    assert_error(status, body, 400, param="response_format", code="unsupported_value")
+
+
+def test_server_response_format_without_type_is_400(server):
+    """F2: OpenAI's 400 for a response_format without its type (not a silent plain answer)."""
+    for route, req in (("/v1/chat/completions", {"messages": HI}), ("/v1/completions", {"prompt": "hi"})):
+        status, body = server.post(route, {**req, "response_format": {"json_schema": {"name": "x", "schema": {
+            "type": "integer"}}}})
+        err = assert_error(status, body, 400, param="response_format.type", code="invalid_value")
+        assert err["message"].startswith("Missing required parameter: 'response_format.type'")
+
+
+def test_server_null_flags_and_reserved_tools_variable(server):
+    """F10: null for logprobs, stream and parallel_tool_calls is their default; F12: tools is a
+    template variable the server sets itself; F5: a blank grammar is no grammar (as "")."""
+    status, body = server.post("/v1/chat/completions", {"messages": HI, "max_tokens": 2, "temperature": 0,
+                                                        "logprobs": None, "stream": None,
+                                                        "parallel_tool_calls": None, "grammar": "  "})
+    assert status == 200 and body["object"] == "chat.completion" and body["choices"][0]["logprobs"] is None
+    status, body = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": None, "echo": None})
+    assert status == 200 and body["object"] == "text_completion"
+    status, body = server.post("/v1/chat/completions", {"messages": HI, "chat_template_kwargs": {"tools": 5}})
+    assert_error(status, body, 400, param="chat_template_kwargs.tools", code="invalid_value")
 
 
 def test_server_constrained_answers(server, engine):
@@ -303,6 +351,10 @@ def test_server_constrained_answers(server, engine):
                                                             "name": "t", "schema": SCHEMA, "strict": True}}})
     assert status == 200 and body["choices"][0]["finish_reason"] == "stop"
     assert set(json.loads(body["choices"][0]["message"]["content"])) == set(SCHEMA["required"])
+    status, body = server.post("/v1/completions", {"prompt": PROMPT, "temperature": 0, "max_tokens": 80,
+                                                   "response_format": {"type": "json_schema", "json_schema": {
+                                                       "name": "t", "schema": SCHEMA}}})     # F3
+    assert status == 200 and body["choices"][0]["text"] == _text(engine, ids)
     status, body = server.post("/v1/chat/completions", {"messages": HI, "max_tokens": 3, "temperature": 0,
                                                         "response_format": {"type": "json_object"}})
     assert status == 200 and body["choices"][0]["finish_reason"] == "length"
