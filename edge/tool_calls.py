@@ -6,7 +6,8 @@ Formats, chosen from the text of the model's chat template (:func:`detect_format
 - ``hermes`` (Qwen2.5, Qwen3, Hermes 2/3): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
   any number, text around them is content (the prompt format the Qwen2.5 template describes);
   small models often leave the tags out, so an answer that is wholly such a JSON object (or
-  ``generic``'s shapes), bare or in a Markdown code fence, naming one of the tools, is a call too.
+  ``generic``'s shapes), bare or in a Markdown code fence (no language or json), naming one of
+  the tools, is a call too.
 - ``llama3`` (Llama 3.1-3.3): the whole answer is one JSON object ``{"name": ...,
   "parameters": {...}}`` (or "arguments"), possibly after ``<|python_tag|>``; several are
   separated by ``;`` (Meta's llama-models prompt-format documentation).
@@ -18,9 +19,10 @@ Formats, chosen from the text of the model's chat template (:func:`detect_format
   ``{"name", "arguments"}`` / ``{"tool_call": {...}}`` / ``{"tool_calls": [...]}``.
 
 :class:`ToolCallParser` reads the output as it streams: text that may still become a call
-(a prefix of ``<tool_call>``; an answer starting with ``{`` or a code fence, held to its end) is held back until it is known,
-so no part of a tag reaches the content. A call's text that is not valid JSON with a string
-name stays content.
+(a prefix of ``<tool_call>``; an answer starting with ``{`` or a code fence, until it cannot be
+a call: another fence language, a first key no call has, a name not among the tools') is held
+back until it is known, so no part of a tag reaches the content. A call's text that is not
+valid JSON with a string name stays content.
 """
 from __future__ import annotations
 
@@ -36,7 +38,9 @@ HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_TAG = "[TOOL_CALLS]"
 FORMATS = ("hermes", "llama3", "mistral", "generic")
-_FENCE = re.compile(r"^```[A-Za-z0-9_-]*\n(.*)\n```$", re.S)
+_FENCE = re.compile(r"^```(?:json|JSON)?\n(.*)\n```$", re.S)     # a call's fence: no info string or json
+_CALL_KEYS = ("name", "arguments", "parameters", "tool_call", "tool_calls", "function")
+_KEY = re.compile(r'"((?:[^"\\]|\\.)*)("?)')
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")      # OpenAI: a-z, A-Z, 0-9, _ and -, at most 64
 
 
@@ -378,9 +382,7 @@ class ToolCallParser:
         if self._done or not text:
             return []
         self._buf += text
-        if self._whole:
-            return []
-        if not self._started:
+        if not self._started or self._whole:
             lead = self._buf.lstrip()
             if not lead:
                 return []
@@ -389,8 +391,12 @@ class ToolCallParser:
                         len(lead) < len(MISTRAL_TAG) and MISTRAL_TAG.startswith(lead):
                     return []                     # a tag's prefix: wait for more
                 self._whole = True
+            else:
+                self._started = True
+        if self._whole:
+            if not self._not_a_call():
                 return []
-            self._started = True
+            self._whole, self._started = False, True      # decided: text, streamed from here
         return self._scan(final=False)
 
     def finish(self) -> list[tuple[str, object]]:
@@ -409,6 +415,52 @@ class ToolCallParser:
                 return []
         self._started, self._whole = True, False     # not a call: the text as it is
         return self._scan(final=True)
+
+    def _not_a_call(self) -> bool:
+        """True once the held whole-answer text cannot become a call (a fence with another info
+        string than json, JSON that is not an object of a call's keys, a name not among the
+        tools'), so it streams instead of waiting for the end of the answer."""
+        text = self._buf.lstrip()
+        if len(text) < 3 and "```".startswith(text):
+            return False
+        if text.startswith("```"):
+            line, nl, rest = text[3:].partition("\n")
+            if line.strip().lower() not in ("", "json") and (nl or not "json".startswith(line.lower())):
+                return True
+            if not nl:
+                return False
+            text = rest.lstrip()
+        for tag in (PYTHON_TAG, MISTRAL_TAG):
+            if text.startswith(tag):
+                text = text[len(tag):].lstrip()
+        if self.fmt == "mistral" and text.startswith("["):
+            text = text[1:].lstrip()
+        if not text:
+            return False
+        if text[0] != "{":
+            return True
+        text = text[1:].lstrip()
+        key = _KEY.match(text)
+        if not text or key is None:
+            return bool(text)
+        if not key.group(2):
+            return not any(k.startswith(key.group(1)) for k in _CALL_KEYS)
+        if key.group(1) not in _CALL_KEYS:
+            return True
+        if key.group(1) != "name" or self.names is None:
+            return False
+        after = text[key.end():]
+        colon = re.match(r"\s*:\s*", after)
+        if colon is None:
+            return bool(after.strip())
+        rest = after[colon.end():]
+        if not rest:
+            return False
+        value = _KEY.match(rest)
+        if value is None:
+            return True                   # a name that is no string
+        name = value.group(1)
+        return name not in self.names if value.group(2) else not any(n.startswith(name) for n in self.names)
 
     def _may_start_json(self, lead: str) -> bool:
         if self.fmt == "mistral":     # the tag is a control token: the text may lack it

@@ -137,6 +137,26 @@ def test_stream_holds_only_what_may_be_a_tag():
     assert parser.finish() == []                                         # and the one at the end
 
 
+def test_stream_releases_what_cannot_be_a_call():
+    """F14: an answer starting with a code fence or "{" is held only until it cannot be a call:
+    another fence language, JSON whose first key is no call's, a name not among the tools'."""
+    def first_content(pieces):
+        parser = ToolCallParser("hermes", names=NAMES)
+        for i, piece in enumerate(pieces):
+            if any(k == "content" for k, _ in parser.feed(piece)):
+                return i
+        return None
+
+    assert first_content(["``", "`py", "thon\n", "def f():\n", "    pass\n", "```"]) == 1
+    assert first_content(["```", "json\n", '{"answer"', ": 42}\n", "```"]) == 2
+    assert first_content(['{"ans', 'wer": 42}']) == 0          # no call key starts with "ans"
+    assert first_content(['{"name": "rm', '_rf", "arguments": {}}']) == 0
+    assert first_content(['{"name": 5, ', '"x": 1}']) == 0
+    assert first_content(['{"name": "get_', 'weather", "arguments": {"city": "Paris"}}']) is None   # a call
+    assert first_content(["```json\n", '{"name": "get_time", ', '"arguments": {}}\n```']) is None
+    assert parse("```python\n{\"name\": \"b\", \"arguments\": {}}\n```", "hermes", names=NAMES)[1] == []
+
+
 def test_stream_releases_a_tag_named_in_prose():
     """F15: once the text after "<tool_call>" cannot be a call's JSON, it streams as content."""
     parser = ToolCallParser("hermes", names=NAMES)
