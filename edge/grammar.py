@@ -62,8 +62,8 @@ class Grammar:
 
 def json_schema(schema) -> Grammar:
     """The grammar of JSON values valid against ``schema`` (a dict, a JSON string of one, or a
-    bool: true = any JSON value), laid out compactly (:func:`with_layout`; a keyword llguidance
-    does not implement is an error, not ignored).
+    bool: true = any JSON value), as :func:`prepare` gives it to llguidance (laid out compactly;
+    another keyword llguidance does not implement is an error, not ignored).
 
     Raises:
         GrammarError: not a JSON object / bool, ``false`` (no value is valid).
@@ -84,16 +84,90 @@ def json_schema(schema) -> Grammar:
 
     text = json.dumps(schema)
     try:
-        definition = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(with_layout(schema)))
+        definition = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(prepare(schema)))
     except (ValueError, TypeError) as e:
         raise GrammarError(f"invalid JSON schema: {_short(str(e))}") from None
     return _checked(Grammar("json_schema", text, definition))
 
 
-def with_layout(schema: dict) -> dict:
-    """``schema`` with llguidance's layout options set to JSON_LAYOUT, unless it sets its own
-    ``x-guidance`` (llguidance's options: whitespace_flexible, whitespace_pattern, ...)."""
-    return schema if "x-guidance" in schema else {**schema, "x-guidance": JSON_LAYOUT}
+def prepare(schema: dict) -> dict:
+    """``schema`` as edge gives it to llguidance: laid out as JSON_LAYOUT unless it sets its own
+    ``x-guidance`` (llguidance's options: whitespace_flexible, whitespace_pattern, ...); a
+    ``oneOf`` whose branches a required ``const`` property tells apart (pydantic's discriminated
+    unions) as the ``anyOf`` it equals; ``uniqueItems`` dropped (not enforced: llguidance has no
+    such constraint; pydantic's ``set[...]`` parses duplicates anyway). Returns a new schema."""
+    root = schema
+
+    def rewrite(node: dict) -> dict:
+        node.pop("uniqueItems", None)
+        if isinstance(node.get("oneOf"), list) and _disjoint(node["oneOf"], root):
+            node["anyOf"] = node.pop("oneOf")
+            node.pop("discriminator", None)
+        return node
+
+    out = map_schemas(schema, rewrite)
+    return out if "x-guidance" in out else {**out, "x-guidance": JSON_LAYOUT}
+
+
+def _disjoint(branches: list, root: dict) -> bool:
+    """True when one property is required with a distinct ``const`` (or one-value ``enum``) in
+    every branch (local ``$ref`` branches followed once), so no value matches two branches."""
+    tags = []
+    for branch in branches:
+        if isinstance(branch, dict) and isinstance(branch.get("$ref"), str):
+            branch = _local_ref(root, branch["$ref"])
+        if not isinstance(branch, dict) or not isinstance(branch.get("properties"), dict):
+            return False
+        consts = {}
+        for name, prop in branch["properties"].items():
+            if name in (branch.get("required") or ()) and isinstance(prop, dict):
+                if "const" in prop:
+                    consts[name] = json.dumps(prop["const"], sort_keys=True)
+                elif isinstance(prop.get("enum"), list) and len(prop["enum"]) == 1:
+                    consts[name] = json.dumps(prop["enum"][0], sort_keys=True)
+        tags.append(consts)
+    common = set.intersection(*(set(t) for t in tags)) if tags else set()
+    return any(len({t[name] for t in tags}) == len(tags) for name in common)
+
+
+def _local_ref(root: dict, ref: str):
+    """The subschema a "#/..." JSON pointer names in ``root``, or None."""
+    if not ref.startswith("#/"):
+        return None
+    node = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties", "additionalItems", "unevaluatedProperties", "unevaluatedItems",
+               "contains", "propertyNames", "not", "if", "then", "else")
+
+
+def map_schemas(schema, fn, skip: tuple[str, ...] = ()):
+    """``schema`` with ``fn`` (dict -> dict, given a copy) applied to it and then to each of its
+    subschemas (the JSON Schema keywords that hold schemas, not the keys of ``properties``);
+    keywords in ``skip`` are left as they are. Returns a new schema."""
+    if not isinstance(schema, dict):
+        return schema
+    out = fn(dict(schema))
+    for key in _SUBSCHEMA_MAPS:
+        if key not in skip and isinstance(out.get(key), dict):
+            out[key] = {k: map_schemas(v, fn, skip) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if key not in skip and isinstance(out.get(key), list):
+            out[key] = [map_schemas(v, fn, skip) for v in out[key]]
+    for key in _SUBSCHEMAS:
+        if key not in skip and isinstance(out.get(key), dict):
+            out[key] = map_schemas(out[key], fn, skip)
+        elif key == "items" and key not in skip and isinstance(out.get(key), list):
+            out[key] = [map_schemas(v, fn, skip) for v in out[key]]
+    return out
 
 
 def gbnf(text: str) -> Grammar:

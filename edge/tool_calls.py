@@ -167,34 +167,20 @@ def _compile_error(params_json: str) -> str | None:
     return None
 
 
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
-_SUBSCHEMAS = ("items", "additionalProperties", "contains", "propertyNames", "not", "if", "then", "else")
-
-
 def closed(schema):
     """``schema`` (a tool's parameters) with ``"additionalProperties": false`` on every object
     schema that lists ``properties`` and says nothing of other keys (llama.cpp's
     json-schema-to-grammar reads them so): forced arguments hold no invented keys. Schemas under
     ``allOf`` are left as they are (their objects are merged). Returns a new schema."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    if isinstance(out.get("properties"), dict) and "allOf" not in out and not any(
-            k in out for k in ("additionalProperties", "patternProperties", "unevaluatedProperties")):
-        out["additionalProperties"] = False
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {k: closed(v) for k, v in out[key].items()}
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [closed(v) for v in out[key]]
-    for key in _SUBSCHEMAS:
-        if isinstance(out.get(key), dict):
-            out[key] = closed(out[key])
-        elif key == "items" and isinstance(out.get(key), list):
-            out[key] = [closed(v) for v in out[key]]
-    return out
+    from edge.grammar import map_schemas
+
+    def close(node: dict) -> dict:
+        if isinstance(node.get("properties"), dict) and "allOf" not in node and not any(
+                k in node for k in ("additionalProperties", "patternProperties", "unevaluatedProperties")):
+            node["additionalProperties"] = False
+        return node
+
+    return map_schemas(schema, close, skip=("allOf",))
 
 
 def chosen_tools(tools: list[dict], tool_choice) -> tuple[str, list[dict]]:
@@ -223,14 +209,14 @@ def _body_rules(tools: list[dict], fmt: str) -> str:
     "arguments": `` (llama3: "parameters") written out, then the tool's ``parameters`` (closed)
     as its own ``%json`` rule, so each schema keeps its root ("#/$defs/..." refs resolve), laid
     out as edge.grammar.JSON_LAYOUT."""
-    from edge.grammar import with_layout
+    from edge.grammar import prepare
 
     key = "parameters" if fmt == "llama3" else "arguments"
     alts, rules = [], []
     for i, tool in enumerate(tools):
         head = json.dumps(f'{{"name": "{tool["function"]["name"]}", "{key}": ')
         alts.append(f'{head} args{i} "}}"')
-        rules.append(f"args{i}: %json {json.dumps(with_layout(closed(tool['function']['parameters'])))}\n")
+        rules.append(f"args{i}: %json {json.dumps(prepare(closed(tool['function']['parameters'])))}\n")
     return "body: " + " | ".join(alts) + "\n" + "".join(rules)
 
 

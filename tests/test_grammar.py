@@ -216,6 +216,36 @@ def test_bad_grammars_are_grammar_errors(make, value, message):
         make(value)
 
 
+PETS = {"$defs": {"Cat": {"type": "object", "required": ["k", "meows"], "properties": {
+                     "k": {"const": "cat"}, "meows": {"type": "integer"}}},
+                 "Dog": {"type": "object", "required": ["k", "barks"], "properties": {
+                     "k": {"enum": ["dog"]}, "barks": {"type": "number"}}}},
+        "type": "object", "required": ["pet", "tags"], "properties": {
+            "pet": {"oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+                    "discriminator": {"propertyName": "k"}},
+            "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+            "uniqueItems": {"type": "boolean"}}}
+
+
+def test_discriminated_one_of_and_unique_items():
+    """F26: a oneOf whose branches a required const tells apart (pydantic's discriminated
+    unions) is the anyOf it equals; uniqueItems (pydantic's set[...]) is dropped, not a 400 (a
+    property named uniqueItems stays); other oneOfs stay llguidance's 400."""
+    from edge.grammar import JSON_LAYOUT, prepare
+
+    out = prepare(PETS)
+    assert out["properties"]["pet"] == {"anyOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}]}
+    assert out["properties"]["tags"] == {"type": "array", "items": {"type": "string"}}
+    assert out["properties"]["uniqueItems"] == {"type": "boolean"} and out["x-guidance"] == JSON_LAYOUT
+    assert out["$defs"] == PETS["$defs"] and PETS["properties"]["tags"]["uniqueItems"] is True   # a copy
+    assert json_schema(PETS).kind == "json_schema"
+    same = {"oneOf": [{"type": "object", "required": ["k"], "properties": {"k": {"const": 1}, "a": {}}},
+                      {"type": "object", "required": ["k"], "properties": {"k": {"const": 1}, "b": {}}}]}
+    assert "oneOf" in prepare(same)
+    with pytest.raises(GrammarError, match="oneOf"):
+        json_schema(same)
+
+
 def test_options_read_files_and_name_the_flag(tmp_path):
     f = tmp_path / "s.json"
     f.write_text(json.dumps({"type": "integer"}))

@@ -173,6 +173,34 @@ def test_openai_math_example_finishes(client):
     assert final.choices[0].message.content == text and final.choices[0].finish_reason == "stop"
 
 
+class Cat(pydantic.BaseModel):
+    pet_type: Literal["cat"]
+    lives: int
+
+
+class Dog(pydantic.BaseModel):
+    pet_type: Literal["dog"]
+    good: bool
+
+
+class Owner(pydantic.BaseModel):
+    name: str
+    pet: Cat | Dog = pydantic.Field(discriminator="pet_type")
+    hobbies: set[str]
+
+
+def test_client_parse_with_a_discriminated_union_and_a_set(client):
+    """F26: pydantic's discriminated union (oneOf + discriminator) and set[str] (uniqueItems)
+    through chat.completions.parse: an Owner, not a 400."""
+    schema = Owner.model_json_schema()
+    assert "oneOf" in schema["properties"]["pet"] and schema["properties"]["hobbies"]["uniqueItems"] is True
+    r = client.chat.completions.parse(model=MODEL, temperature=0, max_tokens=120, response_format=Owner,
+                                      messages=[{"role": "user", "content": "Alice has a dog; she likes chess."}])
+    parsed = r.choices[0].message.parsed
+    assert r.choices[0].finish_reason == "stop" and isinstance(parsed, Owner)
+    assert parsed == Owner(name="Alice", pet=Dog(pet_type="dog", good=True), hobbies={"chess"})
+
+
 def test_json_object_streamed_equals_not_streamed(client):
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Describe a cat in JSON."}], temperature=0,
               max_tokens=80, response_format={"type": "json_object"})
