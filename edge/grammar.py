@@ -183,11 +183,24 @@ def gbnf(text: str) -> Grammar:
         raise GrammarError("the grammar is empty")
     import llguidance
 
+    _fix_gbnf_converter()
     try:
         definition = llguidance.grammar_from("gbnf", text)
     except Exception as e:          # the converter raises ValueError, and others on odd input
         raise GrammarError(f"invalid grammar: {_short(str(e))}") from None
     return _checked(Grammar("gbnf", text, definition))
+
+
+def _fix_gbnf_converter() -> None:
+    """llguidance 1.9.1's GBNF -> Lark converter (llguidance.gbnf_to_lark) writes a repetition
+    inside a repeated group without the group's parentheses (``("a"{2})+`` becomes
+    ``"a"{2,2}+``, which its Lark parser refuses; llama.cpp takes it): a repetition is not
+    atomic. Set once, while the converter's class still inherits ASTNode's answer."""
+    from llguidance import gbnf_to_lark
+
+    node = getattr(gbnf_to_lark, "RepetitionNode", None)
+    if node is not None and "is_atomic" not in vars(node):
+        node.is_atomic = lambda self: False
 
 
 def lark(text: str) -> Grammar:

@@ -87,6 +87,19 @@ def test_mask_bans_exactly_what_the_grammar_refuses(engine):
     assert m.compile_seconds > 0 and m.mask_calls == 5
 
 
+def test_repetition_inside_a_repeated_group(engine):
+    """F20: llama.cpp's GBNF ("a"{2})+ (llguidance's converter dropped the group's parentheses
+    and refused it): pairs of a, as many as wanted."""
+    tok = engine.tokenizer
+    for text in ('root ::= ("a"{2})+', 'root ::= ("a"{1,2}){2}', 'root ::= ("a"{2})? "b"'):
+        assert gbnf(text).kind == "gbnf"
+    mask = GrammarMask(gbnf('root ::= ("a"{2})+'), tok, len(PROMPT))
+    assert _allowed(mask, PROMPT, tok.n_vocab) == {ID["a"]}
+    assert _allowed(mask, PROMPT + [ID["a"]], tok.n_vocab) == {ID["a"]}
+    assert _allowed(mask, PROMPT + [ID["a"]] * 2, tok.n_vocab) == {ID["a"], IM_END}
+    assert _allowed(mask, PROMPT + [ID["a"]] * 3, tok.n_vocab) == {ID["a"]}
+
+
 def test_logits_beyond_the_vocabulary_and_bias_are_banned(engine):
     tok = engine.tokenizer
     mask = GrammarMask(gbnf('root ::= "a" | "b"'), tok, 0)
