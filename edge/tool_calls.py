@@ -7,13 +7,14 @@ Formats, chosen from the text of the model's chat template (:func:`detect_format
   any number, text around them is content (the prompt format the Qwen2.5 template describes);
   small models often leave the tags out, so an answer that is wholly such a JSON object (or
   ``generic``'s shapes), bare or in a Markdown code fence (no language or json), naming one of
-  the tools, is a call too.
+  the tools, is a call too, and so are such objects one after another.
 - ``llama3`` (Llama 3.1-3.3): the whole answer is one JSON object ``{"name": ...,
-  "parameters": {...}}`` (or "arguments"), possibly after ``<|python_tag|>``; several are
-  separated by ``;`` (Meta's llama-models prompt-format documentation).
-- ``mistral``: ``[TOOL_CALLS]`` then a JSON array of ``{"name", "arguments"}`` objects (Mistral's
-  tokenizer documentation, v3 tool-call format); the tag is a control token, which the text
-  of an answer may not show, so the array alone is taken too.
+  "parameters": {...}}`` (or "arguments"), possibly after ``<|python_tag|>`` (which may follow
+  some text: that is content); several are separated by ``;`` (Meta's llama-models
+  prompt-format documentation).
+- ``mistral``: ``[TOOL_CALLS]`` (after some content or none) then a JSON array of ``{"name",
+  "arguments"}`` objects (Mistral's tokenizer documentation, v3 tool-call format); the tag is a
+  control token, which the text of an answer may not show, so the array alone is taken too.
   ``<|python_tag|>`` (llama3) likewise.
 - ``generic`` (any other template): the Hermes tags, or an answer that is wholly a JSON object
   ``{"name", "arguments"}`` / ``{"tool_call": {...}}`` / ``{"tool_calls": [...]}``.
@@ -281,8 +282,9 @@ def _call(obj, keys=("arguments", "parameters")) -> ToolCall | None:
 
 def _json_calls(text: str, fmt: str, names: set[str] | None = None) -> list[ToolCall] | None:
     """The calls of a whole-answer JSON format (llama3, mistral, generic; a Markdown code fence
-    around it is taken off), or None when ``text`` is not one or names a function not in
-    ``names`` (None: any)."""
+    around it is taken off; hermes and generic take several call objects separated by
+    whitespace too), or None when ``text`` is not one or names a function not in ``names``
+    (None: any)."""
     text = text.strip()
     fence = _FENCE.match(text)
     if fence:
@@ -296,8 +298,10 @@ def _json_calls(text: str, fmt: str, names: set[str] | None = None) -> list[Tool
     try:
         if fmt == "llama3":
             values = [json.loads(part) for part in _split_top_level(text, ";")]
-        else:
+        elif fmt == "mistral":
             values = [json.loads(text)]
+        else:                # one value, or call objects one after another (small models write them so)
+            values = _json_values(text)
     except ValueError:
         return None
     if fmt == "mistral":
@@ -312,6 +316,18 @@ def _json_calls(text: str, fmt: str, names: set[str] | None = None) -> list[Tool
     if not calls or not all(calls) or (names is not None and any(c.name not in names for c in calls)):
         return None
     return calls
+
+
+def _json_values(text: str) -> list:
+    """The JSON values of ``text``, one after another with whitespace between them. Raises
+    ValueError when it is not that."""
+    decoder, values, pos = json.JSONDecoder(), [], 0
+    while pos < len(text):
+        value, pos = decoder.raw_decode(text, pos)
+        values.append(value)
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+    return values
 
 
 def _split_top_level(text: str, sep: str) -> list[str]:
@@ -379,11 +395,18 @@ class ToolCallParser:
                 self._whole = True
             else:
                 self._started = True
-        if self._whole:
-            if not self._not_a_call():
-                return []
-            self._whole, self._started = False, True      # decided: text, streamed from here
-        return self._scan(final=False)
+        if not self._whole:
+            return self._scan(final=False)
+        if not self._not_a_call():
+            return []
+        self._whole, self._started = False, True      # decided: text, streamed from here
+        out, lead = [], self._buf.lstrip()
+        tag = next((t for t in (PYTHON_TAG, MISTRAL_TAG) if lead.startswith(t)), None)
+        if tag is not None and self.fmt in ("llama3", "mistral"):     # the tag is text: scan on after it
+            cut = len(self._buf) - len(lead) + len(tag)
+            out = self._content(self._space + self._buf[:cut])
+            self._buf, self._space = self._buf[cut:], ""
+        return _merge(out + self._scan(final=False))
 
     def finish(self) -> list[tuple[str, object]]:
         """Events for whatever is held at the end of the answer."""
@@ -399,6 +422,7 @@ class ToolCallParser:
             if tag is not None and _unclosed(lead[len(tag):]):
                 self._buf = ""                # a tagged call cut short: no content
                 return []
+            self._buf, self._space = self._space + self._buf, ""
         self._started, self._whole = True, False     # not a call: the text as it is
         return self._scan(final=True)
 
@@ -469,6 +493,20 @@ class ToolCallParser:
         """Hermes tags through the buffer (every format accepts them except the JSON-only ones)."""
         out: list[tuple[str, object]] = []
         tags = self.fmt in ("hermes", "generic")
+        if not tags and not final:    # llama3 / mistral: a call's tag after some text starts the call
+            tag = PYTHON_TAG if self.fmt == "llama3" else MISTRAL_TAG
+            j = self._buf.find(tag)
+            if j >= 0:
+                text = self._buf[:j]
+                self._space = text[len(text.rstrip()):]     # content again if no call follows
+                out += self._content(text.rstrip())
+                self._buf, self._whole = self._buf[j:], True
+                return out
+            keep = _partial_suffix(self._buf, tag)
+            keep = len(self._buf) - len(self._buf[:len(self._buf) - keep].rstrip())
+            out += self._content(self._buf[:len(self._buf) - keep])
+            self._buf = self._buf[len(self._buf) - keep:]
+            return out
         while self._buf and not self._done:
             if not self._in_call:
                 j = self._buf.find(HERMES_OPEN) if tags else -1

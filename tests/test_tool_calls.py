@@ -84,6 +84,16 @@ CASES = [  # (format, answer, content, [(name, arguments)])
     ("hermes", "Qwen wraps calls in a <tool_call> tag; see the docs.",
      "Qwen wraps calls in a <tool_call> tag; see the docs.", []),
     ("hermes", "Use <tool_call> and </tool_call> tags.", "Use <tool_call> and </tool_call> tags.", []),
+    # F16: text before a llama3 / mistral tag; untagged calls one after another
+    ("llama3", 'Sure. <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', "Sure.",
+     [("get_weather", {"city": "Paris"})]),
+    ("mistral", 'Let me check. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]', "Let me check.",
+     [("get_weather", {"city": "Paris"})]),
+    ("llama3", "Tags look like <|python_tag|>, see.", "Tags look like <|python_tag|>, see.", []),
+    ("hermes", '{"name": "get_weather", "arguments": {"city": "Paris"}}\n{"name": "get_time", "arguments": '
+               '{"city": "Tokyo"}}', None, [("get_weather", {"city": "Paris"}), ("get_time", {"city": "Tokyo"})]),
+    ("hermes", '{"name": "get_weather", "arguments": {}}\n{"x": 1}', '{"name": "get_weather", "arguments": {}}\n{"x": 1}',
+     []),
     # F16: a tagged call must name a given tool too
     ("hermes", '<tool_call>{"name": "rm_rf", "arguments": {"path": "/"}}</tool_call>',
      '<tool_call>{"name": "rm_rf", "arguments": {"path": "/"}}</tool_call>', []),
