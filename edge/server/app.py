@@ -739,6 +739,7 @@ class _Handlers:
 
     async def chat(self, request: Request):
         body = await _body(request, self.state, P.ChatCompletionRequest)
+        body.check_tool_messages()
         run = await self.start_chat(request, body)
         return await _respond(run, body.stream, bool(body.stream_options and body.stream_options.include_usage))
 
