@@ -330,9 +330,10 @@ def _json_values(text: str) -> list:
     return values
 
 
-def _split_top_level(text: str, sep: str) -> list[str]:
-    """``text`` split at ``sep`` outside JSON strings, objects and arrays."""
-    parts, depth, start, in_str, esc = [], 0, 0, False, False
+def _json_scan(text: str):
+    """Yield (index, char, depth, in_str) after each character of ``text``: the JSON objects and
+    arrays open, and whether it is inside a string."""
+    depth, in_str, esc = 0, False, False
     for i, ch in enumerate(text):
         if in_str:
             esc, in_str = (not esc and ch == "\\"), in_str and (esc or ch != '"')
@@ -342,7 +343,14 @@ def _split_top_level(text: str, sep: str) -> list[str]:
             depth += 1
         elif ch in "}]":
             depth -= 1
-        elif ch == sep and depth == 0:
+        yield i, ch, depth, in_str
+
+
+def _split_top_level(text: str, sep: str) -> list[str]:
+    """``text`` split at ``sep`` outside JSON strings, objects and arrays."""
+    parts, start = [], 0
+    for i, ch, depth, in_str in _json_scan(text):
+        if ch == sep and depth == 0 and not in_str:
             parts.append(text[start:i])
             start = i + 1
     parts.append(text[start:])
@@ -572,16 +580,9 @@ class ToolCallParser:
 
 def _unclosed(text: str) -> bool:
     """True when ``text`` ends inside a JSON string, object or array (JSON cut short)."""
-    depth, in_str, esc = 0, False, False
-    for ch in text:
-        if in_str:
-            esc, in_str = (not esc and ch == "\\"), in_str and (esc or ch != '"')
-        elif ch == '"':
-            in_str = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
+    depth, in_str = 0, False
+    for _, _, depth, in_str in _json_scan(text):
+        pass
     return in_str or depth > 0
 
 

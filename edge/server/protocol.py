@@ -471,8 +471,9 @@ class ChatCompletionRequest(_Sampling):
 
     def check_tool_messages(self) -> None:
         """OpenAI's rules for ``role: "tool"`` messages (its chat route; other APIs' adapters have
-        their own): each has a ``tool_call_id`` and answers a call of the assistant message
-        before it (other tool messages between them).
+        their own): each answers a call of the assistant message before it (other tool messages
+        between them), by its ``tool_call_id`` when it has one (left out, as llama-server takes
+        it: OpenAI would 400).
 
         Raises:
             APIError: 400 naming the message (``messages.N.tool_call_id`` / ``messages.N``).
@@ -483,13 +484,10 @@ class ChatCompletionRequest(_Sampling):
                 calls = {c.id for c in m.tool_calls} if m.tool_calls else None
             elif m.role != "tool":
                 calls = None
-            elif m.tool_call_id is None:
-                raise APIError(400, f"messages.{i}.tool_call_id: Missing required parameter: a tool message answers "
-                                    "a call by its id", param=f"messages.{i}.tool_call_id", code="invalid_value")
             elif calls is None:
                 raise APIError(400, f"messages.{i}: messages with role 'tool' must be a response to a preceding "
                                     "message with 'tool_calls'", param=f"messages.{i}", code="invalid_value")
-            elif None not in calls and m.tool_call_id not in calls:
+            elif m.tool_call_id is not None and None not in calls and m.tool_call_id not in calls:
                 raise APIError(400, f"messages.{i}.tool_call_id: {_short(m.tool_call_id)} is not the id of a call of "
                                     "the assistant message before it", param=f"messages.{i}.tool_call_id",
                                code="invalid_value")
