@@ -684,6 +684,16 @@ def test_cut_calls_keep_the_complete_ones(server):
         ("stop", None, None), choice
 
 
+def test_streamed_call_only_answer_has_null_content(client):
+    """F27: the first streamed delta of a request with tools has content null (OpenAI's), so the
+    client's accumulated message of a call-only answer has content None (without tools: "")."""
+    r = _ask(client, MODEL, QUESTION, True, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    message = r.choices[0].message
+    assert message.content is None and [c.function.name for c in message.tool_calls] == ["get_weather"]
+    r = _ask(client, MODEL, QUESTION, True, tools=[WEATHER], tool_choice="none", max_tokens=8)
+    assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
+
+
 def test_tool_choice_none_answers_in_words(client):
     r = _ask(client, MODEL, QUESTION, False, tools=[WEATHER], tool_choice="none", max_tokens=12)
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content

@@ -663,7 +663,9 @@ class ChatRun(_Run):
         """The chat.completion.chunk objects: the role first, then per Delta its deltas, the
         last with finish_reason. Raises APIError for a failure mid-generation."""
         try:
-            yield self._chunk({"role": "assistant", "content": ""})
+            # with tools the answer may be only calls: content null, as OpenAI's (a client's
+            # accumulated message then has content None, not "")
+            yield self._chunk({"role": "assistant", "content": "" if self.parser is None else None})
             async for ev in self.stream.events():
                 for c in self._chunks_of(ev, finish=ev.finish_reason if isinstance(ev, Finished) else None):
                     yield c
