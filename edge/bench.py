@@ -84,7 +84,7 @@ BATCH_PROMPT_LEN = 8
 SEED = 1234
 _LLAMA_CHILD = Path(__file__).with_name("bench_llama_cpp.py")
 JSON_PROMPT = "Write a JSON array of 500 made-up people, each with an id, a name, an age and an email."
-JSON_SCHEMA = {"type": "array", "items": {
+JSON_SCHEMA = {"type": "array", "minItems": 3, "items": {
     "type": "object", "additionalProperties": False, "required": ["id", "name", "age", "email"],
     "properties": {"id": {"type": "integer"}, "name": {"type": "string"},
                    "age": {"type": "integer", "minimum": 0, "maximum": 120}, "email": {"type": "string"}}}}

@@ -56,7 +56,7 @@ from edge.server.metrics import Metrics
 from edge.server.pool import DEFAULT_KEEP_ALIVE, ModelPool, ModelSlot
 from edge.server.scheduler import STEP_LOCK, Delta, Failed, Finished, QueueFull, Scheduler
 from edge.server.scheduler import Request as GenRequest
-from edge.tool_calls import ToolCallParser, call_grammar, lazy_call_grammar
+from edge.tool_calls import ToolCallParser, call_grammar, lazy_call_grammar, template_renders_tools
 from edge.tool_calls import detect_format as tool_format
 
 MAX_TOP_LOGPROBS = 20
@@ -397,12 +397,13 @@ def _lazy_tool_mask(allowed: list[dict], fmt: str, parallel: bool, engine, n_pro
 
 def _tool_message(parser: ToolCallParser, message: dict, finish: str) -> tuple[dict, str]:
     """(the chat message, finish_reason) with its content read for tool calls: content outside
-    the calls (None when there is none), tool_calls, finish_reason "tool_calls" when it has some."""
+    the calls (None when there is none), tool_calls, finish_reason "tool_calls" when it has some
+    (a cut by max_tokens stays "length", as OpenAI reports it)."""
     events = parser.feed(message["content"] or "") + parser.finish()
     message = {**message, "content": "".join(v for k, v in events if k == "content") or None}
     if parser.calls:
         message["tool_calls"] = [c.openai() for c in parser.calls]
-        finish = "tool_calls"
+        finish = "length" if finish == "length" else "tool_calls"
     return message, finish
 
 
@@ -653,7 +654,7 @@ class ChatRun(_Run):
         parts = self.reasoning.deltas(ev.text if finish is None else "", final=finish is not None)
         if self.parser is not None:
             parts = _tool_deltas(self.parser, parts, final=finish is not None)
-            finish = "tool_calls" if finish is not None and self.parser.calls else finish
+            finish = "tool_calls" if finish not in (None, "length") and self.parser.calls else finish
         if lps and not parts:
             parts = [self.reasoning.empty_delta()]
         out = [self._chunk(d, lps=lps if i == len(parts) - 1 else None) for i, d in enumerate(parts)]
@@ -663,7 +664,9 @@ class ChatRun(_Run):
         """The chat.completion.chunk objects: the role first, then per Delta its deltas, the
         last with finish_reason. Raises APIError for a failure mid-generation."""
         try:
-            yield self._chunk({"role": "assistant", "content": ""})
+            # with tools the answer may be only calls: content null, as OpenAI's (a client's
+            # accumulated message then has content None, not "")
+            yield self._chunk({"role": "assistant", "content": "" if self.parser is None else None})
             async for ev in self.stream.events():
                 if isinstance(ev, Finished):
                     self.fin = ev
@@ -827,6 +830,7 @@ class _Handlers:
 
     async def chat(self, request: Request):
         body = await _body(request, self.state, P.ChatCompletionRequest)
+        body.check_tool_messages()
         run = await _start_n(self.start_chat, request, body)
         return await _respond(run, body.stream, bool(body.stream_options and body.stream_options.include_usage))
 
@@ -847,6 +851,10 @@ class _Handlers:
         body.check_unsupported()
         grammar, grammar_param = body.constraint()
         tool_mode, tools, allowed = body.tool_setup()
+        if tools and engine.template is not None and not template_renders_tools(engine.template):
+            raise P.APIError(400, f"tools: model {slot.name!r} does not support tools (its chat template does not "
+                                  "render them); leave tools out or send tool_choice: \"none\"", param="tools",
+                             code="unsupported_value")
         if body.max_completion_tokens is not None:     # OpenAI's newer name wins
             max_tokens, max_tokens_param = body.max_completion_tokens, "max_completion_tokens"
         else:
@@ -870,8 +878,8 @@ class _Handlers:
         fmt = tool_format(engine.template.source if engine.template is not None else None)
         if tool_mode == "required":
             grammar, grammar_param = _tool_grammar(allowed, fmt, body.parallel_tool_calls, grammar_param)
-        parser = ToolCallParser(fmt, body.parallel_tool_calls, [t["function"]["name"] for t in allowed]) \
-            if tool_mode != "none" else None
+        parser = ToolCallParser(fmt, body.parallel_tool_calls, [t["function"]["name"] for t in allowed],
+                                forced=tool_mode == "required") if tool_mode != "none" else None
         processors = await run_in_threadpool(_processors, grammar, grammar_param, engine, len(ids))
         if tool_mode == "auto" and not processors:
             processors = await run_in_threadpool(_lazy_tool_mask, allowed, fmt, body.parallel_tool_calls, engine,

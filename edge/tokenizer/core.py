@@ -112,6 +112,15 @@ class Tokenizer:
         """The token's llama.cpp attributes (after llama.cpp's text-based fix-ups)."""
         return TokenAttr(self._attrs[self._check_id(token_id)])
 
+    def special_texts(self) -> list[str]:
+        """The texts that ``parse_special`` matches and ``protect`` guards (control and unknown
+        tokens), longest first: text from a user must not reach the prompt as them."""
+        texts = getattr(self, "_special_texts", None)
+        if texts is None:
+            texts = {t.decode("utf-8", "replace") for i, t in self._specials_all if self._attrs[i] & _SPECIAL and t}
+            texts = self._special_texts = sorted(texts, key=lambda t: (-len(t), t))
+        return list(texts)
+
     def is_eog(self, token_id: int) -> bool:
         """True if generating this token ends generation (llama.cpp ``llama_vocab_is_eog``)."""
         return token_id in self.eog_ids
