@@ -234,3 +234,51 @@ def test_clients_switch_models_and_unload(router):
     with pytest.raises(ollama.ResponseError) as e:
         oc.chat(model="llama3.2", messages=[{"role": "user", "content": "hi"}])
     assert e.value.status_code == 404
+
+
+def test_several_hosts_and_an_alias(tmp_path, smollm2_path):
+    """--host A,B listens on both addresses; --alias names the -m model in responses and
+    /v1/models (the file's name still works)."""
+    import http.client
+    import os
+    import subprocess
+    import sys
+
+    from tests.server_process import _free_port
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "edge.cli", "serve", "-m", str(smollm2_path), "--alias", "my-model",
+                             "--host", "127.0.0.1,127.0.0.2", "--port", str(port), "-np", "1", "-c", "256"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "NUMBA_NUM_THREADS": "2"})
+    try:
+        def get(host, path, body=None):
+            conn = http.client.HTTPConnection(host, port, timeout=60)
+            if body is None:
+                conn.request("GET", path)
+            else:
+                conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            out = (r.status, json.loads(r.read()))
+            conn.close()
+            return out
+
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if get("127.0.0.1", "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else ""
+            time.sleep(0.2)
+        for host in ("127.0.0.1", "127.0.0.2"):
+            status, body = get(host, "/v1/models")
+            assert status == 200 and [m["id"] for m in body["data"]] == ["my-model"]
+        for name in ("my-model", SMOL, "anything"):
+            status, body = get("127.0.0.2", "/v1/chat/completions",
+                               {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+            assert status == 200 and body["model"] == "my-model", body
+    finally:
+        proc.terminate()
+        proc.wait(30)
