@@ -168,6 +168,16 @@ def test_models_max_unloads_the_least_recently_used(home, tmp_path_factory):
         assert done["reply"][0] == 200
         status, body = _chat(srv, QWEN)                  # idle again: room is made
         assert status == 200 and body["model"] == QWEN
+        # a request that names no model gets the default, loaded again after it was unloaded
+        assert _chat(srv, SMOL)[0] == 200 and _statuses(srv) == {QWEN: "unloaded", SMOL: "loaded"}
+        status, body = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                         "max_tokens": 2})
+        assert status == 200 and body["model"] == QWEN
+        assert _chat(srv, SMOL)[0] == 200
+        status, body = srv.post("/tokenize", {"content": "hi"})     # not loaded: 503 while it loads again
+        assert status == 503 and body["error"]["code"] == "loading"
+        _wait_status(srv, QWEN, "loaded", timeout=60)
+        assert srv.post("/tokenize", {"content": "hi"}) == (200, {"tokens": [6023]})
 
 
 def test_ctrl_c_while_the_model_loads(tmp_path, qwen_path):

@@ -218,8 +218,8 @@ class ServerState:
         the default model loads or when it failed to load."""
         self._check_loading()
         slot = self.pool.find(model)
-        if slot is None and model is None and self.pool.router:
-            raise P.APIError(503, "no model is loaded; name one in the request's model", code="loading")
+        if slot is None and model is None and self.pool.router:     # the default was unloaded: load it again
+            slot = self.pool._slot_to_load(self.pool.default_path, None)
         if slot is None or slot.status != "loaded":
             if slot is not None:
                 raise P.APIError(503, f"the model {slot.name!r} is loading; retry shortly", code="loading",
@@ -232,8 +232,6 @@ class ServerState:
         with ``any_name`` (the OpenAI and Anthropic routes) a server started with -m serves
         any name. Give it back with ``self.pool.release(slot)`` once the request is submitted."""
         self._check_loading()
-        if model is None and self.pool.default is None and self.pool.router:
-            model = self.config.model
         return await self.pool.acquire(model, keep_alive, any_name)
 
 

@@ -180,6 +180,7 @@ class ModelPool:
         self.load_timeout = load_timeout
         self.slots: dict[Path, ModelSlot] = {}
         self.default: ModelSlot | None = None
+        self.default_path: Path | None = None   # the default model's file, also while it is unloaded
         self._lock = threading.Lock()
         self.unloaded = 0          # models unloaded since start (metrics)
 
@@ -195,7 +196,7 @@ class ModelPool:
             slot.keep_alive = self.keep_alive
         with self._lock:
             self.slots[slot.path] = slot
-            self.default = slot
+            self.default, self.default_path = slot, slot.path
         return slot
 
     def find(self, model: str | None, any_name: bool = False) -> ModelSlot | None:
@@ -239,7 +240,8 @@ class ModelPool:
         if slot is None:
             if not self.router:
                 raise self._not_found(model)
-            path = await asyncio.to_thread(store_model, model)
+            # no name: the default model, loaded again when it was unloaded (its path is no name)
+            path = self.default_path if model is None else await asyncio.to_thread(store_model, model)
             if path is None:
                 raise self._not_found(model)
             deadline = time.monotonic() + BUSY_GRACE
@@ -281,11 +283,15 @@ class ModelPool:
         with self._lock:
             slot = self.slots.get(path)
             if slot is not None:
+                if path == self.default_path:
+                    self.default = slot
                 return slot
             slot = ModelSlot(path, arg)
             slot.keep_alive = self.keep_alive
             victims = self._make_room(slot)
             self.slots[path] = slot
+            if path == self.default_path:
+                self.default = slot
         for victim in victims:
             threading.Thread(target=self._unload, args=(victim,), name="edge-unload", daemon=True).start()
         threading.Thread(target=self._load, args=(slot,), name="edge-load", daemon=True).start()
