@@ -536,3 +536,22 @@ def test_ps_against_a_real_edge_serve(tmp_path, gemma_path):
         assert proc.returncode == 1 and "wants an API key" in proc.stderr
     proc = _edge("ps", "--unix-socket", sock)
     assert (proc.returncode, proc.stderr) == (1, f"no edge server is running on unix:{sock}\n")
+
+
+def test_run_takes_ollamas_model_then_prompt(store):
+    """`edge run MODEL PROMPT` (Ollama's order) runs MODEL; a lone model name is a usage error
+    naming the right command; two loose words are one quoted PROMPT."""
+    env = {}                                # the store fixture set EDGE_HOME
+    both = _edge("run", "tiny", "<t1><t2>", "--raw", "-n", "3", "--temp", "0", "-c", "64", env=env,
+                 input="", timeout=300)
+    flag = _edge("run", "-m", "tiny", "<t1><t2>", "--raw", "-n", "3", "--temp", "0", "-c", "64", env=env,
+                 input="", timeout=300)
+    assert both.returncode == flag.returncode == 0, both.stderr
+    assert both.stdout == flag.stdout and both.stdout
+    lone = _edge("run", "tiny", env=env, input="")
+    assert lone.returncode == 2
+    assert lone.stderr.splitlines()[-1] == ('edge run: error: tiny is a model: edge run tiny "PROMPT" (or edge chat '
+                                            '-m tiny to chat with it)')
+    loose = _edge("run", "say", "hi", env=env, input="")
+    assert loose.returncode == 2 and loose.stderr.splitlines()[-1] == 'edge run: error: one PROMPT, quoted: edge run ' \
+                                                                      '[-m MODEL] "say hi"'

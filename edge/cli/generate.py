@@ -17,9 +17,10 @@ def add_parsers(sub) -> None:
     run = sub.add_parser("run", help="generate text from a prompt, streamed to stdout",
                          description="Generate a completion. Instruct models get the prompt through "
                                      "their chat template; --raw sends it as is.")
-    run.add_argument("prompt_arg", nargs="?", metavar="PROMPT",
+    run.add_argument("prompt_arg", nargs="*", metavar="[MODEL] PROMPT",
                      help="the prompt; - reads it from stdin. Text piped to stdin is appended to PROMPT "
-                          "(edge run 'Explain:' < file.py)")
+                          "(edge run 'Explain:' < file.py). A model name before it is taken as -m, as "
+                          "`ollama run MODEL PROMPT` does")
     run.add_argument("-p", "--prompt", default=None, help="the prompt, as llama.cpp's -p (instead of PROMPT)")
     run.add_argument("-f", "--file", default=None, metavar="FILE",
                      help="read the prompt from FILE (appended to PROMPT when both are given), as llama.cpp's -f")
@@ -126,6 +127,35 @@ def cmd_run(args) -> int:
     return 0
 
 
+def _is_model_name(word: str) -> bool:
+    """True when ``word`` names a model as -m takes it by name (a registry name or alias, a
+    pulled store file's stem, a pulled Hub name), not a path."""
+    from edge.store import find_entry, models_dir, store_hf
+
+    if find_entry(word) is not None:
+        return True
+    if "/" in word and not store_hf.is_hub_name(word) or word.endswith(".gguf"):
+        return False
+    try:
+        return store_hf.is_hub_name(word) or (models_dir() / f"{word}.gguf").is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def _model_then_prompt(args, words: list[str]) -> str | None:
+    """PROMPT from the positional words: ``MODEL PROMPT`` (Ollama's order) sets -m; a lone word
+    that names a model is refused with the right command. Raises UsageError."""
+    if len(words) >= 2 and args.model is None and _is_model_name(words[0]):
+        args.model, words = words[0], words[1:]
+    if len(words) > 1:
+        raise UsageError(f"one PROMPT, quoted: edge run [-m MODEL] \"{' '.join(words)[:60]}\"")
+    if len(words) == 1 and args.model is None and args.prompt is None and args.file is None \
+            and _is_model_name(words[0]):
+        raise UsageError(f"{words[0]} is a model: edge run {words[0]} \"PROMPT\" (or edge chat -m {words[0]} to "
+                         "chat with it)")
+    return words[0] if words else None
+
+
 def run_prompt(args, stdin=None) -> str:
     """The prompt of ``edge run``: PROMPT (or -p), then the text of -f FILE, then stdin's text
     when PROMPT is ``-`` or stdin is not a terminal (a pipe or a file: Ollama's ``ollama run
@@ -138,6 +168,8 @@ def run_prompt(args, stdin=None) -> str:
         OSError: FILE cannot be read.
     """
     stdin = sys.stdin if stdin is None else stdin
+    if isinstance(args.prompt_arg, list):
+        args.prompt_arg = _model_then_prompt(args, args.prompt_arg)
     if args.prompt is not None and args.prompt_arg is not None:
         raise UsageError("give the prompt either as PROMPT or with -p, not both")
     given = args.prompt if args.prompt is not None else args.prompt_arg
