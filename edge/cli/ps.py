@@ -90,9 +90,10 @@ def _get_models(args, key: str | None) -> tuple[int, bytes]:
 
 
 def print_models(models: list) -> None:
-    """A table of /v1/models' entries: NAME (the id), then each other field in the order first
+    """A table of the loaded (or loading) models among /v1/models' entries: NAME (the id), then each other field in the order first
     seen (one level of nesting flattened: meta.n_ctx is N_CTX; ``created`` as a local time)."""
-    rows = [_flatten(m) for m in models if isinstance(m, dict)]
+    # the models the server holds: a server without -m lists every pulled model, with a status
+    rows = [_flatten(m) for m in models if isinstance(m, dict) and m.get("status", "loaded") in ("loaded", "loading")]
     if not rows:
         print("the edge server has no model loaded")
         return
