@@ -114,6 +114,7 @@ def test_keep_alive_zero_unloads_after_the_request(router):
 
 
 def test_load_and_unload_routes(router):
+    assert router.post("/models/load", {"model": SMOL})[0] == 200
     status, body = router.post("/models/unload", {"model": SMOL})
     assert status == 200 and body["success"] is True
     _wait_status(router, SMOL, "unloaded")

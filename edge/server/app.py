@@ -116,6 +116,7 @@ class ServerState:
                               memory_budget=config.models_memory, keep_alive=config.keep_alive,
                               load_timeout=config.load_timeout, on_event=config.on_event)
         self.load_error: str | None = None
+        self._stored: tuple | None = None          # (store key, list_models()) for /v1/models
         self.metrics = Metrics(self)
         self.created = int(time.time())
 
@@ -195,6 +196,20 @@ class ServerState:
     def max_piece_bytes(self) -> int:
         slot = self.pool.default
         return slot.max_piece_bytes() if slot is not None and slot.engine is not None else 256
+
+    def stored_models(self) -> list[dict]:
+        """edge.store.list_models(), read again only when a store file changed (name, size or
+        modification time): it parses every GGUF header."""
+        from edge.store import list_models, models_dir
+
+        try:
+            key = tuple(sorted((p.name, st.st_size, st.st_mtime_ns) for p in models_dir().glob("*.gguf")
+                               for st in [p.stat()]))
+        except OSError:
+            key = None
+        if key is None or self._stored is None or self._stored[0] != key:
+            self._stored = (key, list_models())
+        return self._stored[1]
 
     def loaded(self) -> list[dict]:
         """The models in memory: {"name", "engine", "expires_at" (epoch seconds or None: kept),
@@ -981,9 +996,7 @@ class _Handlers:
         if not state.pool.router:
             engine, _ = state.require()
             return JSONResponse({"object": "list", "data": [_model_entry(state.pool.default, state)]})
-        from edge.store import list_models
-
-        stored = await run_in_threadpool(list_models)
+        stored = await run_in_threadpool(state.stored_models)
         held = {s.path.resolve(): s for s in list(state.pool.slots.values())}
         data = []
         for info in stored:
