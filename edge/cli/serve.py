@@ -88,7 +88,8 @@ def add_parser(sub) -> None:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from edge.server.app import ServerConfig, create_app
+    from edge.server.app import ServerConfig
+    from edge.server.asgi import create_app
     from edge.server.guard import check_api_key, parse_hosts, parse_origins
     from edge.server.transport import timed_protocol
     from edge.cli.models import resolve_with_bars

@@ -51,7 +51,7 @@ from edge.engine import ContextLengthExceeded
 from edge.generate import Limits
 from edge.grammar import GrammarError, GrammarMask, LazyGrammarMask, ll_tokenizer
 from edge.sampling import InvalidParameter, SamplingParams
-from edge.server import guard, llama_server, ollama, protocol as P, thinking
+from edge.server import guard, protocol as P, thinking
 from edge.server.metrics import Metrics
 from edge.server.pool import DEFAULT_KEEP_ALIVE, ModelPool, ModelSlot
 from edge.server.scheduler import STEP_LOCK, Delta, Failed, Finished, QueueFull, Scheduler
@@ -605,7 +605,7 @@ class _Run:
 
     def timings(self) -> dict:
         """llama-server's ``timings`` object (llama_server.timings), valid as usage()."""
-        return llama_server.timings(self.fin)
+        return self.fin.timings()
 
     def cancel(self) -> None:
         self.stream.cancel()
@@ -1030,7 +1030,7 @@ class _Handlers:
         engine, _ = self.state.require(body.model)
         ids = await run_in_threadpool(engine.tokenizer.encode, body.content, body.add_special, body.parse_special)
         if body.with_pieces:                       # llama-server's [{"id", "piece"}]
-            return JSONResponse({"tokens": llama_server.token_pieces(engine.tokenizer, ids)})
+            return JSONResponse({"tokens": P.token_pieces(engine.tokenizer, ids)})
         return JSONResponse({"tokens": [int(t) for t in ids]})
 
     async def detokenize(self, request: Request):
@@ -1106,76 +1106,3 @@ class RequestLog:
                 parts.append(f"ttft={fin.ttft:.3f}s")
         parts.append(f"{seconds:.3f}s")
         print("edge serve: " + " ".join(parts), file=sys.stderr, flush=True)
-
-
-def create_app(config: ServerConfig, load: bool = True) -> Starlette:
-    """The ASGI app. With ``load``, the model loads on a thread at startup (/health answers
-    503 until it is ready); the scheduler is stopped at shutdown after its requests finish."""
-    from edge.server import anthropic, embeddings, responses   # the other APIs' adapters build on this module
-
-    state = ServerState(config)
-    h = _Handlers(state)
-
-    def respond(path: str, err: P.APIError) -> Response:
-        """An error in the shape of the API ``path`` belongs to: llama-server's, Anthropic's or OpenAI's."""
-        if llama_server.serves(path):
-            return llama_server.error_response(path, err)
-        return anthropic.error_response(path, err) if anthropic.serves(path) else guard.openai_error(path, err)
-
-    async def on_error(request: Request, exc: Exception):
-        if isinstance(exc, P.APIError):
-            return respond(request.url.path, exc)
-        if isinstance(exc, HTTPException):
-            code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-            msg = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
-            return respond(request.url.path, P.APIError(exc.status_code, msg.get(exc.status_code, str(exc.detail)),
-                                                         code=code))
-        return respond(request.url.path, P.APIError(500, f"internal error: {type(exc).__name__}: {exc}",
-                                                    code="internal_error"))
-
-    routes = [
-        Route("/v1/chat/completions", h.chat, methods=["POST"]),
-        Route("/v1/completions", h.completions, methods=["POST"]),
-        Route("/v1/models", h.models, methods=["GET"]),
-        # llama-server's aliases: the OpenAI routes without /v1 (clients given base_url without it)
-        Route("/chat/completions", h.chat, methods=["POST"]),
-        Route("/completions", h.completions, methods=["POST"]),
-        Route("/models", h.models, methods=["GET"]),
-        Route("/v1/health", h.health, methods=["GET"]),
-        Route("/tokenize", h.tokenize, methods=["POST"]),
-        Route("/detokenize", h.detokenize, methods=["POST"]),
-        Route("/health", h.health, methods=["GET"]),
-        Route("/metrics", h.metrics, methods=["GET"]),
-        Route("/models/load", h.load_model, methods=["POST"]),
-        Route("/models/unload", h.unload_model, methods=["POST"]),
-        Route("/", h.root, methods=["GET", "HEAD"]),
-        *anthropic.routes(h),
-        *responses.routes(h),
-        *ollama.routes(h),    # Ollama's API (/api/chat, /api/generate, /api/tags ...) over start_chat / start_completion
-        *embeddings.routes(h),   # /v1/embeddings, /embedding(s) (Ollama's /api/embed: ollama.routes)
-        *llama_server.routes(h),   # llama-server's /completion, /infill, /props, /slots, /apply-template
-    ]
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        if load:
-            threading.Thread(target=state.load, name="edge-load", daemon=True).start()
-
-        async def reaper():          # unloads the models idle past their keep-alive
-            while True:
-                await asyncio.sleep(1.0)
-                with contextlib.suppress(Exception):
-                    await asyncio.to_thread(state.pool.reap)
-
-        task = asyncio.create_task(reaper())
-        yield
-        task.cancel()
-        await run_in_threadpool(state.pool.stop)
-
-    middleware = [Middleware(RequestLog, state=state, log=config.log_requests),
-                  *guard.middleware(config.host, config.allowed_hosts, config.cors_origins, config.api_key, respond)]
-    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
-                    exception_handlers={Exception: on_error, HTTPException: on_error, P.APIError: on_error})
-    app.state.edge = state
-    return app
-

@@ -45,6 +45,7 @@ from starlette.routing import Route
 from edge import __version__
 from edge.server import app as A
 from edge.server import protocol as P
+from edge.server.protocol import token_pieces  # noqa: F401  (/tokenize with_pieces)
 from edge.server.scheduler import STEP_LOCK, Delta, Finished, Progress, SlotRecord
 
 # llama-server's error types by status (server-common.cpp format_error_response)
@@ -80,22 +81,8 @@ def error_response(path: str, err: P.APIError) -> JSONResponse:
 # ---- timings ----------------------------------------------------------------------------------
 
 def timings(fin: Finished, predicted_n: int | None = None) -> dict:
-    """llama-server's ``timings`` of a generation from its Finished figures: cache_n (prompt
-    tokens the prefix cache held), prompt_n (prompt tokens computed), prompt_ms (admission to
-    the first token), predicted_n (tokens generated; ``predicted_n`` overrides
-    fin.completion_tokens), predicted_ms (first token to last), and the per-token and
-    per-second rates of both (0 where a count or a time is 0)."""
-    prompt_n = max(0, fin.prompt_tokens - fin.cached_tokens)
-    prompt_ms = fin.prompt_seconds * 1e3
-    n = fin.completion_tokens if predicted_n is None else predicted_n
-    predicted_ms = fin.generation_seconds * 1e3
-    return {"cache_n": fin.cached_tokens,
-            "prompt_n": prompt_n, "prompt_ms": prompt_ms,
-            "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
-            "prompt_per_second": 1e3 * prompt_n / prompt_ms if prompt_ms > 0 else 0.0,
-            "predicted_n": n, "predicted_ms": predicted_ms,
-            "predicted_per_token_ms": predicted_ms / n if n else 0.0,
-            "predicted_per_second": 1e3 * n / predicted_ms if predicted_ms > 0 else 0.0}
+    """llama-server's ``timings`` of a generation (Finished.timings)."""
+    return fin.timings(predicted_n)
 
 
 def _so_far(gen, n_tokens: int, reason: str = "length") -> Finished:
@@ -375,20 +362,6 @@ def _utf8_prefix(raw: bytes) -> str:
         except UnicodeDecodeError:
             continue
     return raw.decode("utf-8", errors="replace")
-
-
-def token_pieces(tok, ids: list[int]) -> list[dict]:
-    """/tokenize's ``with_pieces``: [{"id", "piece"}], the piece a string when its bytes are
-    valid UTF-8, else the list of its byte values (special tokens as their text)."""
-    out = []
-    for t in ids:
-        raw = tok.token_to_piece(int(t), special=True)
-        try:
-            piece: str | list[int] = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            piece = list(raw)
-        out.append({"id": int(t), "piece": piece})
-    return out
 
 
 def _prob_entry(tok, token: int, logprob: float) -> dict:

@@ -832,10 +832,10 @@ async def _ndjson(objects, run) -> Response:
                                                                   "X-Accel-Buffering": "no"})
 
 
-def routes(h) -> list[Route]:
-    """Ollama's routes over the OpenAI handlers ``h`` (app._Handlers)."""
-    from edge.server import embeddings
-
+def routes(h, extra=lambda o: []) -> list[Route]:
+    """Ollama's routes over the OpenAI handlers ``h`` (app._Handlers); ``extra(o)`` gives more
+    routes over the Ollama handlers ``o`` (edge.server.embeddings.ollama_routes: /api/embed,
+    /api/embeddings; passed in by edge.server.asgi, since embeddings builds on this module)."""
     o = _Ollama(h)
     return [
         Route("/api/chat", o.chat, methods=["POST"]),
@@ -845,7 +845,7 @@ def routes(h) -> list[Route]:
         Route("/api/ps", o.ps, methods=["GET"]),
         Route("/api/version", o.version, methods=["GET"]),
         Route("/api/pull", o.pull, methods=["POST"]),
-        *embeddings.ollama_routes(o),    # /api/embed, /api/embeddings
+        *extra(o),                       # /api/embed, /api/embeddings
         *(Route(p, o.not_served, methods=["POST", "DELETE"])
           for p in ("/api/push", "/api/create", "/api/copy", "/api/delete")),
         Route("/api/blobs/{digest}", o.not_served, methods=["POST", "HEAD"]),

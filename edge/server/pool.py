@@ -21,45 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from edge.server import protocol as P
+from edge.server.protocol import parse_keep_alive  # noqa: F401  (the pool's keep-alive values)
 
 GB = 1 << 30
 DEFAULT_KEEP_ALIVE = 300.0
 BUSY_GRACE = 2.0          # seconds a request waits for a held model to go idle before a 503
-
-
-_DURATION_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
-_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
-def parse_keep_alive(value, param: str = "keep_alive") -> float | None:
-    """Seconds a model stays loaded after its last request: None = forever (a negative number
-    or duration), 0 = unload when idle. Takes a number of seconds or a Go duration string
-    (Ollama's, time.ParseDuration: "5m", "1h30m", "300ms", "-1m", "0"; a number as text is
-    seconds). Raises APIError (400, param) otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise P.APIError(400, f"{param}: expected seconds or a duration such as \"5m\", got {value!r}",
-                         param=param, code="invalid_value")
-    if isinstance(value, str):
-        text = value.strip()
-        sign = -1.0 if text.startswith("-") else 1.0
-        body = text.lstrip("+-")
-        try:
-            seconds = float(body)
-        except ValueError:
-            parts = _DURATION_PART.findall(body)
-            if not parts or "".join(n + u for n, u in parts) != body:
-                raise P.APIError(400, f"{param}: {value[:40]!r} is not a duration (e.g. \"5m\", \"1h30m\", \"0\", "
-                                      "\"-1m\", or a number of seconds)", param=param, code="invalid_value") from None
-            seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
-        value = sign * seconds
-    return None if value < 0 else float(value)
 
 
 def physical_memory() -> int:

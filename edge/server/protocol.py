@@ -267,14 +267,40 @@ RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 _SCHEMA_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
 
+_DURATION_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_keep_alive(value, param: str = "keep_alive") -> float | None:
+    """Seconds a model stays loaded after its last request: None = forever (a negative number
+    or duration), 0 = unload when idle. Takes a number of seconds or a Go duration string
+    (Ollama's, time.ParseDuration: "5m", "1h30m", "300ms", "-1m", "0"; a number as text is
+    seconds). Raises APIError (400, param) otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise APIError(400, f"{param}: expected seconds or a duration such as \"5m\", got {value!r}",
+                         param=param, code="invalid_value")
+    if isinstance(value, str):
+        text = value.strip()
+        sign = -1.0 if text.startswith("-") else 1.0
+        body = text.lstrip("+-")
+        try:
+            seconds = float(body)
+        except ValueError:
+            parts = _DURATION_PART.findall(body)
+            if not parts or "".join(n + u for n, u in parts) != body:
+                raise APIError(400, f"{param}: {value[:40]!r} is not a duration (e.g. \"5m\", \"1h30m\", \"0\", "
+                                      "\"-1m\", or a number of seconds)", param=param, code="invalid_value") from None
+            seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+        value = sign * seconds
+    return None if value < 0 else float(value)
+
+
 class _KeepAlive(_Body):
     keep_alive: int | float | str | None = None   # Ollama's: how long the model stays loaded after this request
 
     def keep_alive_seconds(self):
         """keep_alive as seconds (None: forever), or "default" when not given (edge.server.pool).
         Raises APIError (400) for a value that is not seconds or a duration."""
-        from edge.server.pool import parse_keep_alive
-
         return "default" if self.keep_alive is None else parse_keep_alive(self.keep_alive)
 
 
@@ -535,3 +561,17 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
+
+
+def token_pieces(tok, ids: list[int]) -> list[dict]:
+    """/tokenize's ``with_pieces``: [{"id", "piece"}], the piece a string when its bytes are
+    valid UTF-8, else the list of its byte values (special tokens as their text)."""
+    out = []
+    for t in ids:
+        raw = tok.token_to_piece(int(t), special=True)
+        try:
+            piece: str | list[int] = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(raw)
+        out.append({"id": int(t), "piece": piece})
+    return out

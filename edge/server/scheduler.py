@@ -70,9 +70,10 @@ class Finished:
     completion_tokens: int
     cached_tokens: int
     stop_sequence: str | None = None
-    ttft: float | None = None          # seconds from submit to the first token
-    queue_wait: float | None = None    # seconds from submit to admission
-    duration: float | None = None      # seconds from submit to the end
+    # timings (not part of equality: two runs of one request finish alike)
+    ttft: float | None = field(default=None, compare=False)         # seconds from submit to the first token
+    queue_wait: float | None = field(default=None, compare=False)   # seconds from submit to admission
+    duration: float | None = field(default=None, compare=False)     # seconds from submit to the end
 
     @property
     def prompt_seconds(self) -> float:
@@ -84,6 +85,23 @@ class Finished:
     def generation_seconds(self) -> float:
         """Seconds from the first token to the last (Ollama's eval_duration)."""
         return max(0.0, (self.duration or 0.0) - (self.ttft or 0.0))
+
+    def timings(self, predicted_n: int | None = None) -> dict:
+        """llama-server's ``timings``: cache_n (prompt tokens the prefix cache held), prompt_n
+        (prompt tokens computed), prompt_ms (admission to the first token), predicted_n (tokens
+        generated; ``predicted_n`` overrides completion_tokens), predicted_ms (first token to
+        last), and the per-token and per-second rates of both (0 where a count or a time is 0)."""
+        prompt_n = max(0, self.prompt_tokens - self.cached_tokens)
+        prompt_ms = self.prompt_seconds * 1e3
+        n = self.completion_tokens if predicted_n is None else predicted_n
+        predicted_ms = self.generation_seconds * 1e3
+        return {"cache_n": self.cached_tokens,
+                "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+                "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+                "prompt_per_second": 1e3 * prompt_n / prompt_ms if prompt_ms > 0 else 0.0,
+                "predicted_n": n, "predicted_ms": predicted_ms,
+                "predicted_per_token_ms": predicted_ms / n if n else 0.0,
+                "predicted_per_second": 1e3 * n / predicted_ms if predicted_ms > 0 else 0.0}
 
 
 @dataclass
