@@ -847,16 +847,21 @@ class _Handlers:
         run = await _start_n(self.start_chat, request, body)
         return await _respond(run, body.stream, bool(body.stream_options and body.stream_options.include_usage))
 
-    async def start_chat(self, request: Request, body: P.ChatCompletionRequest) -> ChatRun:
-        """Check ``body`` and submit its generation on the model it names (loaded first if
-        needed: ServerState.acquire). Raises APIError (4xx, 503) as the chat route answers them."""
+    async def _on_model(self, request: Request, body, start):
+        """``start(request, body, slot)`` on the model ``body`` names, held by a lease until the
+        generation is submitted; the model and the run are left in request.state for the log."""
         slot = await self.state.acquire(body.model, body.keep_alive_seconds())
         request.state.edge_model = slot.name
         try:
-            request.state.edge_run = run = await self._start_chat(request, body, slot)
+            request.state.edge_run = run = await start(request, body, slot)
             return run
         finally:
             self.state.pool.release(slot)
+
+    async def start_chat(self, request: Request, body: P.ChatCompletionRequest) -> ChatRun:
+        """Check ``body`` and submit its generation on the model it names (loaded first if
+        needed: ServerState.acquire). Raises APIError (4xx, 503) as the chat route answers them."""
+        return await self._on_model(request, body, self._start_chat)
 
     async def _start_chat(self, request: Request, body: P.ChatCompletionRequest, slot: ModelSlot) -> ChatRun:
         state = self.state
@@ -934,13 +939,7 @@ class _Handlers:
     async def start_completion(self, request: Request, body: P.CompletionRequest) -> CompletionRun:
         """Check ``body`` and submit its generation on the model it names (as start_chat).
         Raises APIError (4xx, 503) as the completions route answers them."""
-        slot = await self.state.acquire(body.model, body.keep_alive_seconds())
-        request.state.edge_model = slot.name
-        try:
-            request.state.edge_run = run = await self._start_completion(request, body, slot)
-            return run
-        finally:
-            self.state.pool.release(slot)
+        return await self._on_model(request, body, self._start_completion)
 
     async def _start_completion(self, request: Request, body: P.CompletionRequest, slot: ModelSlot) -> CompletionRun:
         state = self.state
