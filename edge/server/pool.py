@@ -305,6 +305,7 @@ class ModelPool:
 
     def _load(self, slot: ModelSlot) -> None:
         t0 = time.monotonic()
+        self._on_event(f"loading {slot.name} ({slot.bytes / 1e6:.0f} MB)")
         try:
             self._load_model(slot)
             slot.status = "loaded"
