@@ -12,7 +12,7 @@ import pytest
 
 from edge.server.app import ROOT_TEXT
 
-from edge.server.pool import parse_keep_alive
+from edge.server.protocol import parse_keep_alive
 from edge.server.protocol import APIError
 from tests.server_process import assert_error, running
 

@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 import pytest
 
 from edge.server.app import ROOT_TEXT
-from edge.server.pool import parse_keep_alive
+from edge.server.protocol import parse_keep_alive
 
 import edge
 from edge.gguf_file import GGUFFile

@@ -109,7 +109,8 @@ def cmd_serve(args) -> int:
     if not 0 < args.port < 65536 and not args.unix_socket:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     spec = spec_params(args)
-    from edge.server.pool import GB, parse_keep_alive
+    from edge.server.pool import GB
+    from edge.server.protocol import parse_keep_alive
     from edge.server.protocol import APIError
     try:
         keep_alive = parse_keep_alive(args.keep_alive, "--keep-alive")

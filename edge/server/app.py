@@ -24,11 +24,9 @@ and Origin checks and CORS are edge.server.guard's.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -37,21 +35,16 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 from pydantic import ValidationError
-from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 from edge import __version__
 from edge.chat_template import ChatTemplateError, NoChatTemplateError
 from edge.engine import ContextLengthExceeded
-from edge.generate import Limits
 from edge.grammar import GrammarError, GrammarMask, LazyGrammarMask, ll_tokenizer
 from edge.sampling import InvalidParameter, SamplingParams
-from edge.server import guard, protocol as P, thinking
+from edge.server import protocol as P, thinking
 from edge.server.metrics import Metrics
 from edge.server.pool import DEFAULT_KEEP_ALIVE, ModelPool, ModelSlot
 from edge.server.scheduler import STEP_LOCK, Delta, Failed, Finished, QueueFull, Scheduler
@@ -188,11 +181,6 @@ class ServerState:
         slot = self.pool.default
         return slot.name if slot is not None else ""
 
-    def model_names(self) -> set[str]:
-        """Names a request's ``model`` may use for the default model (ModelSlot.names)."""
-        slot = self.pool.default
-        return slot.names() if slot is not None else set()
-
     def max_piece_bytes(self) -> int:
         slot = self.pool.default
         return slot.max_piece_bytes() if slot is not None and slot.engine is not None else 256
@@ -202,8 +190,11 @@ class ServerState:
         modification time): it parses every GGUF header."""
         from edge.store import list_models, models_dir
 
+        folder = models_dir()
+        if not folder.is_dir():
+            return []
         try:
-            key = tuple(sorted((p.name, st.st_size, st.st_mtime_ns) for p in models_dir().glob("*.gguf")
+            key = tuple(sorted((p.name, st.st_size, st.st_mtime_ns) for p in folder.glob("*.gguf")
                                for st in [p.stat()]))
         except OSError:
             key = None

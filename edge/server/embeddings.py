@@ -255,7 +255,7 @@ class _OllamaRoutes:
         O = self.O
         if not body.model:
             raise P.APIError(400, "model is required", param="model", code="invalid_value")
-        keep = "default" if body.keep_alive is None else O.parse_keep_alive(body.keep_alive)
+        keep = "default" if body.keep_alive is None else P.parse_keep_alive(body.keep_alive)
         try:
             return await compute(self.o.h, request, O.edge_name(body.model), inputs, normalize, truncate, keep,
                                  route="ollama")

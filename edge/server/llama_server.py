@@ -45,7 +45,6 @@ from starlette.routing import Route
 from edge import __version__
 from edge.server import app as A
 from edge.server import protocol as P
-from edge.server.protocol import token_pieces  # noqa: F401  (/tokenize with_pieces)
 from edge.server.scheduler import STEP_LOCK, Delta, Finished, Progress, SlotRecord
 
 # llama-server's error types by status (server-common.cpp format_error_response)

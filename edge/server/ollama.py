@@ -49,7 +49,6 @@ import functools
 import hashlib
 import json
 import math
-import re
 import time
 import traceback
 from datetime import datetime, timedelta, timezone
@@ -66,7 +65,7 @@ from starlette.routing import Route
 from edge import __version__
 from edge.server import app as A
 from edge.server import protocol as P
-from edge.server.pool import parse_keep_alive
+from edge.server.protocol import parse_keep_alive
 
 # The Ollama release whose API these routes follow (every /api/chat and /api/generate field
 # served here, logprobs included, is in 0.12.11): clients compare /api/version with a minimum
@@ -319,28 +318,27 @@ def _digest(path: Path, registered_sha256: str | None = None) -> str:
 
 
 class _Catalog:
-    """The pulled models (edge.store.list_models), listed again only when the models folder's
-    files change (names, sizes, mtimes)."""
+    """The pulled models readable by edge (ServerState.stored_models, read again only when a
+    store file changes) with their Ollama digest, computed once per listing."""
 
-    def __init__(self):
-        self._key = None
+    def __init__(self, state):
+        self._state = state
+        self._source: list | None = None
         self._models: list[dict] = []
 
     def models(self) -> list[dict]:
-        from edge.store import find_entry, list_models, models_dir
+        from edge.store import find_entry
 
-        folder = models_dir()
-        key = tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.glob("*.gguf"))) \
-            if folder.is_dir() else ()
-        if key != self._key:
+        stored = self._state.stored_models()
+        if stored is not self._source:
             out = []
-            for m in (list_models() if folder.is_dir() else []):
+            for m in stored:
                 if m["error"] is not None:       # a file edge cannot read is not listed
                     continue
                 entry = find_entry(m["path"].stem)
                 sha = entry.sha256 if entry is not None and entry.name == m["path"].stem else None
                 out.append({**m, "digest": _digest(m["path"], sha)})
-            self._key, self._models = key, out
+            self._source, self._models = stored, out
         return self._models
 
     def find(self, name: str) -> dict | None:
@@ -468,7 +466,7 @@ class _Ollama:
 
     def __init__(self, h):
         self.h, self.state = h, h.state
-        self.catalog = _Catalog()
+        self.catalog = _Catalog(self.state)
 
     # ---- helpers --------------------------------------------------------------------------------
 

@@ -27,7 +27,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from edge.server import protocol as P
-from edge.server.protocol import parse_keep_alive  # noqa: F401  (the pool's keep-alive values)
 
 GB = 1 << 30
 DEFAULT_KEEP_ALIVE = 300.0

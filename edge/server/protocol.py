@@ -332,7 +332,7 @@ class _Sampling(_KeepAlive):
     speculative_p_min: Number | None = Field(default=None, alias="speculative.p_min", ge=0, le=1)
     # how long the model stays loaded after this request, as Ollama's keep_alive is given:
     # seconds or a duration ("5m"; 0: unload when done; negative: kept), None: the server's
-    # default (edge.server.ollama.parse_keep_alive reads it); for the model pool; no answer changes
+    # default (edge.server.protocol.parse_keep_alive reads it); for the model pool; no answer changes
     keep_alive: int | float | str | None = None
     typical_p: Number | None = None
     mirostat: int | None = None
