@@ -40,7 +40,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from edge import __version__
-from edge.chat_template import ChatTemplateError, NoChatTemplateError
+from edge.chat_template import CHAT_TEMPLATE_KEY, ChatTemplateError, NoChatTemplateError
 from edge.engine import ContextLengthExceeded
 from edge.grammar import GrammarError, GrammarMask, LazyGrammarMask, ll_tokenizer
 from edge.sampling import InvalidParameter, SamplingParams
@@ -233,12 +233,13 @@ class ServerState:
             raise self.pool._not_found(model)
         return slot.engine, slot.scheduler
 
-    async def acquire(self, model: str | None, keep_alive="default", any_name: bool = True) -> ModelSlot:
+    async def acquire(self, model: str | None, keep_alive="default", any_name: bool = True,
+                      check=None) -> ModelSlot:
         """The loaded slot of ``model`` with a lease (ModelPool.acquire): load it if needed;
         with ``any_name`` (the OpenAI and Anthropic routes) a server started with -m serves
         any name. Give it back with ``self.pool.release(slot)`` once the request is submitted."""
         self._check_loading()
-        return await self.pool.acquire(model, keep_alive, any_name)
+        return await self.pool.acquire(model, keep_alive, any_name, check)
 
 
 # bytes a body may have whatever n_ctx: for generation (text that cannot fit is refused before it
@@ -273,6 +274,28 @@ def _validate(raw: bytes, model_cls):
         return model_cls.model_validate(P.parse_json_object(raw))
     except ValidationError as e:
         raise P.validation_error(e) from None
+
+
+def no_chat_template(name: str) -> P.APIError:
+    return P.APIError(400, f"model {name!r} has no chat template, so it cannot take chat messages; send the "
+                           "text to POST /v1/completions instead", param="messages", code="no_chat_template")
+
+
+def has_chat_template(path, name: str) -> None:
+    """Raise no_chat_template (400) when the GGUF at ``path`` has no tokenizer.chat_template:
+    read from its header, before the model is loaded. An unreadable file is left to the load."""
+    from edge.gguf_file import GGUFError, GGUFFile
+
+    try:
+        gf = GGUFFile(path)
+    except (GGUFError, OSError):
+        return
+    try:
+        source = gf.get(CHAT_TEMPLATE_KEY)
+    finally:
+        gf.close()
+    if source is None or (isinstance(source, str) and not source.strip()):
+        raise no_chat_template(name)
 
 
 def _sampling(body, engine) -> SamplingParams:
@@ -838,10 +861,12 @@ class _Handlers:
         run = await _start_n(self.start_chat, request, body)
         return await _respond(run, body.stream, bool(body.stream_options and body.stream_options.include_usage))
 
-    async def _on_model(self, request: Request, body, start):
+    async def _on_model(self, request: Request, body, start, check=None):
         """``start(request, body, slot)`` on the model ``body`` names, held by a lease until the
-        generation is submitted; the model and the run are left in request.state for the log."""
-        slot = await self.state.acquire(body.model, body.keep_alive_seconds())
+        generation is submitted; the model and the run are left in request.state for the log.
+        ``check(path, name)``: ModelPool.acquire's check of a model file before its load."""
+        request.state.edge_asked = body.model
+        slot = await self.state.acquire(body.model, body.keep_alive_seconds(), check=check)
         request.state.edge_model = slot.name
         try:
             request.state.edge_run = run = await start(request, body, slot)
@@ -852,7 +877,7 @@ class _Handlers:
     async def start_chat(self, request: Request, body: P.ChatCompletionRequest) -> ChatRun:
         """Check ``body`` and submit its generation on the model it names (loaded first if
         needed: ServerState.acquire). Raises APIError (4xx, 503) as the chat route answers them."""
-        return await self._on_model(request, body, self._start_chat)
+        return await self._on_model(request, body, self._start_chat, has_chat_template)
 
     async def _start_chat(self, request: Request, body: P.ChatCompletionRequest, slot: ModelSlot) -> ChatRun:
         state = self.state
@@ -914,9 +939,7 @@ class _Handlers:
         try:
             return await run_in_threadpool(engine.chat_prompt, messages, True, {**variables, **tools_variable})
         except NoChatTemplateError:       # C3
-            raise P.APIError(400, f"model {slot.name!r} has no chat template, so it cannot take chat "
-                                  "messages; send the text to POST /v1/completions instead", param="messages",
-                             code="no_chat_template") from None
+            raise no_chat_template(slot.name) from None
         except ChatTemplateError as e:   # the template's own error: the client's request (C2)
             raise P.APIError(400, str(e), param="messages", code="chat_template_error") from None
 
@@ -1089,7 +1112,9 @@ class RequestLog:
         self.state.metrics.count(model or "", status)
         if not self.log:
             return
-        parts = [scope.get("method", ""), scope.get("path", ""), *([model] if model else []), str(status)]
+        asked = info.get("edge_asked")            # the name a refused request gave (not a metrics label)
+        name = model or (repr(asked) if isinstance(asked, str) and asked else None)
+        parts = [scope.get("method", ""), scope.get("path", ""), *([name] if name else []), str(status)]
         if fin is not None:
             parts.append(f"prompt={fin.prompt_tokens} cached={fin.cached_tokens} gen={fin.completion_tokens}")
             if fin.ttft is not None:

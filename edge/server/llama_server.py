@@ -707,7 +707,7 @@ class _Llama:
     async def apply_template(self, request: Request):
         """POST /apply-template {"messages", ...}: {"prompt": the chat template's text}."""
         body = await A._body(request, self.state, P.ChatCompletionRequest)
-        slot = await self.state.acquire(body.model, body.keep_alive_seconds())
+        slot = await self.state.acquire(body.model, body.keep_alive_seconds(), check=A.has_chat_template)
         try:
             prompt = await run_in_threadpool(render_chat, slot, body, self.state.config.reasoning_budget)
         finally:

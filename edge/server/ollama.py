@@ -470,7 +470,7 @@ class _Ollama:
 
     # ---- helpers --------------------------------------------------------------------------------
 
-    async def _require(self, name: str, keep_alive=None):
+    async def _require(self, name: str, keep_alive=None, check=None):
         """(engine, seconds its load took) of the model ``name`` (a tag such as :latest allowed),
         loaded by the model pool if needed (edge.server.pool). Raises APIError: 400 without a
         name, 404 in Ollama's words, 503 while it loads past --load-timeout."""
@@ -479,11 +479,14 @@ class _Ollama:
         t = time.perf_counter()
         try:
             slot = await self.state.acquire(edge_name(name), "default" if keep_alive is None
-                                            else parse_keep_alive(keep_alive), any_name=False)
+                                            else parse_keep_alive(keep_alive), any_name=False, check=check)
         except P.APIError as e:
             if e.code == "model_not_found":
                 raise P.APIError(404, f'model "{name}" not found, try pulling it first', param="model",
                                  code="model_not_found") from None
+            if e.code == "no_chat_template":
+                e.message = (f'"{name}" has no chat template, so it cannot take chat messages; send the text to '
+                             "/api/generate with raw: true")
             raise
         self.state.pool.release(slot)
         return slot.engine, time.perf_counter() - t
@@ -620,7 +623,7 @@ class _Ollama:
         body: ChatBody = await self._read(request, ChatBody)
         if not body.messages:
             return await self._loaded_answer(body, chat=True)
-        engine, load_s = await self._require(body.model, body.keep_alive)
+        engine, load_s = await self._require(body.model, body.keep_alive, A.has_chat_template)
         messages = []
         for i, m in enumerate(body.messages):
             if m.images:

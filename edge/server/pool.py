@@ -199,14 +199,16 @@ class ModelPool:
     # ---- acquire / release ---------------------------------------------------------------------
 
     async def acquire(self, model: str | None, keep_alive: float | None | str = "default",
-                      any_name: bool = True) -> ModelSlot:
+                      any_name: bool = True, check: Callable[[Path, str], None] | None = None) -> ModelSlot:
         """The slot of ``model`` (None: the default), loaded, with a lease the caller gives back
         with release() once its request is submitted (or failed). Loads it first when it is a
         pulled model not held (router mode), unloading idle ones to make room.
 
         Raises APIError: 404 model_not_found; 503 (Retry-After) while it loads past
         --load-timeout, when every held model is busy and the pool is full, or when its load
-        failed (model_load_failed)."""
+        failed (model_load_failed); whatever ``check(path, name)`` raises for a model that is not
+        held, before it is loaded (e.g. a chat to a model without a chat template: a 400 at once,
+        not after its load)."""
         slot = self.find(model, any_name)
         if slot is None:
             if not self.router:
@@ -215,6 +217,8 @@ class ModelPool:
             path = self.default_path if model is None else await asyncio.to_thread(store_model, model)
             if path is None:
                 raise self._not_found(model)
+            if check is not None and path not in self.slots:
+                await asyncio.to_thread(check, path, model or _model_id(path))
             deadline = time.monotonic() + BUSY_GRACE
             while True:
                 try:
