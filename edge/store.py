@@ -110,8 +110,34 @@ def find_entry(name: str) -> ModelEntry | None:
 def _entry(name: str) -> ModelEntry:
     entry = find_entry(name)
     if entry is None:
-        raise StoreError(f"unknown model {name!r}; known models: {', '.join(_known_names())}")
+        raise StoreError(f"unknown model {name!r}{did_you_mean(name, _all_names())}; known models: "
+                         f"{', '.join(_known_names())}; any GGUF on the Hugging Face Hub is pulled as "
+                         "hf.co/USER/REPO[:QUANT]")
     return entry
+
+
+def _all_names() -> list[str]:
+    """Every name a model can be given by: registry names and aliases, pulled files' names."""
+    names = [n for e in REGISTRY.values() for n in (e.name, *e.aliases)]
+    if models_dir().is_dir():
+        names += [store_hf.display_name(p.stem) for p in models_dir().glob("*.gguf")]
+    return names
+
+
+def did_you_mean(name: str, names: Iterable[str]) -> str:
+    """" (did you mean 'X'?)" for the one name ``name`` is a prefix of, else the closest by
+    difflib's ratio (>= 0.8), else "". Case is ignored."""
+    import difflib
+
+    key = name.strip().lower()
+    names = sorted(set(names))
+    prefixed = [n for n in names if n.lower().startswith(key)] if key else []
+    if len(prefixed) == 1:
+        return f" (did you mean {prefixed[0]!r}?)"
+    close = difflib.get_close_matches(key, [n.lower() for n in names], n=1, cutoff=0.8)
+    if close:
+        return f" (did you mean {next(n for n in names if n.lower() == close[0])!r}?)"
+    return ""
 
 
 def _known_names() -> list[str]:
@@ -454,7 +480,7 @@ def resolve_model(arg: str | None, *, pull_missing: bool = True, progress=None) 
     path = Path(name).expanduser()
     if path.is_file():
         return path
-    raise StoreError(f"no model file or known model named {name!r}; "
+    raise StoreError(f"no model file or known model named {name!r}{did_you_mean(name, _all_names())}; "
                      f"known models: {', '.join(_known_names())}")
 
 
@@ -485,6 +511,13 @@ def stored_path(name: str) -> Path:
     """
     models = models_dir()
     found = None
+    if not store_hf.is_hub_name(name) and ("/" in name or os.sep in name):
+        path = Path(name).expanduser()
+        inside = path.parent.resolve() == models.resolve() and path.suffix == ".gguf"
+        hint = f": {store_hf.display_name(path.stem)}" if inside and (path.is_file() or path.is_symlink()) else \
+            " as `edge list` shows it"
+        raise StoreError(f"{name} is a path: give the model's name{hint} (only files in the store, {models}, "
+                         "are removed)")
     if store_hf.is_hub_name(name):
         try:
             found = store_hf.local_path(store_hf.parse(name), models)
@@ -496,8 +529,8 @@ def stored_path(name: str) -> Path:
         found = models / f"{stem}.gguf"
     if found is None or not (found.is_file() or found.is_symlink()):
         pulled = sorted(store_hf.display_name(p.stem) for p in models.glob("*.gguf"))
-        raise StoreError(f"no pulled model named {name!r}; pulled models: {', '.join(pulled) or 'none'} "
-                         f"(in {models})")
+        raise StoreError(f"no pulled model named {name!r}{did_you_mean(name, pulled)}; pulled models: "
+                         f"{', '.join(pulled) or 'none'} (in {models})")
     return found
 
 

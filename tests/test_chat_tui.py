@@ -120,10 +120,12 @@ def test_escape_stops_the_answer_and_keeps_the_text(tmp_path, qwen_path):
             assert 0 < len(msg["content"]) < 1500
             assert "(stopped)" in list(app.query(Answer))[-1].source
             # the chat goes on
-            app.conversation.settings = ChatSettings(temperature=0.0, max_tokens=8)
+            app.conversation.settings = ChatSettings(temperature=0.0, max_tokens=2)
             await _send(pilot, "Thanks!")
             assert app.conversation.messages[-1]["role"] == "assistant"
             assert not app.conversation.messages[-1].get("stopped")
+            # cut by the length limit (2 tokens): marked as such, not as stopped
+            assert list(app.query(Answer))[-1].source.endswith(" *(length limit: /max-tokens N raises it)*")
     _run(go())
 
 

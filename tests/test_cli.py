@@ -69,7 +69,6 @@ import socket
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 from gguf import GGMLQuantizationType as Q
 
@@ -145,12 +144,23 @@ def test_rm_removes_from_the_store_only(store, tmp_path, capsys):
     assert main(["rm", "tiny", "hf.co/alice/Tiny-GGUF:Q8_0", "linked"]) == 0
     assert capsys.readouterr().out == "deleted tiny\ndeleted hf.co/alice/Tiny-GGUF:Q8_0\ndeleted linked\n"
     assert sorted(p.name for p in store.iterdir()) == [] and outside.is_file()   # the link, not its target
-    for name in ("tiny", str(outside), "../outside", "..", "qwen2.5-coder-0.5b-instruct"):
+    for name in ("tiny", "..", "qwen2.5-coder-0.5b-instruct"):
         assert main(["rm", name]) == 1
         err = capsys.readouterr().err
         assert err.startswith(f"edge rm: error: no pulled model named {name!r}; pulled models: none"), err
         assert err.count("\n") == 1
+    for name in (str(outside), "../outside"):           # a path is refused as a path
+        assert main(["rm", name]) == 1
+        assert capsys.readouterr().err == (f"edge rm: error: {name} is a path: give the model's name as `edge list` "
+                                           f"shows it (only files in the store, {store}, are removed)\n")
     assert outside.is_file()
+    write_tiny_model(store / "tiny.gguf")             # a path into the store: its name is the hint
+    assert main(["rm", str(store / "tiny.gguf")]) == 1
+    assert capsys.readouterr().err.startswith(f"edge rm: error: {store / 'tiny.gguf'} is a path: give the model's "
+                                              "name: tiny (only files")
+    assert main(["rm", "tin"]) == 1                   # a typo: the name it is closest to
+    assert "no pulled model named 'tin' (did you mean 'tiny'?); pulled models: tiny" in capsys.readouterr().err
+    assert main(["rm", "tiny"]) == 0 and capsys.readouterr().out == "deleted tiny\n"
 
 
 def test_a_missing_path_is_file_not_found_not_a_registry_error(tmp_path):

@@ -321,3 +321,6 @@ def test_several_hosts_and_an_alias(tmp_path, smollm2_path):
     finally:
         proc.terminate()
         proc.wait(30)
+    banner = proc.stderr.read().splitlines()[0]       # the alias with the file it names
+    assert banner.startswith(f"edge serve: my-model ({smollm2_path.name}) on http://127.0.0.1:"), banner
+    assert proc.returncode == 0                       # SIGTERM: a stop, not an interruption

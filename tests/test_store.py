@@ -363,11 +363,16 @@ def test_cli_commands(home, wheels, monkeypatch, capsys):
     models_cli.add_list_parser(sub)
     args = parser.parse_args(["pull", "tiny", "--verify"])
     assert args.model == ["tiny"] and args.verify and args.func is models_cli.cmd_pull
-    assert parser.parse_args(["pull"]).model == []
+    with pytest.raises(SystemExit):                  # a name is needed: no silent 491 MB download
+        parser.parse_args(["pull"])
+    assert "error: the following arguments are required: NAME" in capsys.readouterr().err
 
     assert models_cli.cmd_pull(parser.parse_args(["pull", "nope"])) == 1
     err = capsys.readouterr().err
     assert err.startswith("edge pull: error: unknown model 'nope'; known models: ") and err.count("\n") == 1, err
+    assert err.rstrip().endswith("any GGUF on the Hugging Face Hub is pulled as hf.co/USER/REPO[:QUANT]"), err
+    assert models_cli.cmd_pull(parser.parse_args(["pull", "qwen2.5-coder-0.5b-instrct"])) == 1
+    assert "unknown model 'qwen2.5-coder-0.5b-instrct' (did you mean 'qwen2.5-coder-0.5b-instruct'?); known" in capsys.readouterr().err
 
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(wheels_dir))

@@ -568,6 +568,9 @@ class ChatApp(App):
         else:
             if result.stopped and self._answer is not None:
                 await self._answer.append(" *(stopped)*")
+            elif (result.stats.finish_reason == "length" and not result.stats.context_full
+                  and self._answer is not None):     # -n / /max-tokens cut it: say so, as (stopped) does
+                await self._answer.append(" *(length limit: /max-tokens N raises it)*")
             stats = result.stats
             self.last_ttft = stats.ttft
             self.last_tps = stats.gen_tps if stats.n_generated > 1 else None

@@ -81,8 +81,9 @@ def add_pull_parser(subparsers) -> argparse.ArgumentParser:
                                           ".gguf) or as the file's https://huggingface.co/.../resolve/... URL. "
                                           "HF_TOKEN is sent to the Hub for gated repos; HF_ENDPOINT names "
                                           "another Hub; an interrupted Hub download resumes on the next pull.")
-    p.add_argument("model", nargs="*", help=f"model names, aliases, hf.co/USER/REPO[:QUANT] or Hub file URLs "
-                                            f"(default: {DEFAULT_MODEL})")
+    p.add_argument("model", nargs="+", metavar="NAME",
+                   help=f"model names, aliases, hf.co/USER/REPO[:QUANT] or Hub file URLs (the default model, "
+                        f"which run, chat and serve take without -m, is {DEFAULT_MODEL})")
     p.add_argument("--verify", action="store_true",
                    help="check the sha256 of models that are already present")
     p.set_defaults(func=cmd_pull)
@@ -98,7 +99,7 @@ def add_list_parser(subparsers) -> argparse.ArgumentParser:
 
 def cmd_pull(args: argparse.Namespace) -> int:
     """``edge pull [MODEL ...] [--verify]``: pull each model; return the exit code (0, 1, 130)."""
-    for name in args.model or [DEFAULT_MODEL]:
+    for name in args.model:
         try:
             with download_bars(name) as bars:
                 path = pull(name, verify=args.verify, progress=bars)
@@ -110,8 +111,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
                     else "no partial file was left")
             print(f"edge pull: interrupted; {left}", file=sys.stderr)
             return 130
-        shown = display_name(path.stem) if is_hub_name(name) else name
-        print(f"{shown}: {path}", flush=True)  # plain text: scripts read this line
+        print(f"{display_name(path.stem)}: {path}", flush=True)  # the name edge list shows; scripts read this line
     return 0
 
 
@@ -252,10 +252,10 @@ def cmd_rm(args: argparse.Namespace) -> int:
     status = 0
     for name in args.model:
         try:
-            remove_model(name)
+            path = remove_model(name)
         except StoreError as e:
             print(f"edge rm: error: {e}", file=sys.stderr)
             status = 1
             continue
-        print(f"deleted {name}")
+        print(f"deleted {display_name(path.stem)}")
     return status

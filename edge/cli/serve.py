@@ -138,7 +138,7 @@ def cmd_serve(args) -> int:
     hosts = [h.strip() for h in args.host.split(",") if h.strip()]
     if not hosts:
         raise ValueError("--host: give an address")
-    if any(h not in ("127.0.0.1", "localhost", "::1") for h in hosts) and not args.unix_socket and not api_key:
+    if not all(map(_is_loopback, hosts)) and not args.unix_socket and not api_key:
         print(f"warning: listening on {args.host} without --api-key: anyone who can reach this port can use "
               "the model", file=sys.stderr)
     socks = []
@@ -152,7 +152,7 @@ def cmd_serve(args) -> int:
     where = f"unix:{args.unix_socket}" if args.unix_socket else ", ".join(
         f"http://{f'[{h}]' if ':' in h else h}:{args.port}" for h in hosts)
     which = (f"every pulled model (default {Path(model).stem}, --models-max {args.models_max})"
-             if args.model is None else Path(model).name)
+             if args.model is None else f"{args.alias} ({Path(model).name})" if args.alias else Path(model).name)
     print(f"edge serve: {which} on {where} (-np {args.parallel}, -c {args.ctx_size}"
           + (f", --spec-type {spec.spec_type}" + (f" -md {Path(model_draft).name}" if model_draft else "")
              if spec.enabled else "") + "); "
@@ -171,9 +171,18 @@ def cmd_serve(args) -> int:
                     with contextlib.suppress(OSError):
                         os.unlink(args.unix_socket)
                 os._exit(128 + signal.SIGINT)
+            if not self.should_exit:
+                stopped.append(sig)
+                running = 0
+                for slot in state.pool.loaded():
+                    with contextlib.suppress(Exception):
+                        running += sum(slot.scheduler.counts())
+                print("\nedge serve: stopping" + (f" after the {running} running request(s)" if running else "")
+                      + (" (Ctrl+C again: at once)" if sig == signal.SIGINT else ""), file=sys.stderr, flush=True)
             super().handle_exit(sig, frame)
 
     failed: list[str] = []
+    stopped: list[int] = []          # the signal that stopped the server
 
     def load_failed(message: str) -> None:
         """The model did not load: say so in one line and stop, as `edge run` and llama-server do."""
@@ -203,7 +212,26 @@ def cmd_serve(args) -> int:
         if args.unix_socket:
             with contextlib.suppress(OSError):
                 os.unlink(args.unix_socket)
-    return 1 if failed else 0
+    if failed:
+        return 1
+    if stopped and stopped[0] == signal.SIGINT:
+        print("interrupted", file=sys.stderr, flush=True)     # as every edge command: one line, 130
+        return 128 + signal.SIGINT
+    if stopped:
+        print("edge serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether --host names a loopback address (127.0.0.0/8, ::1, localhost): no warning then."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _listen_socket(host: str, port: int, unix_path: str | None):
