@@ -108,7 +108,8 @@ def test_fim_refused_without_fim_tokens(name, request):
     tok = Tokenizer.from_gguf(GGUFFile(request.getfixturevalue(name)))
     with pytest.raises(P.APIError) as e:
         L.fim_prompt(tok, "a", "b", [], [], 512, -1, N_CTX, "m")
-    assert e.value.status == 400
+    assert e.value.status == 501 and L.error_response("/infill", e.value).body.startswith(
+        b'{"error":{"code":501,"message":"Infill is not supported')           # llama-server's not_supported_error
     assert e.value.message.startswith("Infill is not supported by this model: prefix token is missing. suffix token "
                                       "is missing. middle token is missing. ")
 
@@ -158,6 +159,15 @@ def test_infill_repository_context_and_editor_fields(server):
     assert out["timings"]["cache_n"] >= 16        # the warm-up cached the repository part
     gs = out["generation_settings"]        # samplers left out of the list are off; greedy stays greedy
     assert (gs["top_k"], gs["top_p"], gs["min_p"], gs["temperature"]) == (40, 0.99, 0.0, 0.0)
+    # llama.vscode's n_cmpl (its max_parallel_completions, 3 by default): an array of completions,
+    # as many as -np allows (2 here)
+    outs = _ok(server, "/infill", {"input_prefix": "def add(a, b):\n", "input_suffix": "\n", "prompt": "    return ",
+                                   "n_predict": 6, "n_cmpl": 2, "top_k": 40, "top_p": 0.99, "seed": 7,
+                                   "samplers": ["top_k", "top_p", "infill"]})
+    assert isinstance(outs, list) and [o["index"] for o in outs] == [0, 1]
+    assert all(o["tokens_predicted"] >= 1 and o["prompt"] == outs[0]["prompt"] for o in outs)
+    assert "n_cmpl must be in 1..2" in _llama_error(*server.post("/infill", {"input_prefix": "a", "input_suffix": "b",
+                                                                            "n_cmpl": 3}), 400)
 
 
 # ---- /completion ----------------------------------------------------------------------------------
@@ -359,5 +369,6 @@ def test_errors_in_llama_servers_shape(server):
     _llama_error(*server.post("/completion", {"prompt": "x", "post_sampling_probs": True}), 400)
     _llama_error(*server.post("/completion", {"prompt": "x", "mirostat": 2}), 400)
     _llama_error(*server.post("/completion", {"prompt": [1, 10 ** 9]}), 400)
-    _llama_error(*server.post("/completion", {"prompt": "x " * (N_CTX + 8), "n_predict": 1}), 400,
-                 "exceed_context_size_error")
+    status, body = server.post("/completion", {"prompt": "x " * (N_CTX + 8), "n_predict": 1})
+    assert body["error"].pop("n_ctx") == N_CTX and body["error"].pop("n_prompt_tokens") > N_CTX  # llama-server's fields
+    _llama_error(status, body, 400, "exceed_context_size_error")

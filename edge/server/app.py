@@ -1080,7 +1080,7 @@ class RequestLog:
     /metrics (edge.server.metrics.outcome). Handlers leave ``edge_model`` and ``edge_run`` in
     request.state."""
 
-    QUIET = ("/health", "/metrics")
+    QUIET = ("/health", "/v1/health", "/metrics")
 
     def __init__(self, app, state: "ServerState", log: bool = True):
         self.app, self.state, self.log = app, state, log

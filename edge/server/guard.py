@@ -162,7 +162,7 @@ class RequireAPIKey:
         return False
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] != "/health" and not self._given(scope["headers"]):
+        if scope["type"] == "http" and scope["path"] not in ("/health", "/v1/health") and not self._given(scope["headers"]):
             err = APIError(401, "invalid or missing API key (Authorization: Bearer KEY or x-api-key: KEY)",
                            code="invalid_api_key")
             await self.respond(scope["path"], err)(scope, receive, send)

@@ -71,7 +71,9 @@ def error_response(path: str, err: P.APIError) -> JSONResponse:
     kind = _ERROR_TYPES.get(err.status, "server_error" if err.status >= 500 else "invalid_request_error")
     if err.code == "context_length_exceeded":
         kind = "exceed_context_size_error"
-    body = {"code": err.status, "message": err.message, "type": kind}
+    if err.code == "infill_not_supported":
+        kind = "not_supported_error"
+    body = {"code": err.status, "message": err.message, "type": kind, **err.extra}
     if err.param:
         body["param"] = err.param
     return JSONResponse({"error": body}, status_code=err.status, headers=err.headers)
@@ -210,7 +212,7 @@ def fim_prompt(tok, input_prefix, input_suffix, input_extra: list, prompt_ids: l
     missing = [what for key, what in (("fim_pre", "prefix"), ("fim_suf", "suffix"), ("fim_mid", "middle"))
                if ids.get(key) is None]
     if missing:
-        raise P.APIError(400, "Infill is not supported by this model: " + "".join(f"{w} token is missing. "
+        raise P.APIError(501, "Infill is not supported by this model: " + "".join(f"{w} token is missing. "
                                                                                 for w in missing)
                          + f"({model} has no fill-in-the-middle tokens; use a code model that has them, such as "
                            "qwen2.5-coder)", code="infill_not_supported")
@@ -543,10 +545,25 @@ class _Llama:
             if body.stream and len(prompts) > 1:
                 raise P.APIError(400, "stream: several prompts in one streamed request are not supported; send "
                                       "them one by one", param="stream", code="unsupported_value")
-            gens = [await self._start(request, body, ids, slot, i) for i, ids in enumerate(prompts)]
+            k = self._n_cmpl(body, len(prompts))
+            gens = [await self._start(request, body, ids, slot, i * k + c, c)
+                    for i, ids in enumerate(prompts) for c in range(k)]
         finally:
             self.state.pool.release(slot)
         return await self._answer(request, body, gens)
+
+    def _n_cmpl(self, body: CompletionBody, n_prompts: int) -> int:
+        """n_cmpl (alias n): completions per prompt, 1..-np as llama-server takes them; each its
+        own generation (seeds seed, seed + 1, ... when one is given). Raises APIError 400."""
+        k = body.n_cmpl if body.n_cmpl is not None else body.n if body.n is not None else 1
+        limit = self.state.config.n_parallel
+        if not 1 <= k <= limit:
+            raise P.APIError(400, f"n_cmpl must be in 1..{limit} (the server's -np), got {k}", param="n_cmpl",
+                             code="invalid_value")
+        if body.stream and k * n_prompts > 1:
+            raise P.APIError(400, "stream: several completions in one streamed request are not supported; send "
+                                  "n_cmpl 1, or stream false", param="stream", code="unsupported_value")
+        return k
 
     async def infill(self, request: Request):
         """POST /infill: the FIM prompt (:func:`fim_prompt`) generated as /completion."""
@@ -556,10 +573,11 @@ class _Llama:
             engine = slot.engine
             n_predict = self._n_predict(body)
             ids = await run_in_threadpool(self._fim, engine, body, n_predict, slot.name)
-            gen = await self._start(request, body, ids, slot, 0)
+            k = self._n_cmpl(body, 1)
+            gens = [await self._start(request, body, ids, slot, c, c) for c in range(k)]
         finally:
             self.state.pool.release(slot)
-        return await self._answer(request, body, [gen])
+        return await self._answer(request, body, gens)
 
     def _fim(self, engine, body: InfillBody, n_predict: int, name: str) -> list[int]:
         prompt_ids = engine.tokenizer.encode(body.prompt, add_special=False, parse_special=True)
@@ -574,18 +592,19 @@ class _Llama:
                              param="n_predict", code="invalid_value")
         return n
 
-    async def _start(self, request: Request, body: CompletionBody, ids: list[int], slot, index: int) -> _Generation:
+    async def _start(self, request: Request, body: CompletionBody, ids: list[int], slot, index: int,
+                     seed_offset: int = 0) -> _Generation:
         if body.post_sampling_probs:
             raise P.APIError(400, "post_sampling_probs = true is not supported by this server: its probabilities are "
                                   "those of the raw logits; leave it out", param="post_sampling_probs",
                              code="unsupported_value")
-        if (body.n_cmpl or 1) != 1 or (body.n or 1) != 1:
-            raise P.APIError(400, "n_cmpl: one completion per prompt", param="n_cmpl", code="unsupported_value")
         body.check_not_implemented()
         n = self._n_predict(body)
         need_ids = bool(body.stream or body.return_tokens or body.n_probs or body.n_indent or body.t_max_predict_ms)
         logprobs = (body.n_probs or 0) if need_ids else None
         creq = _completion_request(body, ids, logprobs, 1 if n == 0 else n)
+        if seed_offset and creq.seed is not None and 0 <= creq.seed < DEFAULT_SEED:
+            creq.seed += seed_offset
         bias = await run_in_threadpool(_logit_bias, body, slot.engine.tokenizer)
         if bias is not None:
             creq.logit_bias = bias
