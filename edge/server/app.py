@@ -323,6 +323,8 @@ def _sampling(body, engine) -> SamplingParams:
         bias.update(dict.fromkeys(engine.tokenizer.eog_ids, -math.inf))
     if bias:
         kw["logit_bias"] = bias
+    if body.samplers is not None and "infill" in _sampler_names(body.samplers):
+        kw["infill"] = True
     try:
         params = SamplingParams(**kw)
     except InvalidParameter as e:
@@ -332,9 +334,14 @@ def _sampling(body, engine) -> SamplingParams:
     return params
 
 
-# llama.cpp's default sampler order, by name and by letter (common_sampler_type)
+# llama.cpp's default sampler order, by name and by letter (common_sampler_type), and infill
 _SAMPLER_ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
-_SAMPLER_LETTERS = dict(zip("edskypmxt", _SAMPLER_ORDER))
+_SAMPLER_LETTERS = {**dict(zip("edskypmxt", _SAMPLER_ORDER)), "i": "infill"}
+
+
+def _sampler_names(samplers) -> list:
+    """llama-server's ``samplers`` (names, or letters as one string) as names."""
+    return [_SAMPLER_LETTERS.get(c, c) for c in samplers] if isinstance(samplers, str) else list(samplers)
 
 
 def _speculative(body) -> dict:
@@ -346,23 +353,29 @@ def _speculative(body) -> dict:
 def _check_samplers(samplers, params: SamplingParams, n_vocab: int) -> None:
     """Raise APIError (400) unless ``samplers`` (names, or letters as one string) keeps
     llama.cpp's default order and names every sampler this request turns on: the one chain
-    this server runs. Samplers left out of the list must be off."""
-    names = [_SAMPLER_LETTERS.get(c, c) for c in samplers] if isinstance(samplers, str) else list(samplers)
-    unknown = [n for n in names if n not in _SAMPLER_ORDER]
+    this server runs. Samplers left out of the list must be off. "infill" (SamplingParams.infill)
+    may stand anywhere after the samplers that are on: edge runs it after them all, just before
+    the draw, which is where llama.cpp runs it then (a sampler that is off does nothing)."""
+    names = _sampler_names(samplers)
+    unknown = [n for n in names if n not in _SAMPLER_ORDER and n != "infill"]
     if unknown:
-        raise P.APIError(400, f"samplers: unknown sampler {unknown[0]!r} (known: {', '.join(_SAMPLER_ORDER)})",
-                         param="samplers", code="invalid_value")
+        raise P.APIError(400, f"samplers: unknown sampler {unknown[0]!r} (known: {', '.join(_SAMPLER_ORDER)}, "
+                              "infill)", param="samplers", code="invalid_value")
     on = {"penalties": params.repeat_last_n != 0 and (params.repeat_penalty != 1 or params.presence_penalty != 0
                                                        or params.frequency_penalty != 0),
           "top_k": 0 < params.top_k < n_vocab, "top_p": params.top_p < 1, "min_p": params.min_p > 0,
           "temperature": params.temperature > 0 and params.temperature != 1}
-    positions = [_SAMPLER_ORDER.index(n) for n in names]
+    positions = [_SAMPLER_ORDER.index(n) for n in names if n != "infill"]
     missing = [n for n, active in on.items() if active and n not in names]
     if positions != sorted(positions) or missing:
         why = f"{missing[0]} is on but not listed" if missing else "the order differs"
         raise P.APIError(400, f"samplers: only llama.cpp's default order ({';'.join(_SAMPLER_ORDER)}) is supported, "
                               f"with every sampler that is on listed ({why})", param="samplers",
                          code="unsupported_value")
+    after = [n for n in names[names.index("infill") + 1:] if on.get(n)] if "infill" in names else []
+    if after:
+        raise P.APIError(400, f"samplers: infill is supported after every sampler that is on ({after[0]} is on and "
+                              "comes after it)", param="samplers", code="unsupported_value")
 
 
 def _check_common(body, state: ServerState, max_tokens, max_tokens_param: str = "max_tokens") -> None:

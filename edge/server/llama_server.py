@@ -245,8 +245,10 @@ def fim_prompt(tok, input_prefix, input_suffix, input_extra: list, prompt_ids: l
 def _samplers(body: CompletionBody) -> dict:
     """The sampling fields llama-server's ``samplers`` list implies: a sampler left out is off
     (top_k 0, top_p 1, min_p 0, penalties neutral, temperature 1 unless the request asks 0 or
-    less: greedy stays greedy). "infill" is accepted and not applied (edge has no infill sampler).
-    Raises APIError (400) for an unknown name or an order other than llama.cpp's default."""
+    less: greedy stays greedy). "infill" turns on llama.cpp's infill sampler: the list goes on
+    to app._sampling, which sets SamplingParams.infill (and app._check_samplers, which wants
+    it after every sampler that is on). Raises APIError (400) for an unknown name or an order
+    other than llama.cpp's default."""
     if body.samplers is None:
         return {}
     names = [_LETTERS.get(c, c) for c in body.samplers] if isinstance(body.samplers, str) else list(body.samplers)
@@ -314,7 +316,7 @@ def _completion_request(body: CompletionBody, ids: list[int], logprobs: int | No
                         n_predict: int) -> P.CompletionRequest:
     """edge's CompletionRequest of a llama-server body (already validated) for prompt ``ids``."""
     fields = {name: getattr(body, name) for name in P._Sampling.model_fields
-              if name not in ("logit_bias", "samplers", "stream", "stream_options", "n", "max_tokens",
+              if name not in ("logit_bias", "stream", "stream_options", "n", "max_tokens",
                               "n_predict", "n_probs", "n_indent", "t_max_predict_ms")}
     fields |= _samplers(body)
     fields |= {"prompt": ids, "n_predict": n_predict, "logprobs": logprobs, "stream": False}
@@ -345,7 +347,8 @@ def params_json(params, max_tokens: int | None, stop, n_probs: int, stream: bool
         "ignore_eos": False, "stream": stream,
         "logit_bias": [{"bias": b if math.isfinite(b) else None, "token": t} for t, b in bias.items()],
         "n_probs": n_probs, "min_keep": 0, "grammar": grammar,
-        "samplers": ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"],
+        "samplers": ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"]
+        + ["infill"] * params.infill,
         "speculative.n_max": spec.get("n_max", 16), "speculative.n_min": spec.get("n_min", 0),
         "speculative.p_min": spec.get("p_min", 0.75),
         "timings_per_token": timings_per_token, "post_sampling_probs": False, "lora": [],
