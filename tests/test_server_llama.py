@@ -395,7 +395,6 @@ def test_errors_in_llama_servers_shape(server):
     _llama_error(status, json.loads(raw), 400)
     assert "input_prefix" in _llama_error(*server.post("/infill", {"input_suffix": ""}), 400)
     _llama_error(*server.post("/completion", {}), 400)
-    _llama_error(*server.post("/completion", {"prompt": "x", "samplers": ["top_k", "mirostat"]}), 400)
     _llama_error(*server.post("/completion", {"prompt": "x", "samplers": ["temperature", "top_k"]}), 400)
     _llama_error(*server.post("/completion", {"prompt": "x", "post_sampling_probs": True}), 400)
     _llama_error(*server.post("/completion", {"prompt": "x", "mirostat": 2}), 400)

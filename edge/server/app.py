@@ -323,8 +323,10 @@ def _sampling(body, engine) -> SamplingParams:
         bias.update(dict.fromkeys(engine.tokenizer.eog_ids, -math.inf))
     if bias:
         kw["logit_bias"] = bias
-    if body.samplers is not None and "infill" in _sampler_names(body.samplers):
-        kw["infill"] = True
+    if body.samplers is not None:
+        kw |= sampler_fields(body.samplers, body.temperature)
+        if "infill" in _sampler_names(body.samplers):
+            kw["infill"] = True
     try:
         params = SamplingParams(**kw)
     except InvalidParameter as e:
@@ -339,9 +341,41 @@ _SAMPLER_ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", 
 _SAMPLER_LETTERS = {**dict(zip("edskypmxt", _SAMPLER_ORDER)), "i": "infill"}
 
 
+# llama.cpp's other spellings of the names (common_sampler_types_from_names: kebab-case, no
+# underscore, and three more), matched without case
+_SAMPLER_ALIASES = {**{n.replace("_", sep): n for n in (*_SAMPLER_ORDER, "infill") if "_" in n for sep in ("-", "")},
+                    "nucleus": "top_p", "temp": "temperature", "typ": "typ_p"}
+
+
 def _sampler_names(samplers) -> list:
-    """llama-server's ``samplers`` (names, or letters as one string) as names."""
-    return [_SAMPLER_LETTERS.get(c, c) for c in samplers] if isinstance(samplers, str) else list(samplers)
+    """llama-server's ``samplers`` (names in any of llama.cpp's spellings, or letters as one
+    string) as canonical names; a name llama.cpp does not know is left out (it warns and goes
+    on)."""
+    if isinstance(samplers, str):
+        names = [_SAMPLER_LETTERS.get(c) for c in samplers]
+    else:
+        names = [n.lower() if isinstance(n, str) else None for n in samplers]
+        names = [_SAMPLER_ALIASES.get(n, n) for n in names]
+    return [n for n in names if n in _SAMPLER_ORDER or n == "infill"]
+
+
+def sampler_fields(samplers, temperature) -> dict:
+    """The sampling fields llama-server's ``samplers`` list implies: the list is the chain, so
+    a sampler left out is off (top_k 0, top_p 1, min_p 0, penalties neutral, temperature 1
+    unless the request asks 0 or less: greedy stays greedy). Same on every route."""
+    names = _sampler_names(samplers)
+    off = {}
+    if "top_k" not in names:
+        off["top_k"] = 0
+    if "top_p" not in names:
+        off["top_p"] = 1.0
+    if "min_p" not in names:
+        off["min_p"] = 0.0
+    if "penalties" not in names:
+        off |= {"repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    if "temperature" not in names and not (temperature is not None and temperature <= 0):
+        off["temperature"] = 1.0
+    return off
 
 
 def _speculative(body) -> dict:
@@ -353,14 +387,10 @@ def _speculative(body) -> dict:
 def _check_samplers(samplers, params: SamplingParams, n_vocab: int) -> None:
     """Raise APIError (400) unless ``samplers`` (names, or letters as one string) keeps
     llama.cpp's default order and names every sampler this request turns on: the one chain
-    this server runs. Samplers left out of the list must be off. "infill" (SamplingParams.infill)
+    this server runs (sampler_fields turned the ones left out off). "infill" (SamplingParams.infill)
     may stand anywhere after the samplers that are on: edge runs it after them all, just before
     the draw, which is where llama.cpp runs it then (a sampler that is off does nothing)."""
     names = _sampler_names(samplers)
-    unknown = [n for n in names if n not in _SAMPLER_ORDER and n != "infill"]
-    if unknown:
-        raise P.APIError(400, f"samplers: unknown sampler {unknown[0]!r} (known: {', '.join(_SAMPLER_ORDER)}, "
-                              "infill)", param="samplers", code="invalid_value")
     on = {"penalties": params.repeat_last_n != 0 and (params.repeat_penalty != 1 or params.presence_penalty != 0
                                                        or params.frequency_penalty != 0),
           "top_k": 0 < params.top_k < n_vocab, "top_p": params.top_p < 1, "min_p": params.min_p > 0,

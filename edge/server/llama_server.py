@@ -55,9 +55,6 @@ FLOAT_LOWEST = -3.4028234663852886e38     # llama-server's logprob of a token of
 DEFAULT_SEED = 4294967295                 # LLAMA_DEFAULT_SEED: a random seed
 _SMALL_BODY = 1 << 20                     # /slots actions: a file name
 FIM_ALIGN = 64                            # /infill cuts a long prefix at a multiple of this many tokens
-# llama.cpp's sampler names and letters (common_sampler_type), in its default order, and infill
-_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
-_LETTERS = {**dict(zip("edskypmxt", _SAMPLERS)), "i": "infill"}
 
 
 def serves(path: str) -> bool:
@@ -243,35 +240,13 @@ def fim_prompt(tok, input_prefix, input_suffix, input_extra: list, prompt_ids: l
 # ---- sampling ---------------------------------------------------------------------------------
 
 def _samplers(body: CompletionBody) -> dict:
-    """The sampling fields llama-server's ``samplers`` list implies: a sampler left out is off
-    (top_k 0, top_p 1, min_p 0, penalties neutral, temperature 1 unless the request asks 0 or
-    less: greedy stays greedy). "infill" turns on llama.cpp's infill sampler: the list goes on
+    """The sampling fields llama-server's ``samplers`` list implies (app.sampler_fields: a
+    sampler left out is off). "infill" turns on llama.cpp's infill sampler: the list goes on
     to app._sampling, which sets SamplingParams.infill (and app._check_samplers, which wants
-    it after every sampler that is on). Raises APIError (400) for an unknown name or an order
-    other than llama.cpp's default."""
+    the default order, infill after every sampler that is on)."""
     if body.samplers is None:
         return {}
-    names = [_LETTERS.get(c, c) for c in body.samplers] if isinstance(body.samplers, str) else list(body.samplers)
-    unknown = [n for n in names if n not in _SAMPLERS and n != "infill"]
-    if unknown:
-        raise P.APIError(400, f"samplers: unknown sampler {unknown[0]!r} (known: {', '.join(_SAMPLERS)}, infill)",
-                         param="samplers", code="invalid_value")
-    order = [_SAMPLERS.index(n) for n in names if n != "infill"]
-    if order != sorted(order):
-        raise P.APIError(400, f"samplers: only llama.cpp's default order ({';'.join(_SAMPLERS)}) is supported",
-                         param="samplers", code="unsupported_value")
-    off = {}
-    if "top_k" not in names:
-        off["top_k"] = 0
-    if "top_p" not in names:
-        off["top_p"] = 1.0
-    if "min_p" not in names:
-        off["min_p"] = 0.0
-    if "penalties" not in names:
-        off |= {"repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
-    if "temperature" not in names and not (body.temperature is not None and body.temperature <= 0):
-        off["temperature"] = 1.0
-    return off
+    return A.sampler_fields(body.samplers, body.temperature)
 
 
 def _logit_bias(body: CompletionBody, tok) -> dict[str, float] | None:
