@@ -157,7 +157,8 @@ def test_cross_site_post_is_refused(srv):
         err = assert_error(status, json.loads(raw), 403, code="origin_not_allowed")
         assert "--cors-origins https://evil.example" in err["message"]
     assert srv.wait_idle()["edge_prompt_tokens_total"] == before["edge_prompt_tokens_total"]
-    for origin in ("http://localhost:5173", "http://127.0.0.1:8000", ALLOWED_ORIGIN):
+    for origin in ("http://localhost:5173", "http://127.0.0.1:8000", ALLOWED_ORIGIN,
+                   "tauri://localhost", "vscode-webview://1abc", "app://obsidian.md", "file://"):   # Ollama's defaults
         conn = srv.connection()
         conn.request("POST", "/v1/completions", body, headers={"Origin": origin, "Content-Type": "application/json"})
         r = conn.getresponse()

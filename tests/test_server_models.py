@@ -318,6 +318,12 @@ def test_several_hosts_and_an_alias(tmp_path, smollm2_path):
             status, body = get("127.0.0.2", "/v1/chat/completions",
                                {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
             assert status == 200 and body["model"] == "my-model", body
+        # one model (-m): it stays loaded; /models/load and /models/unload are a router's
+        for route in ("/models/unload", "/models/load"):
+            status, body = get("127.0.0.1", route, {"model": "my-model"})
+            assert status == 400 and body["error"]["code"] == "unsupported_value", body
+        assert get("127.0.0.1", "/v1/chat/completions", {"model": "x", "messages": [{"role": "user", "content": "hi"}],
+                                                        "max_tokens": 1})[0] == 200
     finally:
         proc.terminate()
         proc.wait(30)

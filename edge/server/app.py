@@ -109,6 +109,7 @@ class ServerState:
                               memory_budget=config.models_memory, keep_alive=config.keep_alive,
                               load_timeout=config.load_timeout, on_event=config.on_event)
         self.load_error: str | None = None
+        self.started = False              # the default model loaded once (a router server is up)
         self._stored: tuple | None = None          # (store key, list_models()) for /v1/models
         self.metrics = Metrics(self)
         self.created = int(time.time())
@@ -133,6 +134,7 @@ class ServerState:
             self._failed(e)
             return
         self.pool._load(slot)
+        self.started = slot.status == "loaded"     # /health: ok from now on, whatever loads later
         if slot.status != "loaded":
             self.load_error = slot.error
             if self.config.on_load_error is not None:
@@ -214,7 +216,7 @@ class ServerState:
         if self.pool.default is None and not self.pool.router:
             raise P.APIError(503, "the model is loading; retry shortly", code="loading")
         slot = self.pool.default
-        if slot is not None and not slot.ready.is_set():
+        if slot is not None and not slot.ready.is_set() and not self.pool.router:   # router: acquire waits
             raise P.APIError(503, "the model is loading; retry shortly", code="loading",
                              headers={"Retry-After": "1"})
 
@@ -1066,6 +1068,7 @@ class _Handlers:
     async def load_model(self, request: Request):
         """POST /models/load {"model"}: load a pulled model now (router); answers once it is loaded."""
         body = await _body(request, self.state, P.ModelRequest)
+        self._one_model_server("load")
         slot = await self.state.acquire(body.model, body.keep_alive_seconds())
         self.state.pool.release(slot)
         return JSONResponse({"success": True, "model": slot.name, "status": slot.status})
@@ -1073,8 +1076,17 @@ class _Handlers:
     async def unload_model(self, request: Request):
         """POST /models/unload {"model"}: unload a model now, or once its requests are done."""
         body = await _body(request, self.state, P.ModelRequest)
+        self._one_model_server("unload")
         slot = await run_in_threadpool(self.state.pool.unload, body.model)
         return JSONResponse({"success": True, "model": slot.name, "status": slot.status})
+
+    def _one_model_server(self, action: str) -> None:
+        """400 for /models/load and /models/unload on a server started with -m: its one model
+        stays loaded (unloading it left every request a 503), no other is served."""
+        if not self.state.pool.router:
+            raise P.APIError(400, f"this server serves one model (edge serve -m) and keeps it loaded: /models/{action} "
+                                  "is for a server started without -m, which serves every pulled model",
+                             param="model", code="unsupported_value")
 
     async def root(self, request: Request):
         """GET / and HEAD /: that edge is running, with the text Ollama's clients look for in it."""
@@ -1107,7 +1119,9 @@ class _Handlers:
         if self.state.load_error:
             return JSONResponse({"status": "error", "error": self.state.load_error}, status_code=503)
         slot = self.state.pool.default
-        if slot is not None and not slot.ready.is_set() or slot is None and not self.state.pool.router:
+        if not self.state.pool.router and (slot is None or not slot.ready.is_set()):   # router: up once started
+            return JSONResponse({"status": "loading model"}, status_code=503)
+        if self.state.pool.router and slot is not None and not slot.ready.is_set() and not self.state.started:
             return JSONResponse({"status": "loading model"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
@@ -1152,7 +1166,8 @@ class RequestLog:
             status = CLIENT_GONE                # a stream the client left before its end
         if scope.get("path") in self.QUIET:
             return
-        self.state.metrics.count(model or "", status)
+        if model or scope.get("method") == "POST":   # not the GETs that poll models, props, tags
+            self.state.metrics.count(model or "", status)
         if not self.log:
             return
         asked = info.get("edge_asked")            # the name a refused request gave (not a metrics label)
