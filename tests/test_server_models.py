@@ -330,3 +330,21 @@ def test_several_hosts_and_an_alias(tmp_path, smollm2_path):
     banner = proc.stderr.read().splitlines()[0]       # the alias with the file it names
     assert banner.startswith(f"edge serve: my-model ({smollm2_path.name}) on http://127.0.0.1:"), banner
     assert proc.returncode == 0                       # SIGTERM: a stop, not an interruption
+
+
+def test_serve_says_each_burst_of_compiles():
+    """edge serve names every burst of numba compiles after a quiet spell, not only the first
+    (compile_notes says that one): a model loaded later by name compiled in silence for a minute."""
+    from edge.cli.serve import _CompileBursts
+
+    said = []
+    bursts = _CompileBursts(said.append)
+    bursts.QUIET = 0.2
+    bursts.watch.on_start(None)                       # the first burst: compile_notes' note
+    bursts.watch.on_start(None)
+    assert said == []
+    time.sleep(0.3)
+    bursts.watch.on_start(None)                       # a later load
+    bursts.watch.on_start(None)
+    assert said == ["compiling kernels this server has not used before (once; later starts load them from "
+                    "numba's cache)"]
