@@ -1036,6 +1036,7 @@ class _Handlers:
         processors = await run_in_threadpool(_processors, grammar, grammar_param, engine, len(ids))
         gen = GenRequest(ids, params, emit=None, max_tokens=max_tokens, stop=body.stop_list(),
                          logprobs=body.logprobs, processors=processors, speculative=_speculative(body))
+        gen.progress = body.progress
         stream = _Stream(scheduler, gen)
         try:
             stream.submit()

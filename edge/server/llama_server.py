@@ -586,8 +586,8 @@ class _Llama:
         bias = await run_in_threadpool(_logit_bias, body, slot.engine.tokenizer)
         if bias is not None:
             creq.logit_bias = bias
+        creq.progress = bool(body.return_progress and body.stream)
         run = await self.h.start_completion(request, creq)
-        run.stream.gen.progress = bool(body.return_progress and body.stream)
         return _Generation(run, body, ids, slot.engine, n == 0, index)
 
     async def _answer(self, request: Request, body: CompletionBody, gens: list[_Generation]):
