@@ -259,6 +259,7 @@ def test_clients_switch_models_and_unload(router):
                                                                                              "temperature": 0})
         assert r.model == model and r.eval_count == 3 and r.done_reason == "length"
     assert {m.model for m in oc.ps().models} == {f"{QWEN}:latest", f"{SMOL}:latest"}
+    assert {m.model for m in oc.list().models} == {f"{QWEN}:latest", f"{SMOL}:latest", f"{GEMMA}:latest"}  # all pulled
     parts = list(oc.generate(model=SMOL, prompt="Say hi.", stream=True, keep_alive=0,
                              options={"num_predict": 3, "temperature": 0}))
     assert parts[-1].done and parts[-1].eval_count == 3
