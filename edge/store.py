@@ -132,8 +132,9 @@ def did_you_mean(name: str, names: Iterable[str]) -> str:
     key = name.strip().lower()
     names = sorted(set(names))
     prefixed = [n for n in names if n.lower().startswith(key)] if key else []
-    if len(prefixed) == 1:
-        return f" (did you mean {prefixed[0]!r}?)"
+    models = {(e.name if (e := find_entry(n)) is not None else n) for n in prefixed}   # aliases: one model
+    if len(models) == 1:
+        return f" (did you mean {min(models, key=len) if len(prefixed) > 1 else prefixed[0]!r}?)"
     close = difflib.get_close_matches(key, [n.lower() for n in names], n=1, cutoff=0.8)
     if close:
         return f" (did you mean {next(n for n in names if n.lower() == close[0])!r}?)"

@@ -524,7 +524,9 @@ def test_compile_notes_cut_short_do_not_say_done():
     with pytest.raises(KeyboardInterrupt), compile_notes(stream=tty):
         fresh(3)
         raise KeyboardInterrupt
-    assert tty.getvalue().endswith("compiled, 0 s\n") and "done" not in tty.getvalue(), tty.getvalue()
+    import re                       # the seconds: 0 on an idle machine, more on a loaded one
+
+    assert re.search(r"compiled, \d+ s\n$", tty.getvalue()) and "done" not in tty.getvalue(), tty.getvalue()
 
 
 @pytest.mark.slow

@@ -316,7 +316,7 @@ def test_answer_blocks_whole_and_streamed(deltas, blocks, stop):
         assert [d["thinking"] for d in deltas_of[0]] == ["The user", " greets."]
         assert [d["text"] for d in deltas_of[1]] == ["Hi", "!"]
     else:
-        assert whole["content"][1] == {"type": "tool_use", "id": "call_1", "name": "get_weather",
+        assert whole["content"][1] == {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
                                        "input": {"city": "Paris"}}
         assert deltas_of[1] == [{"type": "input_json_delta", "partial_json": '{"city": "Paris"}'}]
     assert events[-2]["delta"]["stop_reason"] == stop and events[-2]["usage"]["input_tokens"] == 6

@@ -285,6 +285,11 @@ def chat_request(body: MessagesRequest) -> P.ChatCompletionRequest:
 
 # ---- the answer ---------------------------------------------------------------------------------
 
+def _tool_use_id(call_id: str) -> str:
+    """A tool call's id as Anthropic writes them (toolu_...; edge's calls are call_...)."""
+    return call_id if call_id.startswith("toolu_") else "toolu_" + call_id.removeprefix("call_")
+
+
 _STOP_REASONS = {"stop": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -294,7 +299,7 @@ def _block(b) -> dict:
         return {"type": "thinking", "thinking": b.text, "signature": ""}
     if b.kind == "text":
         return {"type": "text", "text": b.text}
-    return {"type": "tool_use", "id": b.id, "name": b.name, "input": tool_arguments(b.text)}
+    return {"type": "tool_use", "id": _tool_use_id(b.id), "name": b.name, "input": tool_arguments(b.text)}
 
 
 def _usage(oc) -> dict:
@@ -327,7 +332,8 @@ def _block_events(events) -> list[str]:
     for ev in events:
         kind, block = ev[0], ev[1]
         if kind == "start":
-            start = _START.get(block.kind) or {"type": "tool_use", "id": block.id, "name": block.name, "input": {}}
+            start = _START.get(block.kind) or {"type": "tool_use", "id": _tool_use_id(block.id), "name": block.name,
+                                               "input": {}}
             out.append(sse("content_block_start", {"type": "content_block_start", "index": block.index,
                                                    "content_block": start}))
         elif kind == "delta":

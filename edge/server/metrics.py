@@ -40,7 +40,7 @@ def rss_bytes() -> tuple[int, int]:
             now = int(f.read().split()[1]) * resource.getpagesize()
     except OSError:
         now = peak
-    return now, peak
+    return now, max(now, peak)          # ru_maxrss lags the current size by up to a page count
 
 
 class Metrics:

@@ -795,7 +795,7 @@ class _Ollama:
     async def not_served(self, request: Request):
         """Ollama's routes edge does not serve: 501 in Ollama's shape, saying why."""
         what = {"/api/push": "push models to a registry", "/api/create": "create models from Modelfiles",
-                "/api/copy": "copy models", "/api/delete": "delete models (remove the file from ~/.cache/edge/models)",
+                "/api/copy": "copy models", "/api/delete": "delete models (edge rm NAME does)",
                 "/api/embed": "serve embeddings", "/api/embeddings": "serve embeddings"}
         path = request.url.path
         reason = "take model blobs (models are created by edge pull)" if path.startswith("/api/blobs/") \
