@@ -913,7 +913,7 @@ def _erase(slot, id_slot: int) -> dict:
                 counts = mgr.ref_counts(g)
                 mgr.forget_free_blocks(g, [b for b in table if b >= 0 and counts[b] == 0
                                            and mgr.block_hash(g, b) is not None])
-    return {"id_slot": id_slot, "n_erased": len(rec.tokens) if rec is not None else 0}
+    return {"id_slot": id_slot, "n_erased": rec.n_computed if rec is not None else 0}   # as n_saved counts
 
 
 def routes(h) -> list[Route]:
