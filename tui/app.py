@@ -20,6 +20,7 @@ compiled meanwhile (edge.compile_watch).
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -313,7 +314,8 @@ class ChatApp(App):
 
     def on_mount(self) -> None:
         if not self.is_headless:     # SIGINT (kill -INT) leaves as Ctrl+C does at the terminal
-            asyncio.get_running_loop().add_signal_handler(signal.SIGINT, lambda: self.exit(return_code=130))
+            asyncio.get_running_loop().add_signal_handler(
+                signal.SIGINT, lambda: self._leave_while_loading() if self.loading else self.exit(return_code=130))
         self.set_interval(1.0, self._tick)
         box = self.query_one("#input", ChatInput)
         box.border_title = SINGLE_LINE_KEYS
@@ -592,7 +594,9 @@ class ChatApp(App):
         """Ctrl+C (a selection in the input box is copied before this): while the model loads,
         leave (status 130); during an answer, stop it; else, a second Ctrl+C within 2 s leaves."""
         now = time.monotonic()
-        if self.loading or now - self._last_interrupt < 2.0:
+        if self.loading:
+            self._leave_while_loading()
+        if now - self._last_interrupt < 2.0:
             await self._stop_and_wait()
             self.exit(return_code=130)
             return
@@ -601,6 +605,20 @@ class ChatApp(App):
             self.action_stop()
         else:
             self.note("Ctrl+C again leaves; so do Ctrl+D on an empty line, /bye and Ctrl+Q")
+
+    def _leave_while_loading(self) -> None:
+        """Exit now, status 130 and the one line every command says: the model loads on a
+        worker thread compiling kernels numba cannot stop, and textual would wait for it
+        (35-45 s) before exiting. The terminal is restored first; numba writes each cache file
+        whole, so the cache stays usable."""
+        driver = getattr(self, "_driver", None)
+        if driver is not None:
+            try:
+                driver.stop_application_mode()
+            except Exception:       # a terminal that cannot be restored still lets us leave
+                pass
+        os.write(2, b"interrupted\n")     # fd 2 itself: textual captures sys.stderr while it runs
+        os._exit(130)
 
     def on_engine_note(self, message: EngineNote) -> None:
         self.note(message.text)
