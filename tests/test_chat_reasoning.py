@@ -92,7 +92,7 @@ def test_app_shows_the_thinking_collapsed_above_the_answer(engine, tmp_path):
             thinking, answer = app.query_one(Thinking), app.query(Answer).last()
             assert log.index(thinking) == log.index(answer) - 1          # right above the answer
             assert (thinking.text, thinking.collapsed, thinking.title) == (REASONING, True, "thought")
-            assert answer.source == ANSWER
+            assert answer.source == ANSWER + " *(length limit: /max-tokens N raises it)*"   # driven to max_tokens
             app.show_conversation()                                      # as a reopened chat shows it
             await pilot.pause(0.1)
             assert [t.text for t in app.query(Thinking)] == [REASONING]

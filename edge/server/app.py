@@ -1093,19 +1093,24 @@ class _Handlers:
         """GET / and HEAD /: that edge is running, with the text Ollama's clients look for in it."""
         return Response(ROOT_TEXT, media_type="text/plain")
 
+    async def _engine_of(self, model: str | None):
+        """The engine of ``model`` (None: the default), loaded if needed and waited for, as a
+        generation waits (ServerState.acquire; its 404 / 503)."""
+        slot = await self.state.acquire(model)
+        self.state.pool.release(slot)
+        return slot.engine
+
     async def tokenize(self, request: Request):
-        self.state.require()
         body = await _body(request, self.state, P.TokenizeRequest, MIN_TOKENIZE_BODY_LIMIT)
-        engine, _ = self.state.require(body.model)
+        engine = await self._engine_of(body.model)
         ids = await run_in_threadpool(engine.tokenizer.encode, body.content, body.add_special, body.parse_special)
         if body.with_pieces:                       # llama-server's [{"id", "piece"}]
             return JSONResponse({"tokens": P.token_pieces(engine.tokenizer, ids)})
         return JSONResponse({"tokens": [int(t) for t in ids]})
 
     async def detokenize(self, request: Request):
-        self.state.require()
         body = await _body(request, self.state, P.DetokenizeRequest, MIN_TOKENIZE_BODY_LIMIT)
-        engine, _ = self.state.require(body.model)
+        engine = await self._engine_of(body.model)
         n_vocab = engine.model.args.n_vocab
         bad = [t for t in body.tokens if not 0 <= t < n_vocab]
         if bad:
