@@ -52,8 +52,10 @@ IQ1_M / TQ1_0 / TQ2_0 from kernels_cpu.iq1tq_avx2 (with VNNI instructions where 
 and on AVX-512 VNNI GEMV-path IQ4_NL / MXFP4 / Q4_0 and TILED-path IQ4_XS from
 kernels_cpu.matmul_rows); they take int8 quants.
 
-Not reproduced: F32/F16/BF16 weights (tinyBLAS / ggml_vec_dot_f16 orders); they agree to
-float32 rounding.
+F32/F16/BF16 weights: tinyBLAS's order for one output on AVX-512 F (16 fma lanes, then their
+halves tree; kernels_cpu.matmul_float), the same bits on every CPU; llama.cpp's own results
+depend on its build and path (ggml_vec_dot_f16, AVX-512 BF16's dot products), so they agree
+to float32 rounding.
 
 Shapes everywhere: w uint8[R, row_bytes] (GGUFFile.tensor_rows), x float32[T, K], out
 float32[T, R]; per-type kernels take the quantized activations (see quantize_act).

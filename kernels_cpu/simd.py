@@ -89,7 +89,7 @@ def load_f16(buf, i):
 # LLVM vector IR helpers (for code generated inside numba intrinsics).
 #
 # Kernels built from these use plain LLVM vector operations only (loads, shuffles, integer and
-# float arithmetic, llvm.fmuladd); LLVM selects the instructions for the host CPU (e.g.
+# float arithmetic, llvm.fma); LLVM selects the instructions for the host CPU (e.g.
 # vpmaddwd / vcvtph2ps / vfmadd on x86-64 with AVX-512 or AVX2, sdot-free NEON code on arm64).
 
 I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -170,12 +170,11 @@ def hsum_f32(b: ir.IRBuilder, v):
 
 
 def fmuladd(b: ir.IRBuilder, x, y, acc):
-    """x * y + acc on float vectors or scalars through llvm.fmuladd (fused where the target has FMA)."""
-    name = f"llvm.fmuladd.v{x.type.count}f32" if isinstance(x.type, ir.VectorType) else "llvm.fmuladd.f32"
-    fn = b.module.globals.get(name)
-    if fn is None:
-        fn = ir.Function(b.module, ir.FunctionType(x.type, [x.type] * 3), name)
-    return b.call(fn, [x, y, acc])
+    """x * y + acc on float vectors or scalars, rounded once (llvm.fma, as :func:`fma`). Was
+    llvm.fmuladd, which LLVM fuses only where the target has FMA: a CPU without it (generic
+    x86-64) got two roundings and other logits; llvm.fma is one definition on every CPU (the
+    same vfmadd where FMA is, the C library's fmaf elsewhere)."""
+    return fma(b, x, y, acc)
 
 
 def fma(b: ir.IRBuilder, x, y, acc):
@@ -211,6 +210,27 @@ HAS_AVX512 = "+avx512f" in target_features()
 HAS_AVX2 = "+avx2" in target_features()
 # AVX2 without VNNI: 8-bit products through vpmaddubsw ymm (kernels_cpu.matmul_avx2)
 HAS_AVX2_INT8 = HAS_AVX2 and not HAS_VNNI
+
+
+def kernel_path(features: frozenset | None = None) -> str:
+    """The kernel path edge takes for CPU ``features`` (default: target_features()):
+    "avx512-vnni" (AVX-512 VNNI int8 tiles), "avx512" (AVX-512 F without VNNI: the AVX2 int8
+    tiles, AVX-512's exp in attention), "avx2" (vpmaddubsw / vpshufb ymm tiles) or "generic"
+    (plain LLVM vectors). AVX-VNNI (VEX) has no path of its own yet: such CPUs take "avx2"."""
+    f = target_features() if features is None else features
+    if {"+avx512vnni", "+avx512vl", "+avx512bw"} <= f:
+        return "avx512-vnni"
+    if "+avx512f" in f:
+        return "avx512"
+    return "avx2" if "+avx2" in f else "generic"
+
+
+def cpu_target() -> str:
+    """The CPU numba compiles for: NUMBA_CPU_NAME when set, else the host's (LLVM's name)."""
+    from numba.core import config
+    from llvmlite import binding
+
+    return config.CPU_NAME or binding.get_host_cpu_name()
 
 
 def _x86_call(b: ir.IRBuilder, name: str, args, ret: ir.Type | None = None):
