@@ -48,6 +48,8 @@ def test_json_keys_and_counts(bench_json, gemma_path):
     assert list(r["tensor_types"].values()) == sorted(counted.values(), reverse=True)
     assert (r["n_ctx"], r["n_batch"], r["reps"], r["cache_type_k"], r["cache_type_v"]) == (4096, 512, 1, "f16", "f16")
     assert r["batch_invariant"] is False                      # pp / tg with llama.cpp's kernel choice
+    from kernels_cpu import simd
+    assert r["kernels"] == {"path": simd.kernel_path(), "cpu": simd.cpu_target()}   # e.g. avx512-vnni, znver4
     assert [t["test"] for t in r["tests"]] == [f"pp{P}", f"tg{N}"] + [f"tg{N} x{b}" for b in BATCHED]
     asked = [P, N] + [b * N for b in BATCHED]
     for row, n_asked in zip(r["tests"], asked):
@@ -225,6 +227,8 @@ def test_rich_tables(bench_json):
     assert f"{bench_json['peak_rss_mb']['edge']:.0f}" in text
     assert f"memory read {bench_json['ceilings']['read_gb_s']:.1f} GB/s" in text
     assert f"{bench_json['tests'][0]['edge']['ceiling_fraction']:.0%}" in text
+    k = bench_json["kernels"]
+    assert f"kernel path {k['path']} on {k['cpu']}" in " ".join(text.split())   # the title names the kernel path
     first, n = next(iter(bench_json["tensor_types"].items()))
     assert f"({first}×{n}, " in text.replace("\n", "")   # the model's tensor types in the title
     if not HAS_LLAMA_CPP:

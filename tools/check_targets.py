@@ -86,6 +86,16 @@ def target_env(target: str, cache_root: Path, host: set[str] | None = None) -> t
     return env, dropped
 
 
+def expected_path(target: str) -> str:
+    """The kernel path ``target``'s features give (kernels_cpu.simd.kernel_path), the host's for "host"."""
+    from kernels_cpu import simd
+
+    cpu, features = TARGETS[target]
+    if cpu is None:
+        return simd.kernel_path(frozenset("+" + f for f in host_features()))
+    return simd.kernel_path(frozenset(features.split(",")))
+
+
 # ------------------------------------------------------------------------------------- cases
 
 
@@ -281,6 +291,7 @@ def check(targets: list[str], tiny: list[str], goldens: list[str], cache_root: P
                 rep["error"] = f"exit {r['returncode']}: {r['stderr'][-1500:]}"
             else:
                 rep["kernel_path"], rep["cpu"] = r["meta"]["kernel_path"], r["meta"]["cpu"]
+                rep["case_seconds"] = r["meta"]["seconds"]
                 rep["bit_equal"], rep["compared"], rep["max_diff"], rep["differ"] = compare(host["arrays"], r["arrays"])
                 rep["llama_cpp"] = check_llama_cpp(r["arrays"], tiny, goldens)
             rep["ok"] = rep["error"] is None and not rep["differ"] and not rep["llama_cpp"]
