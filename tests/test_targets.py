@@ -4,18 +4,17 @@
   path and numba's target CPU, also for a target set by NUMBA_CPU_NAME / NUMBA_CPU_FEATURES;
 - a CPU without F16C (generic x86-64): kernels_cpu imports (it built ops.GELU_TABLE through a
   missing runtime function and segfaulted) and its half conversions give F16C's bits;
-- tools/check_targets.py on a small set: for each x86 target (numba compiling for haswell,
-  skylake-avx512, alderlake, x86-64, znver4 in a subprocess with a numba cache of its own) the
-  logits of a tiny case of each weight family and one gemma-3-270m greedy golden are this
-  process's (the host's) to the bit. A cold compile costs about a minute and a half per target
-  on the 2-core machine (the README's "Every CPU" has the times). EDGE_TARGETS picks the
-  targets (comma-separated; "none" skips the comparison, for a quick local run only).
+- tools/check_targets.py on a small set (CI_CASES): for haswell, skylake-avx512 and generic
+  x86-64 (numba compiling for that CPU in a subprocess with a numba cache of its own) the
+  logits are this process's (the host's, AVX-512 VNNI) to the bit and hold to llama.cpp's
+  outputs. About 2 minutes with cold caches on the 2-core machine (haswell 47 s, x86-64 39 s,
+  skylake-avx512 22 s). EDGE_TARGETS picks the targets ("all" adds alderlake and znver4;
+  "none" skips the comparison, for a quick local run only).
 """
 from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
