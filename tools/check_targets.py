@@ -86,14 +86,16 @@ def target_env(target: str, cache_root: Path, host: set[str] | None = None) -> t
     return env, dropped
 
 
-def expected_path(target: str) -> str:
-    """The kernel path ``target``'s features give (kernels_cpu.simd.kernel_path), the host's for "host"."""
+def expected_path(target: str, host: set[str] | None = None) -> str:
+    """The kernel path ``target``'s features give (kernels_cpu.simd.kernel_path), the host's for
+    "host"; with ``host`` (the host's features), the path it can run here (without those the
+    host lacks)."""
     from kernels_cpu import simd
 
     cpu, features = TARGETS[target]
     if cpu is None:
         return simd.kernel_path(frozenset("+" + f for f in host_features()))
-    return simd.kernel_path(frozenset(features.split(",")))
+    return simd.kernel_path(frozenset(f for f in features.split(",") if host is None or f[1:] in host))
 
 
 # ------------------------------------------------------------------------------------- cases
@@ -310,6 +312,8 @@ def format_report(rep: dict) -> str:
             f"{rep['seconds']:.0f} s")
     if rep["dropped"]:
         line += f" (off, the host lacks them: {', '.join(rep['dropped'])})"
+        if rep["target"] in TARGETS and rep["kernel_path"] != expected_path(rep["target"]):
+            line += f"; NOT the target's own path, {expected_path(rep['target'])}"
     extra = [f"    differs: {k}" for k in rep["differ"][:20]] + [f"    llama.cpp: {p}" for p in rep["llama_cpp"][:20]]
     return "\n".join([line] + extra)
 
