@@ -15,8 +15,9 @@ the AVX-512 VNNI host the kernels were written on), reporting per target pass/fa
 
 Code compiled for a target runs on this machine, so a target can use only the instructions the
 host has: a feature of a target's CPU that the host lacks (alderlake's AVX-VNNI on an AMD Zen 4)
-is turned off for the run and named in the report. edge chooses no kernel by such a feature
-today, so only LLVM's own choice of (exact integer) instructions goes untested.
+is turned off for the run and named in the report (with AVX-VNNI, LLVM fuses vpmaddwd + add
+into {vex} vpdpwssd: SIGILL on Zen 4). edge chooses no kernel by such a feature today, so only
+LLVM's own choice of (exact integer) instructions goes untested.
 
     python tools/check_targets.py                         # every target, every case
     python tools/check_targets.py -t haswell -c llama3-q8_0 -g gemma3-270m:0
