@@ -13,6 +13,11 @@ the AVX-512 VNNI host the kernels were written on), reporting per target pass/fa
 |difference| of a logit and the time; each target is also held to llama.cpp's stored outputs
 (tests' tolerances for (a), greedy.json's tokens up to a near-tie for (b)).
 
+NUMBA_CPU_NAME alone does not change the instruction set: numba then passes the host's features
+(NUMBA_CPU_FEATURES unset), so each target lists its CPU's features (TARGETS). numba's cache key
+holds both (codegen.magic_tuple: triple, CPU name, features), so targets never share a compiled
+kernel; a cache folder per target keeps their index files apart and makes cold times measurable.
+
 Code compiled for a target runs on this machine, so a target can use only the instructions the
 host has: a feature of a target's CPU that the host lacks (alderlake's AVX-VNNI on an AMD Zen 4)
 is turned off for the run and named in the report (with AVX-VNNI, LLVM fuses vpmaddwd + add
