@@ -34,7 +34,7 @@ from kernels_cpu.matmul_rows import Q0_ROWS
 from kernels_cpu.matmul_tiles import GEMM, GEMV, TILED, VEC_DOT
 from kernels_cpu.matmul_tiling import (ND_Q6_K, NR, NR_Q0, NR_ROWS, NT_WIDE, PANEL_ROWS, _block_sums_32, _blocks,
                                       _panels, _rows, _tiled, many_rows)
-from kernels_cpu.simd import HAS_AVX2, HAS_AVX2_INT8, HAS_VNNI
+from kernels_cpu.simd import HAS_AVX2, HAS_DOTPROD, HAS_INT8_VEC_DOT, HAS_VNNI
 
 T_ = GGMLQuantizationType
 
@@ -292,8 +292,10 @@ from kernels_cpu.iq4_kernels import (matmul_iq4_nl_q8_0, matmul_iq4_nl_q8_0_bi, 
                                      matmul_mxfp4_q8_0, matmul_mxfp4_q8_0_repacked)
 
 # types whose kernels take int8 activation quants: the VNNI kernels, the AVX2 vpmaddubsw tiles
-ROWS_TYPES = ((T_.Q4_0, T_.Q5_0, T_.Q8_0, T_.Q4_K, T_.Q5_K, T_.Q6_K) if HAS_VNNI else (T_.Q5_0, T_.Q8_0) if HAS_AVX2_INT8 else ())
-ROWS_TYPES += (T_.Q4_1, T_.Q5_1, T_.IQ4_NL, T_.IQ4_XS, T_.MXFP4) if HAS_AVX2 else ()  # matmul_avx2, iq4_avx2 tiles
+ROWS_TYPES = ((T_.Q4_0, T_.Q5_0, T_.Q8_0, T_.Q4_K, T_.Q5_K, T_.Q6_K) if HAS_VNNI else (T_.Q5_0, T_.Q8_0) if HAS_INT8_VEC_DOT
+              else ())
+ROWS_TYPES += (T_.Q4_1, T_.Q5_1) if HAS_AVX2 or HAS_DOTPROD else ()  # matmul_avx2 tiles
+ROWS_TYPES += (T_.IQ4_NL, T_.IQ4_XS, T_.MXFP4) if HAS_AVX2 else ()  # iq4_avx2 tiles
 ROWS_TYPES += tuple(T_[name.upper()] for name in sorted(IQ23_AVX2_TYPES | IQ1TQ_AVX2_TYPES))  # iq23_avx2, iq1tq_avx2
 
 _REPACKED_TYPES = tuple(t for t in QUANTIZED_TYPES if TYPES[t].repacked)
