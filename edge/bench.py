@@ -85,7 +85,7 @@ BATCH_PROMPT_LEN = 8
 SEED = 1234
 _LLAMA_CHILD = Path(__file__).with_name("bench_llama_cpp.py")
 JSON_PROMPT = "Write a JSON array of 500 made-up people, each with an id, a name, an age and an email."
-JSON_SCHEMA = {"type": "array", "items": {
+JSON_SCHEMA = {"type": "array", "minItems": 3, "items": {
     "type": "object", "additionalProperties": False, "required": ["id", "name", "age", "email"],
     "properties": {"id": {"type": "integer"}, "name": {"type": "string"},
                    "age": {"type": "integer", "minimum": 0, "maximum": 120}, "email": {"type": "string"}}}}
@@ -441,7 +441,8 @@ def _process_wall(cfg: BenchConfig, log) -> float | None:
            "-ctk", cfg.cache_type_k, "-ctv", cfg.cache_type_v, *(["--batch-invariant"] if cfg.batch_invariant else []),
            FIRST_PROMPT]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    # no stdin: a piped one would join the prompt
+    proc = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
         log(f"edge: `edge run -n 1` failed (status {proc.returncode}): {proc.stderr.strip()[-300:]}")
         return None

@@ -160,7 +160,7 @@ def main() -> int:
     out = sys.stdout
     if ll is None:
         print(json.dumps({"error": f"cannot import llama_cpp ({IMPORT_ERROR}); install llama-cpp-python "
-                                    "(pip install 'edge[bench]') or pass --llama-python PYTHON"}),
+                                    "(pip install -e '.[bench]' in edge's checkout) or pass --llama-python PYTHON"}),
               file=out, flush=True)
         return 1
     try:

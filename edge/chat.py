@@ -9,7 +9,10 @@ Files, under ``$EDGE_HOME/chats/`` (:func:`chats_dir`)::
     <id>.json      the conversation, rewritten atomically after every message
     <id>.session   the KV cache of the conversation so far (edge.session's format), written
                    after every answer, so that ``edge chat --resume`` continues the chat
-                   without computing its history again (same model only: the file names it)
+                   without computing its history again (same model only: the file names it).
+                   A cache, within a budget: after each answer the oldest chats' files are
+                   deleted until all fit in $EDGE_CHAT_CACHE_MB (default 512 MB; the current
+                   chat's is kept): :func:`prune_sessions`
 
 The JSON object (format "edge-chat", version 1): ``id``, ``title`` (or null), ``created`` and
 ``updated`` (ISO 8601 UTC), ``model`` (what ``-m`` resolved: a registry name or a path),
@@ -25,6 +28,7 @@ in it has no file.
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import threading
 import time
@@ -42,6 +46,7 @@ from edge.files import edge_home
 from edge.tokenizer import StreamDecoder
 
 FORMAT, VERSION = "edge-chat", 1
+DEFAULT_SESSION_BUDGET_MB = 512     # the chats' KV cache files together ($EDGE_CHAT_CACHE_MB)
 
 
 class ChatError(ValueError):
@@ -237,6 +242,67 @@ def find_chat(name: str, folder: Path | None = None) -> Conversation:
     raise ChatError(f"no saved chat named {name!r}; recent chats: {known}")
 
 
+def delete_chat(name: str, folder: Path | None = None) -> Conversation:
+    """Delete the saved conversation ``name`` (its id, the one id that starts with it, or its
+    /save title) with its KV cache file; returns it.
+
+    Raises:
+        ChatError: no saved chat, or several, answer to ``name`` (listing them); OSError when a
+            file cannot be removed.
+    """
+    folder = folder or chats_dir()
+    chats = list_chats(folder)
+    match = ([c for c in chats if c.id == name or c.title == name]
+             or [c for c in chats if c.id.startswith(name)] if name else [])
+    if len(match) != 1:
+        listed = ", ".join(c.id for c in (match or chats)[:8]) or "none"
+        raise ChatError(f"{len(match)} saved chats are named {name!r}: {listed}" if match
+                        else f"no saved chat named {name!r}; saved chats: {listed} (edge chat --list)")
+    conv = match[0]
+    conv.session_path(folder).unlink(missing_ok=True)
+    conv.path(folder).unlink()
+    return conv
+
+
+def session_budget_bytes() -> int:
+    """The bytes the chats' KV cache files (``<id>.session``) may take together:
+    ``$EDGE_CHAT_CACHE_MB`` megabytes (default 512); 0 keeps only the current chat's."""
+    try:
+        mb = float(os.environ.get("EDGE_CHAT_CACHE_MB", "") or DEFAULT_SESSION_BUDGET_MB)
+    except ValueError:
+        mb = DEFAULT_SESSION_BUDGET_MB
+    return max(0, int(mb * 1e6))
+
+
+def prune_sessions(folder: Path | None = None, keep: str | None = None, budget: int | None = None) -> list[Path]:
+    """Delete the oldest ``<id>.session`` files of ``folder`` (by modification time) until the
+    rest fit in ``budget`` bytes (default :func:`session_budget_bytes`), and those whose chat is
+    gone; chat ``keep``'s is never deleted. Conversations themselves (``.json``) stay: a chat
+    whose KV cache was deleted computes its history again on its next turn. Returns the files
+    deleted. Raises nothing: a file that cannot be removed or read is left."""
+    folder = folder or chats_dir()
+    budget = session_budget_bytes() if budget is None else budget
+    files = []
+    for path in folder.glob("*.session"):
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        files.append((st.st_mtime, st.st_size, path))
+    removed, total = [], 0
+    for _, size, path in sorted(files, key=lambda f: f[0], reverse=True):
+        mine = path.stem == keep
+        if mine or (path.with_suffix(".json").is_file() and total + size <= budget):
+            total += size
+            continue
+        try:
+            path.unlink()
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
 def answer_parts(message: dict, reasoning: bool) -> Split:
     """An assistant message's reasoning and answer (``reasoning``: the model is a reasoning
     model; otherwise all of it is the answer)."""
@@ -385,6 +451,7 @@ class ChatRunner:
                     message["reasoning_opened"] = True
                 conv.messages.append(message)
                 conv.save(self.folder)
+            prune_sessions(self.folder, keep=conv.id)
         return TurnResult("".join(pieces), stopped, stats, stats.n_prompt + stats.n_generated)
 
     def _generate(self, ids, params, stats, session):

@@ -7,9 +7,10 @@ prompt and generated tokens per second).
 """
 from __future__ import annotations
 
-import json
 import re
 import time
+import uuid
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -190,20 +191,59 @@ class Engine:
                     variables: dict | None = None) -> list[int]:
         """Token ids of a chat rendered through the model's own template.
 
-        The template's markers are special tokens; the text of the messages, and the JSON of
-        the ``tools`` variable and of earlier tool calls' arguments, is tokenized with
-        parse_special off (BUGS.md T2), so a user cannot forge a turn boundary. ``variables``:
-        extra template variables (``enable_thinking``, ``tools`` ...; ChatTemplate.render).
-        Raises NoChatTemplateError (model without template) or ChatTemplateError (template error).
+        The template's markers are special tokens; every string of the request is tokenized
+        with parse_special off (BUGS.md T2), wherever and however the template writes it, so a
+        user cannot forge a turn boundary: the messages' contents (:func:`_content_spans`), and
+        their other fields (tool calls' names, arguments and ids, ``tool_call_id``, ``name``)
+        and the variables (``tools``: names, descriptions, schemas) (:func:`_special_spans`).
+        ``variables``: extra template variables (``enable_thinking``, ``tools`` ...;
+        ChatTemplate.render).
+
+        Raises:
+            NoChatTemplateError: the model has no template.
+            ChatTemplateError: the template's error, or special-token text in the request that the
+                template does not write as it is (so it cannot be kept as text).
         """
         template = require_template(self.template, self.name)
         rendered = template.render(messages, add_generation_prompt=add_generation_prompt, **(variables or {}))
         spans = _content_spans(template, messages, add_generation_prompt, rendered, variables)
-        spans += _json_spans(rendered, [*((variables or {}).get("tools") or ()),
-                                        *(c.get("function", c).get("arguments") for m in messages
-                                          for c in (m.get("tool_calls") or ()))])
+        spans += _special_spans(template, self.tokenizer, messages, add_generation_prompt, rendered, variables)
         ids = self.tokenizer.encode(rendered, add_special=False, parse_special=True, protect=spans)
         return self._one_bos(ids)
+
+    # ------------------------------------------------------------------ embeddings
+    def embed(self, inputs, pooling: str | None = None, normalize: int = 2, truncate: bool = False,
+              lock=None) -> list[np.ndarray]:
+        """Embeddings of a text, a token list, or a list of texts / token lists, equal to
+        llama.cpp's (edge.embedding.embed: the output norm's result pooled "mean", "cls",
+        "last" or "none", default the GGUF's pooling_type else "last"; normalised as
+        common_embd_normalize, ``normalize`` 2 = euclidean, -1 none). Returns one array per
+        input: f32[n_embd], or f32[n_tokens, n_embd] with pooling "none". Runs in a scratch KV
+        cache (the engine's cache and sequences are untouched); not reentrant with other
+        forwards of this engine (``lock`` is taken around each forward pass).
+
+        Raises edge.embedding.EmbeddingError (empty input, bad token id, pooling or
+        normalize), ContextLengthExceeded (an input longer than n_ctx, unless ``truncate``).
+        """
+        from edge.embedding import embed
+
+        return embed(self, inputs, pooling, normalize, truncate, lock).vectors
+
+    def warm_up(self) -> None:
+        """Compile (or load from numba's cache) the kernels every generation runs before the
+        first real prompt waits on them: GenerationLoop.warm_up (9-row and longer prefills, a
+        sampled token, a 1-row step), as ``edge serve`` does before it says ready and as
+        llama.cpp's warm-up run. It runs in a small KV cache of anonymous memory of the
+        engine's K/V types (the same kernels), closed again: the engine's pool and its file
+        are untouched."""
+        if self.n_ctx < 10:
+            return
+        cache = PagedKVCache(self.model.args, min(self.n_ctx, 128), 1, self.block_size, self.cache_type_k,
+                             self.cache_type_v, storage="anon")
+        try:
+            self.loop(cache).warm_up()
+        finally:
+            cache.close()
 
     # ------------------------------------------------------------------ generation
     def new_cache(self):
@@ -345,18 +385,75 @@ def _empty_file(path) -> bool:
     return p.is_file() and p.stat().st_size == 0
 
 
-def _json_spans(rendered: str, values: list) -> list[tuple[int, int]]:
-    """Character spans in ``rendered`` of each value's JSON text as the templates' ``tojson``
-    writes it (json.dumps, ensure_ascii off), found in order; a value whose text is not there
-    (a template that formats it otherwise) or that is a string (an argument's raw text) is
-    searched as itself."""
-    spans, pos = [], 0
-    for value in values:
-        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-        j = rendered.find(text, pos) if text else -1
-        if j >= 0:
-            spans.append((j, j + len(text)))
-            pos = j + len(text)
+_special_patterns: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _special_pattern(tokenizer) -> "re.Pattern | None":
+    """A regex of the tokenizer's special-token texts (longest first), None when it has none
+    (made once per tokenizer)."""
+    if tokenizer not in _special_patterns:
+        texts = tokenizer.special_texts()
+        _special_patterns[tokenizer] = re.compile("|".join(map(re.escape, texts))) if texts else None
+    return _special_patterns[tokenizer]
+
+
+def _special_spans(template: ChatTemplate, tokenizer, messages: list[dict], add_generation_prompt: bool,
+                   rendered: str, variables: dict | None) -> list[tuple[int, int]]:
+    """Character spans in ``rendered`` of the special-token texts that the request wrote outside
+    the messages' contents (every other message field, every variable, keys included).
+
+    Renders once more with each such occurrence replaced by a marker (private-use characters and
+    a random nonce, which ``tojson`` and string filters leave as they are); putting the texts
+    back in place of the markers must give ``rendered``, and their places are the spans. No
+    special text in those strings (the usual case): no second render.
+
+    Raises:
+        ChatTemplateError: the template did not write such a text as it is (the second render
+            differs or fails), so it cannot be kept as text.
+    """
+    pattern = _special_pattern(tokenizer)
+    if pattern is None:
+        return []
+    nonce, found = uuid.uuid4().hex, []
+
+    def defuse(value):
+        if isinstance(value, str):
+            if not pattern.search(value):
+                return value
+
+            def mark(m):
+                found.append(m.group())
+                return f"\ue000{nonce}:{len(found) - 1}\ue001"
+            return pattern.sub(mark, value)
+        if isinstance(value, dict):
+            return {defuse(k): defuse(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [defuse(v) for v in value]
+        return value
+
+    marked = [{k: v if k in ("role", "content") else defuse(v) for k, v in m.items()} for m in messages]
+    marked_variables = defuse(variables or {})
+    if not found:
+        return []
+    refused = ChatTemplateError(f"the request holds the special-token text {found[0]!r} in a tool, a tool call or a "
+                                "message field that this chat template does not write as it is, so it cannot be "
+                                "kept as text; remove it")
+    try:
+        text = template.render(marked, add_generation_prompt=add_generation_prompt, **marked_variables)
+    except ChatTemplateError:
+        raise refused from None
+    spans, out, pos, n = [], [], 0, 0
+    for m in re.finditer(f"\ue000{nonce}:(\\d+)\ue001", text):
+        out.append(text[pos:m.start()])
+        n += m.start() - pos
+        special = found[int(m.group(1))]
+        out.append(special)
+        spans.append((n, n + len(special)))
+        n += len(special)
+        pos = m.end()
+    out.append(text[pos:])
+    if "".join(out) != rendered:
+        raise refused
     return spans
 
 

@@ -332,6 +332,33 @@ class GenerationLoop:
         seq.logits = self.prefill(seq.slot, seq.tokens[int(self.kv.pos[seq.slot]):])
         return seq.logits
 
+    WARM_UP_MAX_ROWS = 64
+
+    def warm_up(self) -> None:
+        """Run prefills of 9 rows (the many-row kernels: 8 rows and up) and of enough rows that
+        the element-wise kernels take their parallel paths (kernels_cpu.ops.PARALLEL_MIN
+        elements per call), a sampled token and a 1-row decode step each, of throwaway
+        sequences of BOS tokens (which no real prompt's cached prefix matches), then free them,
+        so that numba has compiled (or loaded from its cache) each path's kernels before a real
+        request waits on them. Raises what a step raises (edge.kv.cache.KVNoSpace, NoFreeSlot)."""
+        from kernels_cpu.ops import PARALLEL_MIN
+
+        bos = self.tokenizer.bos_id if self.tokenizer is not None else None
+        n_par = -(-PARALLEL_MIN // max(1, self.model.args.n_embd)) + 1
+        sizes = {9} | ({n_par} if n_par <= min(self.WARM_UP_MAX_ROWS, self.n_batch, self.kv.n_ctx - 2) else set())
+        for n in sorted(sizes):     # (a tiny model's element-wise kernels go parallel only in long prompts)
+            if n < 2:
+                continue
+            seq = self.new([int(bos) if bos is not None and bos >= 0 else 0] * n, SamplingParams(),
+                           Limits(max_tokens=2, eog=False))
+            self.admit(seq)
+            try:
+                self.sample(seq, self.compute(seq))
+                self.reserve(rows := self.rows(seq, 1))
+                self.step([rows])
+            finally:
+                self.free(seq)
+
     # ---- sampling and the finish rules ---------------------------------------------------
 
     def sample(self, seq: Sequence, logits: np.ndarray) -> Sampled:

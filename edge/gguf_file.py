@@ -454,3 +454,26 @@ def tensor_type_counts(gf: GGUFFile) -> dict[str, int]:
 def format_type_counts(counts: dict[str, int]) -> str:
     """``{"IQ4_NL": 120, "F32": 121}`` -> "IQ4_NL×120, F32×121" (edge list, edge bench)."""
     return ", ".join(f"{name}×{n}" for name, n in counts.items())
+
+
+def file_type_label(gf: GGUFFile) -> str:
+    """The file's type as llama.cpp names it (``general.file_type``, llama_ftype: "Q4_K_M",
+    "F16", "Q4_1" ...); without that key, the most common quantized tensor type (else the most
+    common type); "ftype N" for a number llama.cpp does not know."""
+    from gguf import LlamaFileType
+
+    value = gf.get("general.file_type")
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            name = LlamaFileType(value & ~int(LlamaFileType.GUESSED)).name
+        except ValueError:
+            return f"ftype {value}"
+        return name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    counts = tensor_type_counts(gf)
+    quantized = [t for t in counts if t not in ("F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64")]
+    return (quantized or list(counts) or ["?"])[0]
+
+
+def format_params(n: int) -> str:
+    """A parameter count as Ollama prints it: 494.03M, 1.54B, 135M -> "134.52M"."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.2f}K"

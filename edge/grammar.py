@@ -39,6 +39,10 @@ from dataclasses import dataclass
 import numpy as np
 
 MAX_ERROR_CHARS = 400     # llguidance's messages can carry parser state dumps: the first lines do
+# The layout of JSON answers: no free whitespace, ", " and ": " between items (as llama.cpp's and
+# OpenAI's answers read). llguidance's default lets a model put any amount of whitespace between
+# tokens, and small models then write blanks until max_tokens (breaker20 F1).
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class GrammarError(ValueError):
@@ -58,8 +62,8 @@ class Grammar:
 
 def json_schema(schema) -> Grammar:
     """The grammar of JSON values valid against ``schema`` (a dict, a JSON string of one, or a
-    bool: true = any JSON value). llguidance's JSON options stay at their defaults (flexible
-    whitespace; a keyword llguidance does not implement is an error, not ignored).
+    bool: true = any JSON value), as :func:`prepare` gives it to llguidance (laid out compactly;
+    another keyword llguidance does not implement is an error, not ignored).
 
     Raises:
         GrammarError: not a JSON object / bool, ``false`` (no value is valid).
@@ -68,7 +72,8 @@ def json_schema(schema) -> Grammar:
         try:
             schema = json.loads(schema)
         except ValueError as e:
-            raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
+            raise GrammarError(f"a JSON schema must be an object or a boolean, got a string that is not JSON "
+                               f"({e})") from None
     if schema is True:
         schema = {}
     if schema is False:
@@ -79,10 +84,90 @@ def json_schema(schema) -> Grammar:
 
     text = json.dumps(schema)
     try:
-        definition = llguidance.LLMatcher.grammar_from_json_schema(text)
+        definition = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(prepare(schema)))
     except (ValueError, TypeError) as e:
         raise GrammarError(f"invalid JSON schema: {_short(str(e))}") from None
     return _checked(Grammar("json_schema", text, definition))
+
+
+def prepare(schema: dict) -> dict:
+    """``schema`` as edge gives it to llguidance: laid out as JSON_LAYOUT unless it sets its own
+    ``x-guidance`` (llguidance's options: whitespace_flexible, whitespace_pattern, ...); a
+    ``oneOf`` whose branches a required ``const`` property tells apart (pydantic's discriminated
+    unions) as the ``anyOf`` it equals; ``uniqueItems`` dropped (not enforced: llguidance has no
+    such constraint; pydantic's ``set[...]`` parses duplicates anyway). Returns a new schema."""
+    root = schema
+
+    def rewrite(node: dict) -> dict:
+        node.pop("uniqueItems", None)
+        if isinstance(node.get("oneOf"), list) and _disjoint(node["oneOf"], root):
+            node["anyOf"] = node.pop("oneOf")
+            node.pop("discriminator", None)
+        return node
+
+    out = map_schemas(schema, rewrite)
+    return out if "x-guidance" in out else {**out, "x-guidance": JSON_LAYOUT}
+
+
+def _disjoint(branches: list, root: dict) -> bool:
+    """True when one property is required with a distinct ``const`` (or one-value ``enum``) in
+    every branch (local ``$ref`` branches followed once), so no value matches two branches."""
+    tags = []
+    for branch in branches:
+        if isinstance(branch, dict) and isinstance(branch.get("$ref"), str):
+            branch = _local_ref(root, branch["$ref"])
+        if not isinstance(branch, dict) or not isinstance(branch.get("properties"), dict):
+            return False
+        consts = {}
+        for name, prop in branch["properties"].items():
+            if name in (branch.get("required") or ()) and isinstance(prop, dict):
+                if "const" in prop:
+                    consts[name] = json.dumps(prop["const"], sort_keys=True)
+                elif isinstance(prop.get("enum"), list) and len(prop["enum"]) == 1:
+                    consts[name] = json.dumps(prop["enum"][0], sort_keys=True)
+        tags.append(consts)
+    common = set.intersection(*(set(t) for t in tags)) if tags else set()
+    return any(len({t[name] for t in tags}) == len(tags) for name in common)
+
+
+def _local_ref(root: dict, ref: str):
+    """The subschema a "#/..." JSON pointer names in ``root``, or None."""
+    if not ref.startswith("#/"):
+        return None
+    node = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties", "additionalItems", "unevaluatedProperties", "unevaluatedItems",
+               "contains", "propertyNames", "not", "if", "then", "else")
+
+
+def map_schemas(schema, fn, skip: tuple[str, ...] = ()):
+    """``schema`` with ``fn`` (dict -> dict, given a copy) applied to it and then to each of its
+    subschemas (the JSON Schema keywords that hold schemas, not the keys of ``properties``);
+    keywords in ``skip`` are left as they are. Returns a new schema."""
+    if not isinstance(schema, dict):
+        return schema
+    out = fn(dict(schema))
+    for key in _SUBSCHEMA_MAPS:
+        if key not in skip and isinstance(out.get(key), dict):
+            out[key] = {k: map_schemas(v, fn, skip) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if key not in skip and isinstance(out.get(key), list):
+            out[key] = [map_schemas(v, fn, skip) for v in out[key]]
+    for key in _SUBSCHEMAS:
+        if key not in skip and isinstance(out.get(key), dict):
+            out[key] = map_schemas(out[key], fn, skip)
+        elif key == "items" and key not in skip and isinstance(out.get(key), list):
+            out[key] = [map_schemas(v, fn, skip) for v in out[key]]
+    return out
 
 
 def gbnf(text: str) -> Grammar:
@@ -98,11 +183,24 @@ def gbnf(text: str) -> Grammar:
         raise GrammarError("the grammar is empty")
     import llguidance
 
+    _fix_gbnf_converter()
     try:
         definition = llguidance.grammar_from("gbnf", text)
     except Exception as e:          # the converter raises ValueError, and others on odd input
         raise GrammarError(f"invalid grammar: {_short(str(e))}") from None
     return _checked(Grammar("gbnf", text, definition))
+
+
+def _fix_gbnf_converter() -> None:
+    """llguidance 1.9.1's GBNF -> Lark converter (llguidance.gbnf_to_lark) writes a repetition
+    inside a repeated group without the group's parentheses (``("a"{2})+`` becomes
+    ``"a"{2,2}+``, which its Lark parser refuses; llama.cpp takes it): a repetition is not
+    atomic. Set once, while the converter's class still inherits ASTNode's answer."""
+    from llguidance import gbnf_to_lark
+
+    node = getattr(gbnf_to_lark, "RepetitionNode", None)
+    if node is not None and "is_atomic" not in vars(node):
+        node.is_atomic = lambda self: False
 
 
 def lark(text: str) -> Grammar:
@@ -233,7 +331,8 @@ class GrammarMask:
             refused).
         rolled_back: tokens taken back from the matcher (histories that went back).
     Raises:
-        GrammarError: llguidance refuses the grammar (its message).
+        GrammarError: llguidance refuses the grammar (its message), or no token can start it
+            (it admits no finite text, or none in this vocabulary).
     """
 
     def __init__(self, grammar: Grammar, tokenizer, n_prompt: int):
@@ -245,14 +344,18 @@ class GrammarMask:
         t0 = time.perf_counter()
         self._matcher = llguidance.LLMatcher(self._ll, grammar.definition, log_level=0)
         self.compile_seconds = time.perf_counter() - t0
+        what = "JSON schema" if grammar.kind == "json_schema" else "grammar"
         if self._matcher.is_error():
-            what = "JSON schema" if grammar.kind == "json_schema" else "grammar"
             raise GrammarError(f"invalid {what}: {_short(self._matcher.get_error())}")
         self._fill = llnp.fill_next_token_bitmask
         self._n_vocab = tokenizer.n_vocab
         self._eog = np.array(sorted(tokenizer.eog_ids), np.int64)
         self._bitmask = llnp.allocate_token_bitmask(1, self._n_vocab)
         self._allowed: np.ndarray | None = None     # bool[n_vocab] for the consumed tokens
+        first = self._allowed_tokens()                # the first mask (computed once anyway)
+        if not self._matcher.is_accepting() and (self._matcher.is_stopped() or not first.any()):
+            raise GrammarError(f"the {what} admits no text the model can write (a rule that never ends, such as "
+                               "left recursion or a $ref cycle)")
         self._consumed: list[int] = []              # generated tokens the matcher has consumed
         self._refused = False                       # the history holds a token the grammar refuses
         self.mask_seconds, self.mask_calls, self.eog_only_calls, self.rolled_back = 0.0, 0, 0, 0

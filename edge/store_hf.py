@@ -269,7 +269,7 @@ def fetch(ref: HubRef, commit_sha: str, file: HubFile, dest: Path, bars) -> None
     free = shutil.disk_usage(dest.parent).free
     if file.size > 0 and free < file.size - have:
         raise OSError(f"not enough disk space in {dest.parent}: need {file.size - have:,} bytes, {free:,} free")
-    task = bars.add_task(f"{display_name(dest.stem)}: download", total=max(file.size, 0))
+    task = bars.add_task("download", total=max(file.size, 0))
     bars.update(task, completed=have)
     _http_download(ref, commit_sha, file, incomplete, have, bars, task)
     size = incomplete.stat().st_size
@@ -330,7 +330,7 @@ def _verify(path: Path, file: HubFile, bars) -> None:
     on a mismatch the file is deleted (the next pull starts over) and ValueError names both."""
     digest = hashlib.sha256() if file.sha256 else hashlib.sha1(b"blob %d\0" % path.stat().st_size)
     want = file.sha256 or file.blob_id
-    task = bars.add_task(f"verify {Path(file.path).name}", total=path.stat().st_size)
+    task = bars.add_task("verify", total=path.stat().st_size)
     with open(path, "rb") as f:
         while block := f.read(_COPY_BYTES):
             digest.update(block)

@@ -201,7 +201,8 @@ def _serve() -> None:
             raise
 
     generate.cmd_run = traced_run
-    for line in sys.stdin:
+    requests, sys.stdin = sys.stdin, open(os.devnull)    # `edge run` appends a piped stdin to its prompt
+    for line in requests:
         argv = json.loads(line)
         caught.clear()
         with open("/proc/self/clear_refs", "w") as f:

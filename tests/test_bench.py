@@ -100,8 +100,9 @@ def test_ceiling_kernels():
     out = np.zeros(3, np.uint64)
     ceilings._read_all(buf, out)
     assert out.tolist() == [0, 0, 0x40 << (8 * (12345 % 8))]
-    assert ceilings.MACS_PER_STEP == {"avx512-vnni": 512, "avx512": 256, "avx2": 256, "generic": 128}[ceilings.kernel_path()]
-    assert ceilings.int8_throughput(1, seconds=0.01, repeats=1) > 1e9
+    assert ceilings.MACS_PER_STEP == {"avx512-vnni": 512, "avx512": 256, "avx2": 256, "generic": 128, "neon": 128,
+                                      "neon-dotprod": 128}[ceilings.kernel_path()]
+    assert ceilings.int8_throughput(1, seconds=0.01, repeats=5) > 1e9   # best of 5: a preempted run is slow
 
 
 def test_llama_cpp_missing_is_reported(bench_json):
@@ -232,7 +233,7 @@ def test_rich_tables(bench_json):
     first, n = next(iter(bench_json["tensor_types"].items()))
     assert f"({first}×{n}, " in text.replace("\n", "")   # the model's tensor types in the title
     if not HAS_LLAMA_CPP:
-        assert "pip install 'edge[bench]'" in text   # not eaten as rich markup
+        assert "pip install -e '.[bench]'" in text.replace("\n", " ")   # not eaten as rich markup
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -119,10 +120,12 @@ def test_escape_stops_the_answer_and_keeps_the_text(tmp_path, qwen_path):
             assert 0 < len(msg["content"]) < 1500
             assert "(stopped)" in list(app.query(Answer))[-1].source
             # the chat goes on
-            app.conversation.settings = ChatSettings(temperature=0.0, max_tokens=8)
+            app.conversation.settings = ChatSettings(temperature=0.0, max_tokens=2)
             await _send(pilot, "Thanks!")
             assert app.conversation.messages[-1]["role"] == "assistant"
             assert not app.conversation.messages[-1].get("stopped")
+            # cut by the length limit (2 tokens): marked as such, not as stopped
+            assert list(app.query(Answer))[-1].source.endswith(" *(length limit: /max-tokens N raises it)*")
     _run(go())
 
 
@@ -304,3 +307,77 @@ def test_edge_chat_in_an_80x24_tmux_pane(tmp_path, qwen_path):
         assert json.loads(chats[0].read_text())["messages"][0]["content"] == "What is the capital of France?"
     finally:
         subprocess.run([*tmux, "kill-server"], capture_output=True)
+
+
+def test_bye_ctrl_d_and_ctrl_c_leave(tmp_path, qwen_path):
+    """/bye and Ctrl+D on an empty line leave (status 0), as Ollama's chat; Ctrl+D with text
+    deletes; Ctrl+C once says how to leave, twice within 2 s leaves with status 130."""
+    async def leave_with(keys, text=""):
+        async with _chat(_options(tmp_path, qwen_path)) as (app, pilot):
+            box = app.query_one("#input", ChatInput)
+            box.text = text
+            await pilot.press(*keys)
+            await pilot.pause(0.3)
+            return app.return_code, box.text, _notes(app)
+
+    assert _run(leave_with(["enter"], "/bye"))[0] == 0
+    assert _run(leave_with(["ctrl+d"]))[0] == 0
+    code, text, _ = _run(leave_with(["home", "ctrl+d"], "ab"))
+    assert code is None and text == "b"          # not empty: Ctrl+D deletes, the chat stays
+    code, _, notes = _run(leave_with(["ctrl+c"]))
+    assert code is None and notes[-1] == "Ctrl+C again leaves; so do Ctrl+D on an empty line, /bye and Ctrl+Q"
+    assert _run(leave_with(["ctrl+c", "ctrl+c"]))[0] == 130
+
+
+def test_a_compile_while_loading_is_shown_before_ready(tmp_path, qwen_path):
+    """A kernel numba must compile while the model loads (a cold cache) is said in the view and
+    counted in the status bar before "ready"; the loader's engine is warmed up before ready."""
+    import numba
+
+    seen = []
+
+    def loader(model, options):
+        @numba.njit(cache=False)
+        def new_kernel(x):          # a function numba has never compiled: a real compile
+            return x * 2 + 1
+
+        engine = _cached_loader(model, options)
+        assert new_kernel(20) == 41
+        warm = engine.warm_up
+
+        def spy():
+            seen.append(("warm_up", app.loading))
+            warm()
+
+        engine.warm_up = spy
+        return engine
+
+    async def go():
+        nonlocal app
+        app = ChatApp(_options(tmp_path, qwen_path), engine_loader=loader)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await _ready(pilot)
+            notes = _notes(app)
+            compiled = [i for i, n in enumerate(notes) if re.fullmatch(r"compiled \d+ kernels in \d+ s \(first run "
+                                                                       r"only: later runs load them from numba's cache\)", n)]
+            ready = [i for i, n in enumerate(notes) if " ready (n_ctx " in n]
+            assert len(compiled) == 1 and len(ready) == 1 and compiled[0] < ready[0], notes
+            assert app.compile_watch.count >= 1 and seen == [("warm_up", True)]
+            assert shown and shown[0] == "compiling edge's kernels for this CPU (first run only: about a minute on 2 " \
+                                         "cores; later runs load them from numba's cache)…"
+
+    app = None
+    shown = []
+    original = ChatApp.on_engine_note
+
+    def spy_note(self, message):
+        shown.append(message.text)
+        original(self, message)
+
+    ChatApp.on_engine_note = spy_note
+    try:
+        _run(go())
+    finally:
+        ChatApp.on_engine_note = original
+    from edge.compile_watch import CompileWatch
+    assert isinstance(app.compile_watch, CompileWatch)

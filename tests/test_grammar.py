@@ -21,7 +21,8 @@ from edge.speculative import SpecParams
 from tests.server_process import assert_error, running
 from tests.tiny_chat import IM_END, IM_START, write_tiny_chat_model
 
-CHARS = list('{}[]":,.-0123456789abcdefghijklmnopqrstuvwxyz') + ['{"', '":', '",', '"}', "true", "false", "null"]
+SP = "\u2581"                 # a space, as the SentencePiece vocabulary of the tiny model writes it
+CHARS = list('{}[]":,.-0123456789abcdefghijklmnopqrstuvwxyz') + ['{"', '":', '",', '"}', "true", "false", "null", SP]
 TOKENS = ["<unk>", "<|im_start|>", "<|im_end|>"] + CHARS
 ID = {t: i for i, t in enumerate(TOKENS)}
 GREEDY = SamplingParams(temperature=0.0)
@@ -73,12 +74,30 @@ def test_mask_bans_exactly_what_the_grammar_refuses(engine):
     assert _allowed(mask, PROMPT, tok.n_vocab) == digits - {ID["0"]}
     assert _allowed(mask, PROMPT + [ID["4"]], tok.n_vocab) == digits | {ID["."], IM_END}
     assert _allowed(mask, PROMPT + [ID["4"], ID["0"], ID["."]], tok.n_vocab) == {IM_END}   # complete: eog only
-    # JSON: the first token opens an object, as '{' or '{"'; after '{"id":' a digit
+    # JSON, laid out as JSON_LAYOUT: the first token opens the object, as '{"' (the canonical
+    # tokenization of '{' and the '"' the first required key needs); after
+    # '{"id":' exactly one space, then a digit; after a value ', "' (no other whitespace)
     m = GrammarMask(json_schema(SCHEMA), tok, len(PROMPT))
-    assert _allowed(m, PROMPT, tok.n_vocab) == {ID["{"], ID['{"']}
+    assert _allowed(m, PROMPT, tok.n_vocab) == {ID['{"']}
     spelled = [ID['{"'], ID["i"], ID["d"], ID['":']]
-    assert _allowed(m, PROMPT + spelled, tok.n_vocab) == digits
-    assert m.compile_seconds > 0 and m.mask_calls == 2
+    assert _allowed(m, PROMPT + spelled, tok.n_vocab) == {ID[SP]}
+    assert _allowed(m, PROMPT + spelled + [ID[SP]], tok.n_vocab) == digits
+    assert _allowed(m, PROMPT + spelled + [ID[SP], ID["4"]], tok.n_vocab) == digits | {ID[","]}
+    assert _allowed(m, PROMPT + spelled + [ID[SP], ID["4"], ID[","]], tok.n_vocab) == {ID[SP]}
+    assert m.compile_seconds > 0 and m.mask_calls == 5
+
+
+def test_repetition_inside_a_repeated_group(engine):
+    """F20: llama.cpp's GBNF ("a"{2})+ (llguidance's converter dropped the group's parentheses
+    and refused it): pairs of a, as many as wanted."""
+    tok = engine.tokenizer
+    for text in ('root ::= ("a"{2})+', 'root ::= ("a"{1,2}){2}', 'root ::= ("a"{2})? "b"'):
+        assert gbnf(text).kind == "gbnf"
+    mask = GrammarMask(gbnf('root ::= ("a"{2})+'), tok, len(PROMPT))
+    assert _allowed(mask, PROMPT, tok.n_vocab) == {ID["a"]}
+    assert _allowed(mask, PROMPT + [ID["a"]], tok.n_vocab) == {ID["a"]}
+    assert _allowed(mask, PROMPT + [ID["a"]] * 2, tok.n_vocab) == {ID["a"], IM_END}
+    assert _allowed(mask, PROMPT + [ID["a"]] * 3, tok.n_vocab) == {ID["a"]}
 
 
 def test_logits_beyond_the_vocabulary_and_bias_are_banned(engine):
@@ -96,8 +115,9 @@ def test_history_sync_and_rollback_equal_a_fresh_mask(engine):
     grammar = json_schema(SCHEMA)
     shared = GrammarMask(grammar, tok, len(PROMPT))
     rng = random.Random(5)
-    walk = [ID['{"'], ID["i"], ID["d"], ID['":'], ID["4"], ID["2"], ID[","], ID['"'], ID["t"], ID["a"], ID["g"],
-            ID['":'], ID['"'], ID["c"], ID["d"], ID['",'], ID['"'], ID["o"], ID["k"], ID['":'], ID["true"]]
+    walk = [ID['{"'], ID["i"], ID["d"], ID['":'], ID[SP], ID["4"], ID["2"], ID[","], ID[SP], ID['"'], ID["t"],
+            ID["a"], ID["g"], ID['":'], ID[SP], ID['"'], ID["c"], ID["d"], ID['",'], ID[SP], ID['"'], ID["o"],
+            ID["k"], ID['":'], ID[SP], ID["true"]]
     histories = [walk[:rng.randint(0, len(walk))] for _ in range(40)]
     histories += [walk[:9] + [ID["z"]], walk[:4] + [ID["x"], ID["x"]], walk, walk[:3], [ID["}"]], walk[:12]]
     for h in histories:
@@ -161,7 +181,7 @@ def test_speculative_decoding_gives_the_same_tokens(model_path, engine, spec):
     """Greedy constrained tokens with speculation equal those without; the draft model (the same
     weights, so its drafts are kept) calls the shared mask with its drafts first, and the
     verification with the shorter history then rolls it back."""
-    grammar = json_schema({"type": "array", "items": {"enum": ["ab", "cd", "abab"]}, "maxItems": 12})
+    grammar = json_schema({"type": "array", "items": {"enum": ["ab", "cd", "abab"]}, "minItems": 8, "maxItems": 12})
     plain, finish, _ = _generate(engine, grammar, 60)
     e2 = Engine(model_path, n_ctx=256)
     draft = Engine(model_path, n_ctx=256) if spec == "draft" else None
@@ -198,7 +218,7 @@ def test_bench_constrained_runner(model_path):
 @pytest.mark.parametrize("make,value,message", [
     (json_schema, {"type": "intger"}, "invalid JSON schema: Invalid type: intger"),
     (json_schema, False, "accepts no value"),
-    (json_schema, "[1", "not valid JSON"),
+    (json_schema, "[1", "got a string that is not JSON"),
     (json_schema, 5, "must be an object or a boolean"),
     (gbnf, "root ::= foo", "Rule 'foo' not found"),
     (gbnf, "  ", "the grammar is empty"),
@@ -207,6 +227,36 @@ def test_bench_constrained_runner(model_path):
 def test_bad_grammars_are_grammar_errors(make, value, message):
     with pytest.raises(GrammarError, match=message):
         make(value)
+
+
+PETS = {"$defs": {"Cat": {"type": "object", "required": ["k", "meows"], "properties": {
+                     "k": {"const": "cat"}, "meows": {"type": "integer"}}},
+                 "Dog": {"type": "object", "required": ["k", "barks"], "properties": {
+                     "k": {"enum": ["dog"]}, "barks": {"type": "number"}}}},
+        "type": "object", "required": ["pet", "tags"], "properties": {
+            "pet": {"oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+                    "discriminator": {"propertyName": "k"}},
+            "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+            "uniqueItems": {"type": "boolean"}}}
+
+
+def test_discriminated_one_of_and_unique_items():
+    """F26: a oneOf whose branches a required const tells apart (pydantic's discriminated
+    unions) is the anyOf it equals; uniqueItems (pydantic's set[...]) is dropped, not a 400 (a
+    property named uniqueItems stays); other oneOfs stay llguidance's 400."""
+    from edge.grammar import JSON_LAYOUT, prepare
+
+    out = prepare(PETS)
+    assert out["properties"]["pet"] == {"anyOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}]}
+    assert out["properties"]["tags"] == {"type": "array", "items": {"type": "string"}}
+    assert out["properties"]["uniqueItems"] == {"type": "boolean"} and out["x-guidance"] == JSON_LAYOUT
+    assert out["$defs"] == PETS["$defs"] and PETS["properties"]["tags"]["uniqueItems"] is True   # a copy
+    assert json_schema(PETS).kind == "json_schema"
+    same = {"oneOf": [{"type": "object", "required": ["k"], "properties": {"k": {"const": 1}, "a": {}}},
+                      {"type": "object", "required": ["k"], "properties": {"k": {"const": 1}, "b": {}}}]}
+    assert "oneOf" in prepare(same)
+    with pytest.raises(GrammarError, match="oneOf"):
+        json_schema(same)
 
 
 def test_options_read_files_and_name_the_flag(tmp_path):
@@ -256,8 +306,32 @@ HI = [{"role": "user", "content": "hi"}]
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"a": {"type": "intger"}}}}}}, "response_format", "Invalid type: intger"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format", "json_schema object"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": False}}},
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                                          "schema": False}}},
      "response_format", "accepts no value"),
+    # F17: OpenAI's name and strict rules
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+     "response_format.json_schema.name", "must be 1-64 letters"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "bad name!!",
+                                                                                          "schema": {}}}},
+     "response_format.json_schema.name", "bad name!!"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes",
+                                                                                          "schema": {}}}},
+     "response_format.json_schema.strict", "must be a boolean"),
+    # F4: a schema that is a string but no JSON
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                                          "schema": "string"}}},
+     "response_format", "must be an object or a boolean, got a string that is not JSON"),
+    # F5: no finite text
+    ("/v1/chat/completions", {"grammar": 'root ::= x\nx ::= x "a"'}, "grammar", "admits no text"),
+    ("/v1/completions", {"grammar": 'root ::= x\nx ::= x "a"'}, "grammar", "admits no text"),
+    ("/v1/completions", {"json_schema": {"$ref": "#"}}, "json_schema", "admits no text"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}}},
+     "response_format", "admits no text"),
+    # F3: response_format on /v1/completions too
+    ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "intger"}}}}, "response_format", "Invalid type: intger"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "grammar": 'root ::= "a"'},
      "response_format", "give one"),
     ("/v1/chat/completions", {"json_schema": {"type": "intger"}}, "json_schema", "Invalid type: intger"),
@@ -277,6 +351,30 @@ def test_server_response_format_type_unknown_is_400(server):
     status, body = server.post("/v1/chat/completions", {"messages": HI, "response_format": {"type": "xml"}})
     err = assert_error(status, body, 400, param="response_format", code="unsupported_value")
     assert "xml" in err["message"]
+    status, body = server.post("/v1/completions", {"prompt": "hi", "response_format": {"type": "xml"}})
+    assert_error(status, body, 400, param="response_format", code="unsupported_value")
+
+
+def test_server_response_format_without_type_is_400(server):
+    """F2: OpenAI's 400 for a response_format without its type (not a silent plain answer)."""
+    for route, req in (("/v1/chat/completions", {"messages": HI}), ("/v1/completions", {"prompt": "hi"})):
+        status, body = server.post(route, {**req, "response_format": {"json_schema": {"name": "x", "schema": {
+            "type": "integer"}}}})
+        err = assert_error(status, body, 400, param="response_format.type", code="invalid_value")
+        assert err["message"].startswith("Missing required parameter: 'response_format.type'")
+
+
+def test_server_null_flags_and_reserved_tools_variable(server):
+    """F10: null for logprobs, stream and parallel_tool_calls is their default; F12: tools is a
+    template variable the server sets itself; F5: a blank grammar is no grammar (as "")."""
+    status, body = server.post("/v1/chat/completions", {"messages": HI, "max_tokens": 2, "temperature": 0,
+                                                        "logprobs": None, "stream": None,
+                                                        "parallel_tool_calls": None, "grammar": "  "})
+    assert status == 200 and body["object"] == "chat.completion" and body["choices"][0]["logprobs"] is None
+    status, body = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": None, "echo": None})
+    assert status == 200 and body["object"] == "text_completion"
+    status, body = server.post("/v1/chat/completions", {"messages": HI, "chat_template_kwargs": {"tools": 5}})
+    assert_error(status, body, 400, param="chat_template_kwargs.tools", code="invalid_value")
 
 
 def test_server_constrained_answers(server, engine):
@@ -296,6 +394,10 @@ def test_server_constrained_answers(server, engine):
                                                             "name": "t", "schema": SCHEMA, "strict": True}}})
     assert status == 200 and body["choices"][0]["finish_reason"] == "stop"
     assert set(json.loads(body["choices"][0]["message"]["content"])) == set(SCHEMA["required"])
+    status, body = server.post("/v1/completions", {"prompt": PROMPT, "temperature": 0, "max_tokens": 80,
+                                                   "response_format": {"type": "json_schema", "json_schema": {
+                                                       "name": "t", "schema": SCHEMA}}})     # F3
+    assert status == 200 and body["choices"][0]["text"] == _text(engine, ids)
     status, body = server.post("/v1/chat/completions", {"messages": HI, "max_tokens": 3, "temperature": 0,
                                                         "response_format": {"type": "json_object"}})
     assert status == 200 and body["choices"][0]["finish_reason"] == "length"

@@ -540,7 +540,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     os.mkfifo(tmp_path / "fifo")
     out = tmp_path / "out.gguf"
     cases = [
-        ([str(tmp_path / "missing.gguf"), str(out), "Q8_0"], "missing.gguf: No such file or directory"),
+        ([str(tmp_path / "missing.gguf"), str(out), "Q8_0"], f"file not found: {tmp_path / 'missing.gguf'}"),
         ([str(tmp_path / "notes.txt"), str(out), "Q8_0"], "not a GGUF file"),
         ([str(src), str(out), "Q4_K_X"], "unknown quantization type 'Q4_K_X'; choose one of"),
         ([str(src), str(src), "Q8_0"], "is the input file"),

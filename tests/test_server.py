@@ -593,7 +593,8 @@ def _client_gone(server: Server, stream: bool) -> None:
 def test_queue_full_then_sigint_drains(qwen_path, tmp_path):
     """-np 1 --max-queue 1: with one request running and one waiting, a third gets 503
     queue_full. SIGINT then lets the running stream finish (all tokens, [DONE]) and serves the
-    waiting request; the process exits with status 0. Before that, a non-streamed request whose
+    waiting request; the process says so ("stopping after the 2 running request(s)") and exits
+    with status 130 and "interrupted", as every edge command does on Ctrl+C. Before that, a non-streamed request whose
     client went away must not leave its handler waiting for events forever (that hung exit)."""
     srv = Server(["-m", str(qwen_path), "-np", "1", "-c", "256", "--max-queue", "1"], tmp_path / "serve.log")
     try:
@@ -621,7 +622,10 @@ def test_queue_full_then_sigint_drains(qwen_path, tmp_path):
         assert len(sse_events(rest)) >= n // 2                  # most of the stream came after SIGINT
         w = waiting.getresponse()
         assert w.status == 200 and json.loads(w.read())["usage"]["completion_tokens"] == 3
-        assert srv.proc.wait(15) == 0, srv.log_text()
+        assert srv.proc.wait(15) == 128 + signal.SIGINT, srv.log_text()
+        lines = srv.log_text().splitlines()
+        assert "edge serve: stopping after the 2 running request(s) (Ctrl+C again: at once)" in lines, lines
+        assert lines[-1] == "interrupted" and "Traceback" not in srv.log_text(), lines
     finally:
         srv.stop()
 

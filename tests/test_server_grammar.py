@@ -150,6 +150,57 @@ def test_client_parse_with_a_pydantic_model(client):
     assert parsed.confidence in ("low", "high") and all(isinstance(s, Step) for s in parsed.steps)
 
 
+class Math(pydantic.BaseModel):
+    steps: list[Step]
+    final_answer: str
+
+
+def test_openai_math_example_finishes(client):
+    """OpenAI's structured-output example (Step / Math, "Solve 8x + 7 = -23."): the JSON is laid
+    out compactly (edge.grammar.JSON_LAYOUT), so the 0.5b model closes it instead of writing
+    blanks after '{' until max_tokens (breaker20 F1); streamed the same."""
+    kw = dict(model=MODEL, temperature=0, max_tokens=200, response_format=Math,
+              messages=[{"role": "user", "content": "Solve 8x + 7 = -23."}])
+    r = client.chat.completions.parse(**kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    assert isinstance(choice.message.parsed, Math) and choice.message.parsed.steps
+    text = choice.message.content
+    assert text.startswith('{"steps": [{"explanation": "') and "  " not in text and "\n" not in text
+    assert json.loads(text) == choice.message.parsed.model_dump()
+    with client.chat.completions.stream(**kw) as stream:
+        final = stream.get_final_completion()
+    assert final.choices[0].message.content == text and final.choices[0].finish_reason == "stop"
+
+
+class Cat(pydantic.BaseModel):
+    pet_type: Literal["cat"]
+    lives: int
+
+
+class Dog(pydantic.BaseModel):
+    pet_type: Literal["dog"]
+    good: bool
+
+
+class Owner(pydantic.BaseModel):
+    name: str
+    pet: Cat | Dog = pydantic.Field(discriminator="pet_type")
+    hobbies: set[str]
+
+
+def test_client_parse_with_a_discriminated_union_and_a_set(client):
+    """F26: pydantic's discriminated union (oneOf + discriminator) and set[str] (uniqueItems)
+    through chat.completions.parse: an Owner, not a 400."""
+    schema = Owner.model_json_schema()
+    assert "oneOf" in schema["properties"]["pet"] and schema["properties"]["hobbies"]["uniqueItems"] is True
+    r = client.chat.completions.parse(model=MODEL, temperature=0, max_tokens=120, response_format=Owner,
+                                      messages=[{"role": "user", "content": "Alice has a dog; she likes chess."}])
+    parsed = r.choices[0].message.parsed
+    assert r.choices[0].finish_reason == "stop" and isinstance(parsed, Owner)
+    assert parsed == Owner(name="Alice", pet=Dog(pet_type="dog", good=True), hobbies={"chess"})
+
+
 def test_json_object_streamed_equals_not_streamed(client):
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Describe a cat in JSON."}], temperature=0,
               max_tokens=80, response_format={"type": "json_object"})

@@ -12,11 +12,11 @@ import pytest
 
 from edge.server.app import ROOT_TEXT
 
-from edge.server.pool import parse_keep_alive
+from edge.server.protocol import parse_keep_alive
 from edge.server.protocol import APIError
 from tests.server_process import assert_error, running
 
-QWEN, SMOL = "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"
+QWEN, SMOL, GEMMA = "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct", "gemma-3-270m"
 
 
 @pytest.mark.parametrize("value, seconds", [(0, 0.0), (30, 30.0), (2.5, 2.5), ("5m", 300.0), ("1h30m", 5400.0),
@@ -34,10 +34,10 @@ def test_parse_keep_alive_refuses(value):
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory, qwen_path, smollm2_path):
+def home(tmp_path_factory, qwen_path, smollm2_path, gemma_path):
     home = tmp_path_factory.mktemp("edgehome")
     (home / "models").mkdir()
-    for path in (qwen_path, smollm2_path):
+    for path in (qwen_path, smollm2_path, gemma_path):
         (home / "models" / path.name).symlink_to(path)
     return home
 
@@ -67,6 +67,14 @@ def _wait_status(srv, model, want, timeout=20):
     pytest.fail(f"{model} did not become {want}: {_statuses(srv)}")
 
 
+def _wait_log(srv, text, timeout=10):
+    deadline = time.monotonic() + timeout            # a line is written once its response has ended
+    while text not in srv.log_text():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{text!r} not in the log:\n{srv.log_text()}")
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
 def router(home, tmp_path_factory):
     with _serve(home, tmp_path_factory, "--keep-alive", "-1") as srv:
@@ -76,7 +84,7 @@ def router(home, tmp_path_factory):
 def test_models_lists_every_pulled_model(router):
     status, body = router.get("/v1/models")
     by_id = {m["id"]: m for m in body["data"]}
-    assert set(by_id) == {QWEN, SMOL}
+    assert set(by_id) == {QWEN, SMOL, GEMMA}
     assert by_id[QWEN]["status"] == "loaded"              # the default loads at start
     assert by_id[SMOL]["status"] in ("unloaded", "loaded")
     assert by_id[SMOL]["context_length"] == 512 and by_id[SMOL]["meta"]["n_ctx"] == 512
@@ -87,7 +95,7 @@ def test_a_request_loads_its_model_and_is_served_by_it(router):
     status, body = _chat(router, SMOL)
     assert status == 200, body
     assert body["model"] == SMOL and body["usage"]["completion_tokens"] >= 1
-    assert _statuses(router) == {QWEN: "loaded", SMOL: "loaded"}
+    assert _statuses(router) == {QWEN: "loaded", SMOL: "loaded", GEMMA: "unloaded"}
     status, other = _chat(router, QWEN)                  # both stay held (--models-max 3)
     assert status == 200 and other["model"] == QWEN
     status, tagged = _chat(router, f"{SMOL}:latest")     # Ollama's tag names the same model
@@ -104,6 +112,24 @@ def test_unknown_model_is_404(router):
         assert_error(status, body, 404, code="model_not_found", param="model")
 
 
+def test_chat_to_a_model_without_template_is_refused_before_its_load(router):
+    """gemma-3-270m has no tokenizer.chat_template: its header says so, no load needed (the
+    new-user pass waited 43 s for a load that ended in this 400)."""
+    t0 = time.monotonic()
+    assert_error(*_chat(router, GEMMA), 400, code="no_chat_template", param="messages")
+    status, body = router.post("/v1/messages", {"model": GEMMA, "max_tokens": 4,
+                                                "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 400 and body["type"] == "error", body
+    status, body = router.post("/api/chat", {"model": GEMMA, "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 400 and "/api/generate with raw: true" in body["error"], body
+    assert time.monotonic() - t0 < 5
+    assert _statuses(router)[GEMMA] == "unloaded"
+    _wait_log(router, "edge serve: POST /v1/chat/completions 'gemma-3-270m' 400")
+    _chat(router, "gpt-4o-mini")                         # a refused name is in the log line, no metrics label
+    _wait_log(router, "edge serve: POST /v1/chat/completions 'gpt-4o-mini' 404")
+    assert not any("gpt-4o-mini" in key for key in router.metrics())
+
+
 def test_keep_alive_zero_unloads_after_the_request(router):
     status, body = _chat(router, SMOL, keep_alive=0)
     assert status == 200 and body["model"] == SMOL
@@ -114,6 +140,7 @@ def test_keep_alive_zero_unloads_after_the_request(router):
 
 
 def test_load_and_unload_routes(router):
+    assert router.post("/models/load", {"model": SMOL})[0] == 200
     status, body = router.post("/models/unload", {"model": SMOL})
     assert status == 200 and body["success"] is True
     _wait_status(router, SMOL, "unloaded")
@@ -140,10 +167,10 @@ def test_root_and_request_log(router):
 
 def test_models_max_unloads_the_least_recently_used(home, tmp_path_factory):
     with _serve(home, tmp_path_factory, "--models-max", "1") as srv:
-        assert _statuses(srv) == {QWEN: "loaded", SMOL: "unloaded"}
+        assert _statuses(srv) == {QWEN: "loaded", SMOL: "unloaded", GEMMA: "unloaded"}
         status, body = _chat(srv, SMOL)
         assert status == 200 and body["model"] == SMOL
-        assert _statuses(srv) == {QWEN: "unloaded", SMOL: "loaded"}
+        assert _statuses(srv) == {QWEN: "unloaded", SMOL: "loaded", GEMMA: "unloaded"}
         # while SMOL generates, a request for QWEN finds no room: 503 with Retry-After
         done = {}
 
@@ -168,6 +195,16 @@ def test_models_max_unloads_the_least_recently_used(home, tmp_path_factory):
         assert done["reply"][0] == 200
         status, body = _chat(srv, QWEN)                  # idle again: room is made
         assert status == 200 and body["model"] == QWEN
+        # a request that names no model gets the default, loaded again after it was unloaded
+        assert _chat(srv, SMOL)[0] == 200 and _statuses(srv) == {QWEN: "unloaded", SMOL: "loaded", GEMMA: "unloaded"}
+        status, body = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                         "max_tokens": 2})
+        assert status == 200 and body["model"] == QWEN
+        assert _chat(srv, SMOL)[0] == 200
+        status, body = srv.post("/tokenize", {"content": "hi"})     # not loaded: 503 while it loads again
+        assert status == 503 and body["error"]["code"] == "loading", (status, body, _statuses(srv))
+        _wait_status(srv, QWEN, "loaded", timeout=60)
+        assert srv.post("/tokenize", {"content": "hi"}) == (200, {"tokens": [6023]})
 
 
 def test_ctrl_c_while_the_model_loads(tmp_path, qwen_path):
@@ -203,7 +240,9 @@ def test_ctrl_c_while_the_model_loads(tmp_path, qwen_path):
     finally:
         proc.kill()
     assert rc == 130, rest
-    assert [ln for ln in rest.splitlines() if ln.strip()] == ["interrupted while the model loaded"]
+    lines = [ln for ln in rest.splitlines() if ln.strip()]
+    assert lines[-1] == "interrupted while the model loaded", rest
+    assert all(ln.startswith("edge serve: loading ") for ln in lines[:-1]), rest    # the load's own line
 
 
 def test_clients_switch_models_and_unload(router):
@@ -234,3 +273,54 @@ def test_clients_switch_models_and_unload(router):
     with pytest.raises(ollama.ResponseError) as e:
         oc.chat(model="llama3.2", messages=[{"role": "user", "content": "hi"}])
     assert e.value.status_code == 404
+
+
+def test_several_hosts_and_an_alias(tmp_path, smollm2_path):
+    """--host A,B listens on both addresses; --alias names the -m model in responses and
+    /v1/models (the file's name still works)."""
+    import http.client
+    import os
+    import subprocess
+    import sys
+
+    from tests.server_process import _free_port
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "edge.cli", "serve", "-m", str(smollm2_path), "--alias", "my-model",
+                             "--host", "127.0.0.1,127.0.0.2", "--port", str(port), "-np", "1", "-c", "256"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "NUMBA_NUM_THREADS": "2"})
+    try:
+        def get(host, path, body=None):
+            conn = http.client.HTTPConnection(host, port, timeout=60)
+            if body is None:
+                conn.request("GET", path)
+            else:
+                conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            out = (r.status, json.loads(r.read()))
+            conn.close()
+            return out
+
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if get("127.0.0.1", "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else ""
+            time.sleep(0.2)
+        for host in ("127.0.0.1", "127.0.0.2"):
+            status, body = get(host, "/v1/models")
+            assert status == 200 and [m["id"] for m in body["data"]] == ["my-model"]
+        for name in ("my-model", SMOL, "anything"):
+            status, body = get("127.0.0.2", "/v1/chat/completions",
+                               {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+            assert status == 200 and body["model"] == "my-model", body
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    banner = proc.stderr.read().splitlines()[0]       # the alias with the file it names
+    assert banner.startswith(f"edge serve: my-model ({smollm2_path.name}) on http://127.0.0.1:"), banner
+    assert proc.returncode == 0                       # SIGTERM: a stop, not an interruption

@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 import pytest
 
 from edge.server.app import ROOT_TEXT
-from edge.server.pool import parse_keep_alive
+from edge.server.protocol import parse_keep_alive
 
 import edge
 from edge.gguf_file import GGUFFile
@@ -423,7 +423,7 @@ def test_bad_requests(server, client):
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model=MODEL, messages=HELLO, options={"num_predict": 4, "stop": ["x"] * 17})
     assert e.value.status_code == 400 and e.value.error.startswith("options.stop")
-    for method, path in (("POST", "/api/embed"), ("POST", "/api/create"), ("DELETE", "/api/delete"),
+    for method, path in (("POST", "/api/create"), ("DELETE", "/api/delete"),
                          ("POST", "/api/copy"), ("POST", "/api/push"), ("POST", "/api/blobs/sha256:00")):
         status, message = _error(server, method, path, {"model": MODEL})
         assert status == 501 and message.startswith(f"{path}: edge does not"), (path, message)

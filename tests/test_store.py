@@ -331,10 +331,12 @@ def test_resolve_model(home, wheels, monkeypatch, tmp_path):
     assert store.resolve_model(str(other)) == other
     (store.models_dir() / "local-one.gguf").write_bytes(data)
     assert store.resolve_model("local-one") == store.models_dir() / "local-one.gguf"
-    with pytest.raises(StoreError) as e:
+    with pytest.raises(StoreError) as e:      # a path is a path: not a registry error
         store.resolve_model(str(tmp_path / "missing.gguf"))
-    assert "missing.gguf" in str(e.value)
-    assert all(name in str(e.value) for name in (*store.REGISTRY, "local-one"))
+    assert str(e.value) == f"file not found: {tmp_path / 'missing.gguf'}"
+    with pytest.raises(StoreError) as e:
+        store.resolve_model("missing-one")
+    assert all(name in str(e.value) for name in ("'missing-one'", *store.REGISTRY, "local-one"))
 
 
 def test_list_models_reads_arch_and_types(home, wheels, monkeypatch):
@@ -361,11 +363,16 @@ def test_cli_commands(home, wheels, monkeypatch, capsys):
     models_cli.add_list_parser(sub)
     args = parser.parse_args(["pull", "tiny", "--verify"])
     assert args.model == ["tiny"] and args.verify and args.func is models_cli.cmd_pull
-    assert parser.parse_args(["pull"]).model == []
+    with pytest.raises(SystemExit):                  # a name is needed: no silent 491 MB download
+        parser.parse_args(["pull"])
+    assert "error: the following arguments are required: NAME" in capsys.readouterr().err
 
     assert models_cli.cmd_pull(parser.parse_args(["pull", "nope"])) == 1
     err = capsys.readouterr().err
     assert err.startswith("edge pull: error: unknown model 'nope'; known models: ") and err.count("\n") == 1, err
+    assert err.rstrip().endswith("any GGUF on the Hugging Face Hub is pulled as hf.co/USER/REPO[:QUANT]"), err
+    assert models_cli.cmd_pull(parser.parse_args(["pull", "qwen2.5-coder-0.5b-instrct"])) == 1
+    assert "unknown model 'qwen2.5-coder-0.5b-instrct' (did you mean 'qwen2.5-coder-0.5b-instruct'?); known" in capsys.readouterr().err
 
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(wheels_dir))
@@ -375,5 +382,6 @@ def test_cli_commands(home, wheels, monkeypatch, capsys):
     list_args = parser.parse_args(["list"])
     assert list_args.func(list_args) == 0
     out = capsys.readouterr().out
-    assert FAKE in out and "qwen2" in out and "Q8_0×1" in out
+    row = next(line.split() for line in out.splitlines() if line.startswith(FAKE))
+    assert row[1] == "Q8_0" and row[-1] == "qwen2", out     # name, file type, size, params, arch
     assert "available to pull" in out and store.DEFAULT_MODEL in out

@@ -8,12 +8,20 @@ interface never waits for it: Esc stops an answer at once and keeps what was wri
 
 Keys: Enter sends; Ctrl+J (or Shift+Enter where the terminal reports it) starts a new line;
 F2 switches to multi-line input (Enter starts a new line, Ctrl+S sends); Ctrl+L empties the
-input box; Esc stops the answer; Ctrl+P opens the command palette; F1 shows help; Ctrl+Q quits. Commands typed in the input
-box are listed in HELP.
+input box; Esc stops the answer; Ctrl+P opens the command palette; F1 shows help; Ctrl+D (on
+an empty input box), /bye and Ctrl+Q quit, as Ollama's. Ctrl+C copies a selection, stops an
+answer, and twice within 2 s (or once while the model loads) leaves with status 130, as SIGINT
+does. Commands typed in the input box are listed in HELP.
+
+Loading a model runs a warm-up (edge.engine.Engine.warm_up) before "ready", so that the first
+answer waits on no kernel compile; on a cold numba cache the status bar counts the kernels
+compiled meanwhile (edge.compile_watch).
 """
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -51,11 +59,12 @@ HELP = """\
 | `/load NAME` | reopen a saved conversation (`/load` lists them) |
 | `/copy` | copy the last answer to the clipboard |
 | `/help` | this help |
-| `/quit` | leave (conversations are saved as they happen) |
+| `/bye`, `/quit` | leave (conversations are saved as they happen); Ctrl+D on an empty line too |
 
 **Keys** Enter sends · Ctrl+J or Shift+Enter new line · F2 multi-line input (Enter new line,
-Ctrl+S sends) · Ctrl+L empties the input box · Esc stops the answer · Ctrl+P commands ·
-Ctrl+Q quits (a message whose answer had not begun is kept for next time)
+Ctrl+S sends) · Ctrl+L empties the input box · Esc (or Ctrl+C) stops the answer · Ctrl+P commands ·
+Ctrl+D on an empty line, /bye or Ctrl+Q quits (a message whose answer had not begun is kept for
+next time) · Ctrl+C twice quits too
 """
 
 
@@ -156,6 +165,11 @@ class ChatInput(TextArea):
             event.prevent_default()
             self.action_send()
             return
+        if event.key == "ctrl+d" and not self.text:     # end of input: leave, as Ollama's chat
+            event.stop()
+            event.prevent_default()
+            self.app.run_command("/bye")
+            return
         await super()._on_key(event)
 
     def action_clear_input(self) -> None:
@@ -184,6 +198,18 @@ class TurnEnded(Message):
     def __init__(self, result=None, error: str | None = None, user_text: str = ""):
         super().__init__()
         self.result, self.error, self.user_text = result, error, user_text
+
+
+class Compiling(Message):
+    """numba compiled a kernel while the model loads (edge.compile_watch)."""
+
+
+class EngineNote(Message):
+    """A line from the load worker for the conversation view."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
 
 
 class EngineReady(Message):
@@ -255,6 +281,7 @@ class ChatApp(App):
         Binding("f1", "help", "help", show=False),
         Binding("f2", "toggle_multiline", "multi-line", show=False),
         Binding("ctrl+q", "quit", "quit", show=False, priority=True),
+        Binding("ctrl+c", "interrupt", "interrupt", show=False),   # after the input box's copy of a selection
     ]
 
     def __init__(self, options: ChatOptions, engine_loader=load_engine):
@@ -275,6 +302,8 @@ class ChatApp(App):
         self._stream = None
         self._pending_load: Conversation | None = None
         self.turns_ended = 0        # answers finished, stopped or failed (tests and tools wait on it)
+        self.compile_watch = None   # edge.compile_watch.CompileWatch of the load running now
+        self._last_interrupt = 0.0  # when Ctrl+C last asked to leave
 
     # ------------------------------------------------------------------ layout
     def compose(self) -> ComposeResult:
@@ -283,6 +312,9 @@ class ChatApp(App):
         yield Static("loading…", id="status")
 
     def on_mount(self) -> None:
+        if not self.is_headless:     # SIGINT (kill -INT) leaves as Ctrl+C does at the terminal
+            asyncio.get_running_loop().add_signal_handler(signal.SIGINT, lambda: self.exit(return_code=130))
+        self.set_interval(1.0, self._tick)
         box = self.query_one("#input", ChatInput)
         box.border_title = SINGLE_LINE_KEYS
         box.focus()
@@ -317,7 +349,10 @@ class ChatApp(App):
 
     def update_status(self) -> None:
         parts = []
-        if self.loading:
+        watch = self.compile_watch
+        if self.loading and watch is not None and watch.started is not None:
+            parts.append(f"compiling kernels (first run only): {watch.count} compiled, {watch.seconds:.0f} s…")
+        elif self.loading:
             parts.append("loading model…")
         elif self.engine is not None:
             parts.append(self.model_name())
@@ -370,10 +405,26 @@ class ChatApp(App):
         self.update_status()
         self._load_worker(model)
 
+    def _tick(self) -> None:
+        if self.loading and self.compile_watch is not None and self.compile_watch.compiling:
+            self.update_status()    # the compile's seconds
+
+    def on_compiling(self, message: Compiling) -> None:
+        self.update_status()
+
     @work(thread=True, exclusive=True, group="load")
     def _load_worker(self, model: str | None) -> None:
+        from edge.compile_watch import CompileWatch
+
+        def first() -> None:
+            self.post_message(EngineNote("compiling edge's kernels for this CPU (first run only: about a minute "
+                                         "on 2 cores; later runs load them from numba's cache)…"))
+
+        self.compile_watch = CompileWatch(first, lambda n, name: self.post_message(Compiling()))
         try:
-            engine = self.engine_loader(model, self.options)
+            with self.compile_watch:     # loaded and warmed up: the first answer waits on no compile
+                engine = self.engine_loader(model, self.options)
+                engine.warm_up()
         except Exception as e:   # a bad name or file: the user picks another
             self.post_message(EngineReady(error=f"{type(e).__name__}: {e}" if not str(e) else str(e), model=model))
             return
@@ -417,6 +468,10 @@ class ChatApp(App):
         self.conversation = conv
         self.runner = ChatRunner(self.engine, conv, self.options.folder or chats_dir(), self.options.threads)
         self.show_conversation()
+        watch = self.compile_watch
+        if watch is not None and watch.started is not None:    # said while loading; the view was cleared since
+            notes.insert(0, f"compiled {watch.count} kernels in {watch.seconds:.0f} s (first run only: later runs "
+                            "load them from numba's cache)")
         for text in notes:
             self.note(text)
         self.note(f"model {self.model_name()} ready (n_ctx {self.engine.n_ctx}); "
@@ -513,6 +568,9 @@ class ChatApp(App):
         else:
             if result.stopped and self._answer is not None:
                 await self._answer.append(" *(stopped)*")
+            elif (result.stats.finish_reason == "length" and not result.stats.context_full
+                  and self._answer is not None):     # -n / /max-tokens cut it: say so, as (stopped) does
+                await self._answer.append(" *(length limit: /max-tokens N raises it)*")
             stats = result.stats
             self.last_ttft = stats.ttft
             self.last_tps = stats.gen_tps if stats.n_generated > 1 else None
@@ -529,6 +587,23 @@ class ChatApp(App):
     async def action_quit(self) -> None:
         await self._stop_and_wait()
         self.exit()
+
+    async def action_interrupt(self) -> None:
+        """Ctrl+C (a selection in the input box is copied before this): while the model loads,
+        leave (status 130); during an answer, stop it; else, a second Ctrl+C within 2 s leaves."""
+        now = time.monotonic()
+        if self.loading or now - self._last_interrupt < 2.0:
+            await self._stop_and_wait()
+            self.exit(return_code=130)
+            return
+        self._last_interrupt = now
+        if self.generating:
+            self.action_stop()
+        else:
+            self.note("Ctrl+C again leaves; so do Ctrl+D on an empty line, /bye and Ctrl+Q")
+
+    def on_engine_note(self, message: EngineNote) -> None:
+        self.note(message.text)
 
     async def _stop_and_wait(self, timeout: float = 10.0) -> None:
         """Stop a running answer and wait (a token or a prompt chunk) until the worker has
@@ -563,7 +638,7 @@ class ChatApp(App):
         arg = arg.strip()
         command = command.lower()
         busy = self.generating or self.loading
-        if command in ("/quit", "/exit"):
+        if command in ("/quit", "/exit", "/bye"):
             self.run_worker(self.action_quit())
         elif command == "/help":
             self.log_view.mount(Answer(HELP))
@@ -657,7 +732,11 @@ class ChatApp(App):
 
 
 def run_chat(options: ChatOptions) -> int:
-    """Run the app until the user quits; returns the exit status."""
-    ChatApp(options).run()
+    """Run the app until the user quits; returns the exit status (0). Raises KeyboardInterrupt
+    when Ctrl+C or SIGINT ended it (edge.cli prints one line and exits with 130)."""
+    app = ChatApp(options)
+    app.run()
+    if app.return_code == 130:
+        raise KeyboardInterrupt
     return 0
 

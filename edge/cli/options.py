@@ -1,15 +1,21 @@
 """What several commands share: model, sampling and size options, threads, the engine loader,
-output-file checks, and the first-run compile note."""
+output-file checks, usage errors, and the notes of numba compiling kernels (compile_notes)."""
 from __future__ import annotations
 
 import argparse
 import contextlib
 import os
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from edge.kv.cache import KV_TYPES
+
+
+class UsageError(ValueError):
+    """A command line that cannot work, found after parsing: edge.cli.main prints the command's
+    usage and this message, exit status 2, as argparse does for its own checks."""
 
 
 def physical_cores() -> int:
@@ -168,23 +174,71 @@ def kernels_compiled() -> bool:
         return True
 
 
-def uncompiled_weight_types(model) -> list[str]:
-    """GGML type names of ``model``'s weights whose matmul kernel numba's on-disk cache does not
-    hold yet (the first model of a new type compiles its kernels: seconds, said up front)."""
-    from kernels_cpu.matmul_kernels import quant_kernel
+LATER_COMPILE_NOTE = ("compiling kernels this command has not used before (once; later runs load them from "
+                      "numba's cache)")
 
-    missing = []
-    for w in model.weights():
-        name = w.ggml_type.name
-        if name in missing or name in ("F32", "F16", "BF16"):
-            continue
-        try:
-            index = Path(quant_kernel(w.ggml_type, w.rows.shape[0])._cache._cache_file._index_path)
-        except (AttributeError, KeyError):  # another numba version's cache layout, or no such kernel
-            continue
-        if not index.is_file():
-            missing.append(name)
-    return missing
+
+@contextlib.contextmanager
+def compile_notes(live: bool | None = None, stream=None, model_kernels: bool = False):
+    """Say on stderr when numba starts compiling edge's kernels (edge.compile_watch), so that no
+    command waits a minute in silence on a cold cache: one note line when the first compile
+    starts; with ``live`` (default: ``stream`` is a terminal), that line counts the kernels
+    compiled and the seconds, and ends "done" when the block ends. Nothing is printed when
+    nothing is compiled. ``model_kernels``: the block runs a model (the note says how long the
+    first compile of those takes). Yields the edge.compile_watch.CompileWatch."""
+    from edge.compile_watch import CompileWatch
+
+    stream = stream or sys.stderr
+    live = is_terminal(stream) if live is None else live
+    first = not kernels_compiled()
+    note = ("compiling kernels (first run only" + (": about a minute on 2 cores" if model_kernels else "")
+            + "; later runs load them from numba's cache)") if first else LATER_COMPILE_NOTE
+    short = "compiling kernels (first run only)" if first else "compiling new kernels"
+    lock = threading.Lock()
+    done = threading.Event()
+
+    def line(final: bool = False) -> None:
+        with lock:
+            state = f"done: {watch.count} in {watch.seconds:.0f} s" if final else \
+                f"{watch.count} compiled, {watch.seconds:.0f} s"
+            stream.write(f"\r\x1b[K{short}... {state}" + ("\n" if final else ""))
+            stream.flush()
+
+    def tick() -> None:
+        while not done.wait(1.0):
+            line()
+
+    def on_first() -> None:
+        if live:
+            line()
+            threading.Thread(target=tick, name="compile-notes", daemon=True).start()
+        else:
+            with lock:
+                print(f"note: {note}...", file=stream, flush=True)
+
+    watch = CompileWatch(on_first, (lambda n, name: line()) if live else None)
+    finished = False
+    try:
+        with watch:
+            yield watch
+        finished = True
+    finally:
+        done.set()
+        if live and watch.started is not None:
+            if finished:
+                line(final=True)
+            else:                   # Ctrl+C or an error: the count's line ends, not "done"
+                with lock:
+                    stream.write("\n")
+                    stream.flush()
+
+
+def is_terminal(stream) -> bool:
+    """Whether ``stream`` is a terminal (False for None, a closed or a pseudo file)."""
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def check_output_file(out: str | Path, flag: str, replaceable: Callable[[Path], bool], kind: str,
@@ -216,14 +270,6 @@ def load_engine(args):
     if args.ctx_size > engine.model.args.n_ctx_train:
         print(f"warning: -c {args.ctx_size} is more than the {engine.model.args.n_ctx_train} tokens "
               f"{engine.name} was trained on; quality drops past that", file=sys.stderr)
-    if not kernels_compiled():
-        print("note: first run: compiling edge's kernels for this CPU (about a minute on 2 cores, once; "
-              "later runs load them from numba's cache)", file=sys.stderr, flush=True)
-    else:
-        missing = uncompiled_weight_types(engine.model)
-        if missing:
-            print(f"note: compiling edge's kernels for {', '.join(missing)} weights (seconds, once; later runs "
-                  "load them from numba's cache)", file=sys.stderr, flush=True)
     return engine
 
 

@@ -1,4 +1,5 @@
-"""`edge quantize`: llama-quantize's mixes through quant.pipeline, with a progress bar."""
+"""`edge quantize`: llama-quantize's mixes through quant.pipeline, with a progress bar; the
+input is a path or a pulled model's name."""
 from __future__ import annotations
 
 import contextlib
@@ -15,11 +16,13 @@ QUANTIZE_TYPES = ", ".join(FILE_TYPES)  # the TYPEs of `edge quantize`
 def add_parser(sub) -> None:
     """The quantize subcommand."""
     quant = sub.add_parser("quantize", help="quantize a GGUF file (llama-quantize's types, the same bytes)",
-                           description="Convert IN.gguf (F32/F16/BF16 weights) to the quantization mix TYPE "
+                           description="Convert IN.gguf (a path or a pulled model's name; F32/F16/BF16 weights) "
+                                       "to the quantization mix TYPE "
                                        "as llama-quantize does (with --imatrix, weighted by it): the same tensor types and "
                                        "the same file bytes. OUT is written to a temporary file and renamed "
                                        "when complete. TYPE: " + QUANTIZE_TYPES + ".")
-    quant.add_argument("input", metavar="IN.gguf", help="source model")
+    quant.add_argument("input", metavar="IN.gguf",
+                       help="source model: a .gguf path or a pulled model's name (edge list)")
     quant.add_argument("output", metavar="OUT.gguf", help="quantized model to write (replaced if it exists)")
     quant.add_argument("type", metavar="TYPE", help="quantization mix, e.g. Q4_K_M, Q8_0 (name or llama_ftype number)")
     quant.add_argument("-t", "--threads", type=int, default=None,
@@ -50,7 +53,10 @@ def cmd_quantize(args) -> int:
 
     from edge.imatrix import load_imatrix
 
+    from edge.store import resolve_model
+
     ftype = parse_file_type(args.type)
+    args.input = str(resolve_model(args.input, pull_missing=False))    # a store name too; never downloads
     imatrix = load_imatrix(args.imatrix) if args.imatrix is not None else None
     options = QuantizeOptions(
         pure=args.pure, leave_output_tensor=args.leave_output_tensor, allow_requantize=args.allow_requantize,

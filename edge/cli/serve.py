@@ -13,9 +13,10 @@ from edge.cli.options import (add_model_args, add_spec_args, check_sizes, kernel
 
 def add_parser(sub) -> None:
     """The serve subcommand."""
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions) with continuous batching",
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, embeddings) with continuous batching",
                            description="Serve the model over the OpenAI API (POST /v1/chat/completions, "
-                                       "/v1/completions; GET /v1/models, /health, /metrics) on loopback. "
+                                       "/v1/completions, /v1/embeddings; GET /v1/models, /health, /metrics) on "
+                                       "loopback. "
                                        "POST bodies must be sent as Content-Type: application/json. Web pages "
                                        "of other sites cannot use it (Host and Origin are checked; see "
                                        "--allowed-hosts, --cors-origins). The server always computes "
@@ -71,6 +72,15 @@ def add_parser(sub) -> None:
                        help="how long a request waits for its model to load before a 503 (default: 300)")
     serve.add_argument("--no-log-requests", dest="log_requests", action="store_false",
                        help="do not log one line per request on stderr")
+    serve.add_argument("--embedding", "--embeddings", dest="embedding", action="store_true",
+                       help="accepted for llama-server's command lines: edge serves embeddings (/v1/embeddings, "
+                            "/embedding, /api/embed) always, beside generation")
+    serve.add_argument("--pooling", choices=("none", "mean", "cls", "last"), default=None,
+                       help="embeddings' pooling (default: the model's pooling_type, else last: the last "
+                            "token's hidden state); none gives per-token vectors on /embedding only")
+    serve.add_argument("--slot-save-path", default=None, metavar="DIR",
+                       help="folder of llama-server's POST /slots/ID?action=save|restore files (made if "
+                            "missing; default: none, those actions answer 501)")
     add_spec_args(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -78,7 +88,8 @@ def add_parser(sub) -> None:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from edge.server.app import ServerConfig, create_app
+    from edge.server.app import ServerConfig
+    from edge.server.asgi import create_app
     from edge.server.guard import check_api_key, parse_hosts, parse_origins
     from edge.server.transport import timed_protocol
     from edge.cli.models import resolve_with_bars
@@ -98,7 +109,8 @@ def cmd_serve(args) -> int:
     if not 0 < args.port < 65536 and not args.unix_socket:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     spec = spec_params(args)
-    from edge.server.pool import GB, parse_keep_alive
+    from edge.server.pool import GB
+    from edge.server.protocol import parse_keep_alive
     from edge.server.protocol import APIError
     try:
         keep_alive = parse_keep_alive(args.keep_alive, "--keep-alive")
@@ -119,14 +131,14 @@ def cmd_serve(args) -> int:
                           router=args.model is None, models_max=args.models_max,
                           models_memory=None if args.models_memory is None else int(args.models_memory * GB),
                           keep_alive=keep_alive, load_timeout=args.load_timeout, log_requests=args.log_requests,
-                          alias=args.alias)
+                          alias=args.alias, pooling=args.pooling)
     if args.alias is not None and args.model is None:
         raise ValueError("--alias names the -m model: give -m too (without -m every pulled model is served by "
                          "its own name)")
     hosts = [h.strip() for h in args.host.split(",") if h.strip()]
     if not hosts:
         raise ValueError("--host: give an address")
-    if any(h not in ("127.0.0.1", "localhost", "::1") for h in hosts) and not args.unix_socket and not api_key:
+    if not all(map(_is_loopback, hosts)) and not args.unix_socket and not api_key:
         print(f"warning: listening on {args.host} without --api-key: anyone who can reach this port can use "
               "the model", file=sys.stderr)
     socks = []
@@ -140,7 +152,7 @@ def cmd_serve(args) -> int:
     where = f"unix:{args.unix_socket}" if args.unix_socket else ", ".join(
         f"http://{f'[{h}]' if ':' in h else h}:{args.port}" for h in hosts)
     which = (f"every pulled model (default {Path(model).stem}, --models-max {args.models_max})"
-             if args.model is None else Path(model).name)
+             if args.model is None else f"{args.alias} ({Path(model).name})" if args.alias else Path(model).name)
     print(f"edge serve: {which} on {where} (-np {args.parallel}, -c {args.ctx_size}"
           + (f", --spec-type {spec.spec_type}" + (f" -md {Path(model_draft).name}" if model_draft else "")
              if spec.enabled else "") + "); "
@@ -159,9 +171,18 @@ def cmd_serve(args) -> int:
                     with contextlib.suppress(OSError):
                         os.unlink(args.unix_socket)
                 os._exit(128 + signal.SIGINT)
+            if not self.should_exit:
+                stopped.append(sig)
+                running = 0
+                for slot in state.pool.loaded():
+                    with contextlib.suppress(Exception):
+                        running += sum(slot.scheduler.counts())
+                print("\nedge serve: stopping" + (f" after the {running} running request(s)" if running else "")
+                      + (" (Ctrl+C again: at once)" if sig == signal.SIGINT else ""), file=sys.stderr, flush=True)
             super().handle_exit(sig, frame)
 
     failed: list[str] = []
+    stopped: list[int] = []          # the signal that stopped the server
 
     def load_failed(message: str) -> None:
         """The model did not load: say so in one line and stop, as `edge run` and llama-server do."""
@@ -173,6 +194,7 @@ def cmd_serve(args) -> int:
         print(f"edge serve: {message}", file=sys.stderr, flush=True)
 
     config.on_load_error, config.on_event = load_failed, event
+    config.slot_save_path = args.slot_save_path
     if not kernels_compiled():
         print("edge serve: first run: compiling edge's kernels for this CPU before /health says ok (about a "
               "minute on 2 cores, once; later starts load them from numba's cache)", file=sys.stderr, flush=True)
@@ -190,7 +212,26 @@ def cmd_serve(args) -> int:
         if args.unix_socket:
             with contextlib.suppress(OSError):
                 os.unlink(args.unix_socket)
-    return 1 if failed else 0
+    if failed:
+        return 1
+    if stopped and stopped[0] == signal.SIGINT:
+        print("interrupted", file=sys.stderr, flush=True)     # as every edge command: one line, 130
+        return 128 + signal.SIGINT
+    if stopped:
+        print("edge serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether --host names a loopback address (127.0.0.0/8, ::1, localhost): no warning then."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _listen_socket(host: str, port: int, unix_path: str | None):

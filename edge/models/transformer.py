@@ -61,6 +61,12 @@ class Transformer:
         """Logits f32[R, n_vocab] of the last layer's rows x f32[R, n_embd] (normed in place)."""
         return self.output(rms_norm(x, self.output_norm, self.args.rms_eps, x))
 
+    def hidden(self, x: np.ndarray) -> np.ndarray:
+        """The embeddings f32[R, n_embd] of the last layer's rows x f32[R, n_embd]: the output
+        norm's result, before the output projection (llama.cpp's ``t_embd``, "result_norm");
+        a new array, x is left as it is."""
+        return rms_norm(x, self.output_norm, self.args.rms_eps, np.empty_like(x))
+
     def set_batch_invariant(self, on: bool = True) -> None:
         """With ``on``, every row of a batch is computed with one arithmetic whatever the batch
         (kernels_cpu.matmul's batch_invariant kernels, attention in ggml_vec_dot_f16 order), so
@@ -97,7 +103,7 @@ class Transformer:
         return KVCache(self.args, n_ctx, n_seq, kv_type)
 
     def forward(self, tokens, cache, logits_rows=None, seq_ids=None, prune_last_layer: bool = True,
-                layer_callback=None) -> np.ndarray:
+                layer_callback=None, hidden: bool = False) -> np.ndarray:
         """Process ``tokens`` (int[T]) and append them to their sequences in ``cache``.
 
         ``seq_ids`` (int[T], default all 0) gives each row's sequence slot; the rows of one
@@ -112,6 +118,8 @@ class Transformer:
         all; no rows: only the K/V are computed, f32[0, n_vocab]). The last layer computes only
         those rows (as llama.cpp's inp_out_ids); ``prune_last_layer=False`` makes it compute
         every row (an importance matrix sees all of them) and still returns only those logits.
+        With ``hidden``, those rows' embeddings f32[len(rows), n_embd] instead (:meth:`hidden`:
+        the output norm's result, llama.cpp's ``t_embd``; edge.embedding pools them).
         Raises ValueError for an empty batch, a token id outside the vocabulary, a bad or
         interleaved sequence id, or rows that do not fit in n_ctx.
         """
@@ -142,8 +150,8 @@ class Transformer:
         if x is not None and not prune_last_layer:
             x = x[logits_rows]
         if x is None or x.shape[0] == 0:                                   # no logits asked for
-            return np.empty((0, self.args.n_vocab), np.float32)
-        return self.logits(x)                                              # [rows, n_vocab]
+            return np.empty((0, self.args.n_embd if hidden else self.args.n_vocab), np.float32)
+        return self.hidden(x) if hidden else self.logits(x)               # [rows, n_embd | n_vocab]
 
 
 def _batch_positions(cache, T: int, seq_ids):

@@ -52,7 +52,7 @@ from starlette.routing import Route
 from edge.server import protocol as P
 from edge.server.adapter import Blocks, chat_body, event_stream, function_tool, outcome, renaming, sse, \
     tool_arguments
-from edge.server.app import CLIENT_GONE, _body
+from edge.server.app import CLIENT_GONE, _body, has_chat_template
 
 PREFIX = "/v1/messages"
 _SEP = "\n\n"      # between text blocks of one message (and of the system prompt)
@@ -381,7 +381,7 @@ def routes(h) -> list[Route]:
         input_tokens plus cache_read_input_tokens."""
         body = await _body(request, h.state, MessagesRequest)
         chat = chat_request(body)
-        slot = await h.state.acquire(chat.model, chat.keep_alive_seconds())
+        slot = await h.state.acquire(chat.model, chat.keep_alive_seconds(), check=has_chat_template)
         try:
             _, tools, _ = chat.tool_setup()
             return JSONResponse({"input_tokens": len(await h.chat_prompt(slot, chat, tools))})

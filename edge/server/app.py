@@ -24,11 +24,9 @@ and Origin checks and CORS are edge.server.guard's.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -37,26 +35,21 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 from pydantic import ValidationError
-from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 from edge import __version__
-from edge.chat_template import ChatTemplateError, NoChatTemplateError
+from edge.chat_template import CHAT_TEMPLATE_KEY, ChatTemplateError, NoChatTemplateError
 from edge.engine import ContextLengthExceeded
-from edge.generate import Limits
 from edge.grammar import GrammarError, GrammarMask, LazyGrammarMask, ll_tokenizer
 from edge.sampling import InvalidParameter, SamplingParams
-from edge.server import guard, ollama, protocol as P, thinking
+from edge.server import protocol as P, thinking
 from edge.server.metrics import Metrics
 from edge.server.pool import DEFAULT_KEEP_ALIVE, ModelPool, ModelSlot
 from edge.server.scheduler import STEP_LOCK, Delta, Failed, Finished, QueueFull, Scheduler
 from edge.server.scheduler import Request as GenRequest
-from edge.tool_calls import ToolCallParser, call_grammar, lazy_call_grammar
+from edge.tool_calls import ToolCallParser, call_grammar, lazy_call_grammar, template_renders_tools
 from edge.tool_calls import detect_format as tool_format
 
 MAX_TOP_LOGPROBS = 20
@@ -95,33 +88,14 @@ class ServerConfig:
     load_timeout: float = 300.0             # seconds a request waits for its model to load
     log_requests: bool = True               # one line on stderr per request (RequestLog)
     alias: str | None = None                # the -m model's name in responses (--alias)
+    pooling: str | None = None              # embeddings' pooling (None: the model's; edge.server.embeddings)
+    slot_save_path: str | None = None       # llama-server's /slots save / restore folder (None: 501)
 
 
 def _warm_up(scheduler: Scheduler) -> None:
-    """Run prefills of 9 rows (the many-row kernels: 8 rows and up) and of enough rows that
-    the element-wise kernels take their parallel paths (kernels_cpu.ops.PARALLEL_MIN elements
-    per call), one sampled token and a 1-row decode step each through the scheduler's
-    generation loop, then free the sequences, so that the kernels of each path are compiled (or
-    loaded from numba's cache) before /health says ready and the first request waits for no
-    compile. Called while nothing can be submitted (requests get 503 until the scheduler is
-    set); the prompts are BOS tokens, which no real prompt's cached prefix can match."""
-    from kernels_cpu.ops import PARALLEL_MIN
-
-    loop = scheduler.loop
-    bos = loop.tokenizer.bos_id if loop.tokenizer is not None else None
-    args = scheduler.model.args
-    n_par = -(-PARALLEL_MIN // max(1, args.n_embd)) + 1
-    for n in sorted({9, min(n_par, scheduler.n_batch, scheduler.n_ctx - 2)}):
-        if n < 2:
-            continue
-        seq = loop.new([int(bos) if bos is not None else 0] * n, SamplingParams(), Limits(max_tokens=2, eog=False))
-        loop.admit(seq)
-        try:
-            loop.sample(seq, loop.compute(seq))
-            loop.reserve(rows := loop.rows(seq, 1))
-            loop.step([rows])
-        finally:
-            loop.free(seq)
+    """Compile (or load) every path's kernels before /health says ready, so the first request
+    waits for no compile (GenerationLoop.warm_up). Called while nothing can be submitted."""
+    scheduler.loop.warm_up()
 
 
 class ServerState:
@@ -135,6 +109,7 @@ class ServerState:
                               memory_budget=config.models_memory, keep_alive=config.keep_alive,
                               load_timeout=config.load_timeout, on_event=config.on_event)
         self.load_error: str | None = None
+        self._stored: tuple | None = None          # (store key, list_models()) for /v1/models
         self.metrics = Metrics(self)
         self.created = int(time.time())
 
@@ -206,14 +181,26 @@ class ServerState:
         slot = self.pool.default
         return slot.name if slot is not None else ""
 
-    def model_names(self) -> set[str]:
-        """Names a request's ``model`` may use for the default model (ModelSlot.names)."""
-        slot = self.pool.default
-        return slot.names() if slot is not None else set()
-
     def max_piece_bytes(self) -> int:
         slot = self.pool.default
         return slot.max_piece_bytes() if slot is not None and slot.engine is not None else 256
+
+    def stored_models(self) -> list[dict]:
+        """edge.store.list_models(), read again only when a store file changed (name, size or
+        modification time): it parses every GGUF header."""
+        from edge.store import list_models, models_dir
+
+        folder = models_dir()
+        if not folder.is_dir():
+            return []
+        try:
+            key = tuple(sorted((p.name, st.st_size, st.st_mtime_ns) for p in folder.glob("*.gguf")
+                               for st in [p.stat()]))
+        except OSError:
+            key = None
+        if key is None or self._stored is None or self._stored[0] != key:
+            self._stored = (key, list_models())
+        return self._stored[1]
 
     def loaded(self) -> list[dict]:
         """The models in memory: {"name", "engine", "expires_at" (epoch seconds or None: kept),
@@ -237,8 +224,8 @@ class ServerState:
         the default model loads or when it failed to load."""
         self._check_loading()
         slot = self.pool.find(model)
-        if slot is None and model is None and self.pool.router:
-            raise P.APIError(503, "no model is loaded; name one in the request's model", code="loading")
+        if slot is None and model is None and self.pool.router:     # the default was unloaded: load it again
+            slot = self.pool._slot_to_load(self.pool.default_path, None)
         if slot is None or slot.status != "loaded":
             if slot is not None:
                 raise P.APIError(503, f"the model {slot.name!r} is loading; retry shortly", code="loading",
@@ -246,14 +233,13 @@ class ServerState:
             raise self.pool._not_found(model)
         return slot.engine, slot.scheduler
 
-    async def acquire(self, model: str | None, keep_alive="default", any_name: bool = True) -> ModelSlot:
+    async def acquire(self, model: str | None, keep_alive="default", any_name: bool = True,
+                      check=None) -> ModelSlot:
         """The loaded slot of ``model`` with a lease (ModelPool.acquire): load it if needed;
         with ``any_name`` (the OpenAI and Anthropic routes) a server started with -m serves
         any name. Give it back with ``self.pool.release(slot)`` once the request is submitted."""
         self._check_loading()
-        if model is None and self.pool.default is None and self.pool.router:
-            model = self.config.model
-        return await self.pool.acquire(model, keep_alive, any_name)
+        return await self.pool.acquire(model, keep_alive, any_name, check)
 
 
 # bytes a body may have whatever n_ctx: for generation (text that cannot fit is refused before it
@@ -288,6 +274,28 @@ def _validate(raw: bytes, model_cls):
         return model_cls.model_validate(P.parse_json_object(raw))
     except ValidationError as e:
         raise P.validation_error(e) from None
+
+
+def no_chat_template(name: str) -> P.APIError:
+    return P.APIError(400, f"model {name!r} has no chat template, so it cannot take chat messages; send the "
+                           "text to POST /v1/completions instead", param="messages", code="no_chat_template")
+
+
+def has_chat_template(path, name: str) -> None:
+    """Raise no_chat_template (400) when the GGUF at ``path`` has no tokenizer.chat_template:
+    read from its header, before the model is loaded. An unreadable file is left to the load."""
+    from edge.gguf_file import GGUFError, GGUFFile
+
+    try:
+        gf = GGUFFile(path)
+    except (GGUFError, OSError):
+        return
+    try:
+        source = gf.get(CHAT_TEMPLATE_KEY)
+    finally:
+        gf.close()
+    if source is None or (isinstance(source, str) and not source.strip()):
+        raise no_chat_template(name)
 
 
 def _sampling(body, engine) -> SamplingParams:
@@ -416,12 +424,13 @@ def _lazy_tool_mask(allowed: list[dict], fmt: str, parallel: bool, engine, n_pro
 
 def _tool_message(parser: ToolCallParser, message: dict, finish: str) -> tuple[dict, str]:
     """(the chat message, finish_reason) with its content read for tool calls: content outside
-    the calls (None when there is none), tool_calls, finish_reason "tool_calls" when it has some."""
+    the calls (None when there is none), tool_calls, finish_reason "tool_calls" when it has some
+    (a cut by max_tokens stays "length", as OpenAI reports it)."""
     events = parser.feed(message["content"] or "") + parser.finish()
     message = {**message, "content": "".join(v for k, v in events if k == "content") or None}
     if parser.calls:
         message["tool_calls"] = [c.openai() for c in parser.calls]
-        finish = "tool_calls"
+        finish = "length" if finish == "length" else "tool_calls"
     return message, finish
 
 
@@ -568,7 +577,7 @@ def _sse_response(chunks, head: dict, include_usage: bool, run) -> StreamingResp
             async for c in chunks:
                 yield _sse({**c, "usage": None} if include_usage else c)
             if include_usage:
-                yield _sse({**head, "choices": [], "usage": run.usage()})
+                yield _sse({**head, "choices": [], "usage": run.usage(), "timings": run.timings()})
             yield "data: [DONE]\n\n"
         except P.APIError as e:
             yield _sse(e.body())
@@ -607,6 +616,10 @@ class _Run:
     def timing(self) -> Finished | None:
         """The Finished event (token counts, finish reason) once the run has ended."""
         return self.fin
+
+    def timings(self) -> dict:
+        """llama-server's ``timings`` object (llama_server.timings), valid as usage()."""
+        return self.fin.timings()
 
     def cancel(self) -> None:
         self.stream.cancel()
@@ -653,7 +666,7 @@ class ChatRun(_Run):
                 "choices": [{"index": 0, "message": message,
                              "logprobs": {"content": content} if self.logprobs is not None else None,
                              "finish_reason": finish}],
-                "usage": self.usage()}
+                "usage": self.usage(), "timings": self.timings()}
 
     def _chunk(self, delta, finish=None, lps=None) -> dict:
         return {**self.head, "choices": [{"index": 0, "delta": delta,
@@ -668,7 +681,7 @@ class ChatRun(_Run):
         parts = self.reasoning.deltas(ev.text if finish is None else "", final=finish is not None)
         if self.parser is not None:
             parts = _tool_deltas(self.parser, parts, final=finish is not None)
-            finish = "tool_calls" if finish is not None and self.parser.calls else finish
+            finish = "tool_calls" if finish not in (None, "length") and self.parser.calls else finish
         if lps and not parts:
             parts = [self.reasoning.empty_delta()]
         out = [self._chunk(d, lps=lps if i == len(parts) - 1 else None) for i, d in enumerate(parts)]
@@ -678,12 +691,14 @@ class ChatRun(_Run):
         """The chat.completion.chunk objects: the role first, then per Delta its deltas, the
         last with finish_reason. Raises APIError for a failure mid-generation."""
         try:
-            yield self._chunk({"role": "assistant", "content": ""})
+            # with tools the answer may be only calls: content null, as OpenAI's (a client's
+            # accumulated message then has content None, not "")
+            yield self._chunk({"role": "assistant", "content": "" if self.parser is None else None})
             async for ev in self.stream.events():
-                for c in self._chunks_of(ev, finish=ev.finish_reason if isinstance(ev, Finished) else None):
-                    yield c
                 if isinstance(ev, Finished):
                     self.fin = ev
+                for c in self._chunks_of(ev, finish=ev.finish_reason if isinstance(ev, Finished) else None):
+                    yield {**c, "timings": self.timings()} if c["choices"][0]["finish_reason"] else c
         finally:
             self.stream.cancel()
 
@@ -720,7 +735,7 @@ class CompletionRun(_Run):
         return {**self.head, "choices": [{"index": 0, "text": "".join(d.text for d in deltas),
                                           "logprobs": self._lp_block(lps, 0) if self.logprobs is not None else None,
                                           "finish_reason": self.fin.finish_reason}],
-                "usage": self.usage()}
+                "usage": self.usage(), "timings": self.timings()}
 
     async def chunks(self):
         """The streamed text_completion objects, one per Delta, then one with finish_reason."""
@@ -734,7 +749,8 @@ class CompletionRun(_Run):
                 offset += len(text)
                 if isinstance(ev, Finished):
                     self.fin = ev
-                yield {**self.head, "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
+                yield {**self.head, "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}],
+                       **({"timings": self.timings()} if finish else {})}
         finally:
             self.stream.cancel()
 
@@ -841,19 +857,27 @@ class _Handlers:
 
     async def chat(self, request: Request):
         body = await _body(request, self.state, P.ChatCompletionRequest)
+        body.check_tool_messages()
         run = await _start_n(self.start_chat, request, body)
         return await _respond(run, body.stream, bool(body.stream_options and body.stream_options.include_usage))
+
+    async def _on_model(self, request: Request, body, start, check=None):
+        """``start(request, body, slot)`` on the model ``body`` names, held by a lease until the
+        generation is submitted; the model and the run are left in request.state for the log.
+        ``check(path, name)``: ModelPool.acquire's check of a model file before its load."""
+        request.state.edge_asked = body.model
+        slot = await self.state.acquire(body.model, body.keep_alive_seconds(), check=check)
+        request.state.edge_model = slot.name
+        try:
+            request.state.edge_run = run = await start(request, body, slot)
+            return run
+        finally:
+            self.state.pool.release(slot)
 
     async def start_chat(self, request: Request, body: P.ChatCompletionRequest) -> ChatRun:
         """Check ``body`` and submit its generation on the model it names (loaded first if
         needed: ServerState.acquire). Raises APIError (4xx, 503) as the chat route answers them."""
-        slot = await self.state.acquire(body.model, body.keep_alive_seconds())
-        request.state.edge_model = slot.name
-        try:
-            request.state.edge_run = run = await self._start_chat(request, body, slot)
-            return run
-        finally:
-            self.state.pool.release(slot)
+        return await self._on_model(request, body, self._start_chat, has_chat_template)
 
     async def _start_chat(self, request: Request, body: P.ChatCompletionRequest, slot: ModelSlot) -> ChatRun:
         state = self.state
@@ -861,6 +885,10 @@ class _Handlers:
         body.check_unsupported()
         grammar, grammar_param = body.constraint()
         tool_mode, tools, allowed = body.tool_setup()
+        if tools and engine.template is not None and not template_renders_tools(engine.template):
+            raise P.APIError(400, f"tools: model {slot.name!r} does not support tools (its chat template does not "
+                                  "render them); leave tools out or send tool_choice: \"none\"", param="tools",
+                             code="unsupported_value")
         if body.max_completion_tokens is not None:     # OpenAI's newer name wins
             max_tokens, max_tokens_param = body.max_completion_tokens, "max_completion_tokens"
         else:
@@ -884,8 +912,8 @@ class _Handlers:
         fmt = tool_format(engine.template.source if engine.template is not None else None)
         if tool_mode == "required":
             grammar, grammar_param = _tool_grammar(allowed, fmt, body.parallel_tool_calls, grammar_param)
-        parser = ToolCallParser(fmt, body.parallel_tool_calls, [t["function"]["name"] for t in allowed]) \
-            if tool_mode != "none" else None
+        parser = ToolCallParser(fmt, body.parallel_tool_calls, [t["function"]["name"] for t in allowed],
+                                forced=tool_mode == "required") if tool_mode != "none" else None
         processors = await run_in_threadpool(_processors, grammar, grammar_param, engine, len(ids))
         if tool_mode == "auto" and not processors:
             processors = await run_in_threadpool(_lazy_tool_mask, allowed, fmt, body.parallel_tool_calls, engine,
@@ -911,9 +939,7 @@ class _Handlers:
         try:
             return await run_in_threadpool(engine.chat_prompt, messages, True, {**variables, **tools_variable})
         except NoChatTemplateError:       # C3
-            raise P.APIError(400, f"model {slot.name!r} has no chat template, so it cannot take chat "
-                                  "messages; send the text to POST /v1/completions instead", param="messages",
-                             code="no_chat_template") from None
+            raise no_chat_template(slot.name) from None
         except ChatTemplateError as e:   # the template's own error: the client's request (C2)
             raise P.APIError(400, str(e), param="messages", code="chat_template_error") from None
 
@@ -927,13 +953,7 @@ class _Handlers:
     async def start_completion(self, request: Request, body: P.CompletionRequest) -> CompletionRun:
         """Check ``body`` and submit its generation on the model it names (as start_chat).
         Raises APIError (4xx, 503) as the completions route answers them."""
-        slot = await self.state.acquire(body.model, body.keep_alive_seconds())
-        request.state.edge_model = slot.name
-        try:
-            request.state.edge_run = run = await self._start_completion(request, body, slot)
-            return run
-        finally:
-            self.state.pool.release(slot)
+        return await self._on_model(request, body, self._start_completion)
 
     async def _start_completion(self, request: Request, body: P.CompletionRequest, slot: ModelSlot) -> CompletionRun:
         state = self.state
@@ -989,9 +1009,7 @@ class _Handlers:
         if not state.pool.router:
             engine, _ = state.require()
             return JSONResponse({"object": "list", "data": [_model_entry(state.pool.default, state)]})
-        from edge.store import list_models
-
-        stored = await run_in_threadpool(list_models)
+        stored = await run_in_threadpool(state.stored_models)
         held = {s.path.resolve(): s for s in list(state.pool.slots.values())}
         data = []
         for info in stored:
@@ -1024,6 +1042,8 @@ class _Handlers:
         body = await _body(request, self.state, P.TokenizeRequest, MIN_TOKENIZE_BODY_LIMIT)
         engine, _ = self.state.require(body.model)
         ids = await run_in_threadpool(engine.tokenizer.encode, body.content, body.add_special, body.parse_special)
+        if body.with_pieces:                       # llama-server's [{"id", "piece"}]
+            return JSONResponse({"tokens": P.token_pieces(engine.tokenizer, ids)})
         return JSONResponse({"tokens": [int(t) for t in ids]})
 
     async def detokenize(self, request: Request):
@@ -1092,79 +1112,12 @@ class RequestLog:
         self.state.metrics.count(model or "", status)
         if not self.log:
             return
-        parts = [scope.get("method", ""), scope.get("path", ""), *([model] if model else []), str(status)]
+        asked = info.get("edge_asked")            # the name a refused request gave (not a metrics label)
+        name = model or (repr(asked) if isinstance(asked, str) and asked else None)
+        parts = [scope.get("method", ""), scope.get("path", ""), *([name] if name else []), str(status)]
         if fin is not None:
             parts.append(f"prompt={fin.prompt_tokens} cached={fin.cached_tokens} gen={fin.completion_tokens}")
             if fin.ttft is not None:
                 parts.append(f"ttft={fin.ttft:.3f}s")
         parts.append(f"{seconds:.3f}s")
         print("edge serve: " + " ".join(parts), file=sys.stderr, flush=True)
-
-
-def create_app(config: ServerConfig, load: bool = True) -> Starlette:
-    """The ASGI app. With ``load``, the model loads on a thread at startup (/health answers
-    503 until it is ready); the scheduler is stopped at shutdown after its requests finish."""
-    from edge.server import anthropic, responses   # the other APIs' adapters build on this module
-
-    state = ServerState(config)
-    h = _Handlers(state)
-
-    def respond(path: str, err: P.APIError) -> Response:
-        """An error in the shape of the API ``path`` belongs to: Anthropic's or OpenAI's."""
-        return anthropic.error_response(path, err) if anthropic.serves(path) else guard.openai_error(path, err)
-
-    async def on_error(request: Request, exc: Exception):
-        if isinstance(exc, P.APIError):
-            return respond(request.url.path, exc)
-        if isinstance(exc, HTTPException):
-            code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-            msg = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
-            return respond(request.url.path, P.APIError(exc.status_code, msg.get(exc.status_code, str(exc.detail)),
-                                                         code=code))
-        return respond(request.url.path, P.APIError(500, f"internal error: {type(exc).__name__}: {exc}",
-                                                    code="internal_error"))
-
-    routes = [
-        Route("/v1/chat/completions", h.chat, methods=["POST"]),
-        Route("/v1/completions", h.completions, methods=["POST"]),
-        Route("/v1/models", h.models, methods=["GET"]),
-        # llama-server's aliases: the OpenAI routes without /v1 (clients given base_url without it)
-        Route("/chat/completions", h.chat, methods=["POST"]),
-        Route("/completions", h.completions, methods=["POST"]),
-        Route("/models", h.models, methods=["GET"]),
-        Route("/v1/health", h.health, methods=["GET"]),
-        Route("/tokenize", h.tokenize, methods=["POST"]),
-        Route("/detokenize", h.detokenize, methods=["POST"]),
-        Route("/health", h.health, methods=["GET"]),
-        Route("/metrics", h.metrics, methods=["GET"]),
-        Route("/models/load", h.load_model, methods=["POST"]),
-        Route("/models/unload", h.unload_model, methods=["POST"]),
-        Route("/", h.root, methods=["GET", "HEAD"]),
-        *anthropic.routes(h),
-        *responses.routes(h),
-        *ollama.routes(h),    # Ollama's API (/api/chat, /api/generate, /api/tags ...) over start_chat / start_completion
-    ]
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        if load:
-            threading.Thread(target=state.load, name="edge-load", daemon=True).start()
-
-        async def reaper():          # unloads the models idle past their keep-alive
-            while True:
-                await asyncio.sleep(1.0)
-                with contextlib.suppress(Exception):
-                    await asyncio.to_thread(state.pool.reap)
-
-        task = asyncio.create_task(reaper())
-        yield
-        task.cancel()
-        await run_in_threadpool(state.pool.stop)
-
-    middleware = [Middleware(RequestLog, state=state, log=config.log_requests),
-                  *guard.middleware(config.host, config.allowed_hosts, config.cors_origins, config.api_key, respond)]
-    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
-                    exception_handlers={Exception: on_error, HTTPException: on_error, P.APIError: on_error})
-    app.state.edge = state
-    return app
-

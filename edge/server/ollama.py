@@ -17,7 +17,8 @@ Routes (:func:`routes`):
 - ``GET /api/tags`` (the pulled models, edge.store.list_models), ``POST /api/show``,
   ``GET /api/ps`` (the loaded models), ``GET /api/version``, ``GET /`` ("Ollama is running",
   the text clients compare). ``POST /api/pull`` answers success for a model already pulled;
-  pulling from Ollama's registry, push, create, copy, delete, blobs and embeddings are 501s.
+  pulling from Ollama's registry, push, create, copy, delete and blobs are 501s.
+- ``POST /api/embed`` and ``/api/embeddings``: edge.server.embeddings (ollama_routes).
 
 The last object of a generation has ``done: true``, ``done_reason`` ("stop" or "length"; a
 tool call ends with "stop" as Ollama's do), ``total_duration``, ``load_duration``,
@@ -48,7 +49,6 @@ import functools
 import hashlib
 import json
 import math
-import re
 import time
 import traceback
 from datetime import datetime, timedelta, timezone
@@ -65,7 +65,7 @@ from starlette.routing import Route
 from edge import __version__
 from edge.server import app as A
 from edge.server import protocol as P
-from edge.server.pool import parse_keep_alive
+from edge.server.protocol import parse_keep_alive
 
 # The Ollama release whose API these routes follow (every /api/chat and /api/generate field
 # served here, logprobs included, is in 0.12.11): clients compare /api/version with a minimum
@@ -318,28 +318,27 @@ def _digest(path: Path, registered_sha256: str | None = None) -> str:
 
 
 class _Catalog:
-    """The pulled models (edge.store.list_models), listed again only when the models folder's
-    files change (names, sizes, mtimes)."""
+    """The pulled models readable by edge (ServerState.stored_models, read again only when a
+    store file changes) with their Ollama digest, computed once per listing."""
 
-    def __init__(self):
-        self._key = None
+    def __init__(self, state):
+        self._state = state
+        self._source: list | None = None
         self._models: list[dict] = []
 
     def models(self) -> list[dict]:
-        from edge.store import find_entry, list_models, models_dir
+        from edge.store import find_entry
 
-        folder = models_dir()
-        key = tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.glob("*.gguf"))) \
-            if folder.is_dir() else ()
-        if key != self._key:
+        stored = self._state.stored_models()
+        if stored is not self._source:
             out = []
-            for m in (list_models() if folder.is_dir() else []):
+            for m in stored:
                 if m["error"] is not None:       # a file edge cannot read is not listed
                     continue
                 entry = find_entry(m["path"].stem)
                 sha = entry.sha256 if entry is not None and entry.name == m["path"].stem else None
                 out.append({**m, "digest": _digest(m["path"], sha)})
-            self._key, self._models = key, out
+            self._source, self._models = stored, out
         return self._models
 
     def find(self, name: str) -> dict | None:
@@ -467,11 +466,11 @@ class _Ollama:
 
     def __init__(self, h):
         self.h, self.state = h, h.state
-        self.catalog = _Catalog()
+        self.catalog = _Catalog(self.state)
 
     # ---- helpers --------------------------------------------------------------------------------
 
-    async def _require(self, name: str, keep_alive=None):
+    async def _require(self, name: str, keep_alive=None, check=None):
         """(engine, seconds its load took) of the model ``name`` (a tag such as :latest allowed),
         loaded by the model pool if needed (edge.server.pool). Raises APIError: 400 without a
         name, 404 in Ollama's words, 503 while it loads past --load-timeout."""
@@ -480,11 +479,14 @@ class _Ollama:
         t = time.perf_counter()
         try:
             slot = await self.state.acquire(edge_name(name), "default" if keep_alive is None
-                                            else parse_keep_alive(keep_alive), any_name=False)
+                                            else parse_keep_alive(keep_alive), any_name=False, check=check)
         except P.APIError as e:
             if e.code == "model_not_found":
                 raise P.APIError(404, f'model "{name}" not found, try pulling it first', param="model",
                                  code="model_not_found") from None
+            if e.code == "no_chat_template":
+                e.message = (f'"{name}" has no chat template, so it cannot take chat messages; send the text to '
+                             "/api/generate with raw: true")
             raise
         self.state.pool.release(slot)
         return slot.engine, time.perf_counter() - t
@@ -621,7 +623,7 @@ class _Ollama:
         body: ChatBody = await self._read(request, ChatBody)
         if not body.messages:
             return await self._loaded_answer(body, chat=True)
-        engine, load_s = await self._require(body.model, body.keep_alive)
+        engine, load_s = await self._require(body.model, body.keep_alive, A.has_chat_template)
         messages = []
         for i, m in enumerate(body.messages):
             if m.images:
@@ -831,8 +833,10 @@ async def _ndjson(objects, run) -> Response:
                                                                   "X-Accel-Buffering": "no"})
 
 
-def routes(h) -> list[Route]:
-    """Ollama's routes over the OpenAI handlers ``h`` (app._Handlers)."""
+def routes(h, extra=lambda o: []) -> list[Route]:
+    """Ollama's routes over the OpenAI handlers ``h`` (app._Handlers); ``extra(o)`` gives more
+    routes over the Ollama handlers ``o`` (edge.server.embeddings.ollama_routes: /api/embed,
+    /api/embeddings; passed in by edge.server.asgi, since embeddings builds on this module)."""
     o = _Ollama(h)
     return [
         Route("/api/chat", o.chat, methods=["POST"]),
@@ -842,7 +846,8 @@ def routes(h) -> list[Route]:
         Route("/api/ps", o.ps, methods=["GET"]),
         Route("/api/version", o.version, methods=["GET"]),
         Route("/api/pull", o.pull, methods=["POST"]),
+        *extra(o),                       # /api/embed, /api/embeddings
         *(Route(p, o.not_served, methods=["POST", "DELETE"])
-          for p in ("/api/push", "/api/create", "/api/copy", "/api/delete", "/api/embed", "/api/embeddings")),
+          for p in ("/api/push", "/api/create", "/api/copy", "/api/delete")),
         Route("/api/blobs/{digest}", o.not_served, methods=["POST", "HEAD"]),
     ]

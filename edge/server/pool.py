@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -32,34 +31,6 @@ from edge.server import protocol as P
 GB = 1 << 30
 DEFAULT_KEEP_ALIVE = 300.0
 BUSY_GRACE = 2.0          # seconds a request waits for a held model to go idle before a 503
-
-
-_DURATION_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
-_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
-def parse_keep_alive(value, param: str = "keep_alive") -> float | None:
-    """Seconds a model stays loaded after its last request: None = forever (a negative number
-    or duration), 0 = unload when idle. Takes a number of seconds or a Go duration string
-    (Ollama's, time.ParseDuration: "5m", "1h30m", "300ms", "-1m", "0"; a number as text is
-    seconds). Raises APIError (400, param) otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise P.APIError(400, f"{param}: expected seconds or a duration such as \"5m\", got {value!r}",
-                         param=param, code="invalid_value")
-    if isinstance(value, str):
-        text = value.strip()
-        sign = -1.0 if text.startswith("-") else 1.0
-        body = text.lstrip("+-")
-        try:
-            seconds = float(body)
-        except ValueError:
-            parts = _DURATION_PART.findall(body)
-            if not parts or "".join(n + u for n, u in parts) != body:
-                raise P.APIError(400, f"{param}: {value[:40]!r} is not a duration (e.g. \"5m\", \"1h30m\", \"0\", "
-                                      "\"-1m\", or a number of seconds)", param=param, code="invalid_value") from None
-            seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
-        value = sign * seconds
-    return None if value < 0 else float(value)
 
 
 def physical_memory() -> int:
@@ -180,6 +151,7 @@ class ModelPool:
         self.load_timeout = load_timeout
         self.slots: dict[Path, ModelSlot] = {}
         self.default: ModelSlot | None = None
+        self.default_path: Path | None = None   # the default model's file, also while it is unloaded
         self._lock = threading.Lock()
         self.unloaded = 0          # models unloaded since start (metrics)
 
@@ -195,7 +167,7 @@ class ModelPool:
             slot.keep_alive = self.keep_alive
         with self._lock:
             self.slots[slot.path] = slot
-            self.default = slot
+            self.default, self.default_path = slot, slot.path
         return slot
 
     def find(self, model: str | None, any_name: bool = False) -> ModelSlot | None:
@@ -227,21 +199,26 @@ class ModelPool:
     # ---- acquire / release ---------------------------------------------------------------------
 
     async def acquire(self, model: str | None, keep_alive: float | None | str = "default",
-                      any_name: bool = True) -> ModelSlot:
+                      any_name: bool = True, check: Callable[[Path, str], None] | None = None) -> ModelSlot:
         """The slot of ``model`` (None: the default), loaded, with a lease the caller gives back
         with release() once its request is submitted (or failed). Loads it first when it is a
         pulled model not held (router mode), unloading idle ones to make room.
 
         Raises APIError: 404 model_not_found; 503 (Retry-After) while it loads past
         --load-timeout, when every held model is busy and the pool is full, or when its load
-        failed (model_load_failed)."""
+        failed (model_load_failed); whatever ``check(path, name)`` raises for a model that is not
+        held, before it is loaded (e.g. a chat to a model without a chat template: a 400 at once,
+        not after its load)."""
         slot = self.find(model, any_name)
         if slot is None:
             if not self.router:
                 raise self._not_found(model)
-            path = await asyncio.to_thread(store_model, model)
+            # no name: the default model, loaded again when it was unloaded (its path is no name)
+            path = self.default_path if model is None else await asyncio.to_thread(store_model, model)
             if path is None:
                 raise self._not_found(model)
+            if check is not None and path not in self.slots:
+                await asyncio.to_thread(check, path, model or _model_id(path))
             deadline = time.monotonic() + BUSY_GRACE
             while True:
                 try:
@@ -281,11 +258,15 @@ class ModelPool:
         with self._lock:
             slot = self.slots.get(path)
             if slot is not None:
+                if path == self.default_path:
+                    self.default = slot
                 return slot
             slot = ModelSlot(path, arg)
             slot.keep_alive = self.keep_alive
             victims = self._make_room(slot)
             self.slots[path] = slot
+            if path == self.default_path:
+                self.default = slot
         for victim in victims:
             threading.Thread(target=self._unload, args=(victim,), name="edge-unload", daemon=True).start()
         threading.Thread(target=self._load, args=(slot,), name="edge-load", daemon=True).start()
@@ -327,6 +308,7 @@ class ModelPool:
 
     def _load(self, slot: ModelSlot) -> None:
         t0 = time.monotonic()
+        self._on_event(f"loading {slot.name} ({slot.bytes / 1e6:.0f} MB)")
         try:
             self._load_model(slot)
             slot.status = "loaded"

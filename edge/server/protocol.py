@@ -29,7 +29,7 @@ import math
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class APIError(Exception):
@@ -160,6 +160,16 @@ def _is_type_label(x: str) -> bool:
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        """null for a boolean field (stream, logprobs, parallel_tool_calls ...) is its default, as
+        for the other optional fields (OpenAI's spec types them ``boolean | null``)."""
+        if isinstance(data, dict) and None in data.values():
+            flags = {name for name, f in cls.model_fields.items() if f.annotation is bool}
+            data = {k: v for k, v in data.items() if not (v is None and k in flags)}
+        return data
+
 
 class StreamOptions(_Body):
     include_usage: bool = False
@@ -253,14 +263,44 @@ _SAMPLING_NOT_IMPLEMENTED: dict[str, _Neutral] = {
 }
 
 
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+_SCHEMA_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+
+_DURATION_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_keep_alive(value, param: str = "keep_alive") -> float | None:
+    """Seconds a model stays loaded after its last request: None = forever (a negative number
+    or duration), 0 = unload when idle. Takes a number of seconds or a Go duration string
+    (Ollama's, time.ParseDuration: "5m", "1h30m", "300ms", "-1m", "0"; a number as text is
+    seconds). Raises APIError (400, param) otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise APIError(400, f"{param}: expected seconds or a duration such as \"5m\", got {value!r}",
+                         param=param, code="invalid_value")
+    if isinstance(value, str):
+        text = value.strip()
+        sign = -1.0 if text.startswith("-") else 1.0
+        body = text.lstrip("+-")
+        try:
+            seconds = float(body)
+        except ValueError:
+            parts = _DURATION_PART.findall(body)
+            if not parts or "".join(n + u for n, u in parts) != body:
+                raise APIError(400, f"{param}: {value[:40]!r} is not a duration (e.g. \"5m\", \"1h30m\", \"0\", "
+                                      "\"-1m\", or a number of seconds)", param=param, code="invalid_value") from None
+            seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+        value = sign * seconds
+    return None if value < 0 else float(value)
+
+
 class _KeepAlive(_Body):
     keep_alive: int | float | str | None = None   # Ollama's: how long the model stays loaded after this request
 
     def keep_alive_seconds(self):
         """keep_alive as seconds (None: forever), or "default" when not given (edge.server.pool).
         Raises APIError (400) for a value that is not seconds or a duration."""
-        from edge.server.pool import parse_keep_alive
-
         return "default" if self.keep_alive is None else parse_keep_alive(self.keep_alive)
 
 
@@ -292,7 +332,7 @@ class _Sampling(_KeepAlive):
     speculative_p_min: Number | None = Field(default=None, alias="speculative.p_min", ge=0, le=1)
     # how long the model stays loaded after this request, as Ollama's keep_alive is given:
     # seconds or a duration ("5m"; 0: unload when done; negative: kept), None: the server's
-    # default (edge.server.ollama.parse_keep_alive reads it); for the model pool; no answer changes
+    # default (edge.server.protocol.parse_keep_alive reads it); for the model pool; no answer changes
     keep_alive: int | float | str | None = None
     typical_p: Number | None = None
     mirostat: int | None = None
@@ -306,6 +346,7 @@ class _Sampling(_KeepAlive):
     penalize_nl: bool | None = None
     grammar: str | None = None
     json_schema: dict | bool | None = None
+    response_format: dict | None = None        # OpenAI's (chat); on /v1/completions too
     n_indent: int | None = None
     t_max_predict_ms: int | None = None
     lora: list | None = None
@@ -334,12 +375,73 @@ class _Sampling(_KeepAlive):
             raise APIError(400, f"{name} = {_short(value)} is not supported by this server: it would change the "
                                 f"answer; {how}", param=name, code="unsupported_value")
 
+    def check_unsupported(self) -> None:
+        """Raise APIError (400) for a response_format without a type or of another type than
+        text, json_object or json_schema; the rest of NOT_IMPLEMENTED is check_not_implemented's."""
+        self._response_format_kind()
+
+    def _response_format_kind(self) -> str:
+        rf = self.response_format
+        if rf is None:
+            return "text"
+        if "type" not in rf:
+            raise APIError(400, "Missing required parameter: 'response_format.type' (one of "
+                                f"{', '.join(RESPONSE_FORMATS)})", param="response_format.type", code="invalid_value")
+        kind = rf["type"]
+        if kind not in RESPONSE_FORMATS:
+            raise APIError(400, f"response_format type {_short(kind)} is not supported by this server (one of "
+                                f"{', '.join(RESPONSE_FORMATS)})", param="response_format", code="unsupported_value")
+        return kind
+
     def constraint(self):
         """(the edge.grammar.Grammar this request constrains its answer with, the field that
-        asked) or (None, None). Raises APIError (400 invalid_value, param: the field) for both
-        json_schema and grammar, or one llguidance cannot convert."""
+        asked) or (None, None): OpenAI's response_format json_object (any JSON object, or
+        llama-server's ``schema`` beside it) or json_schema (``json_schema.schema``; absent: any
+        JSON value), llama-server's json_schema or grammar (GBNF; "" or blanks: none).
+
+        Raises:
+            APIError: 400 (param: the field) for two constraints at once, a response_format
+                without a type or of an unknown one, a json_schema without a valid ``name``
+                (OpenAI's ``^[a-zA-Z0-9_-]{1,64}$``) or with a non-boolean ``strict``, or a
+                schema / grammar llguidance cannot convert.
+        """
+        from edge.grammar import GrammarError, any_json_object, json_schema
+
+        kind = self._response_format_kind()
+        if kind == "text":
+            return self._llama_constraint()
+        rf = self.response_format
+        if self.json_schema is not None or (self.grammar or "").strip():
+            other = "json_schema" if self.json_schema is not None else "grammar"
+            raise APIError(400, f"response_format: {kind} and {other} both constrain the answer: give one",
+                           param="response_format", code="invalid_value")
+        if kind == "json_object":
+            schema = rf.get("schema")
+        else:
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict):
+                raise APIError(400, "response_format: type json_schema needs a json_schema object ({\"name\": ..., "
+                                    "\"schema\": {...}})", param="response_format", code="invalid_value")
+            name = spec.get("name")
+            if not isinstance(name, str) or not _SCHEMA_NAME.match(name):
+                raise APIError(400, "response_format.json_schema.name: must be 1-64 letters, digits, '_' or '-', got "
+                                    f"{_short(name)}", param="response_format.json_schema.name", code="invalid_value")
+            if not isinstance(spec.get("strict", False), (bool, type(None))):
+                raise APIError(400, f"response_format.json_schema.strict: must be a boolean, got "
+                                    f"{_short(spec['strict'])}", param="response_format.json_schema.strict",
+                               code="invalid_value")
+            schema = spec.get("schema", True)
+        try:
+            return (any_json_object() if schema is None else json_schema(schema)), "response_format"
+        except GrammarError as e:
+            raise APIError(400, f"response_format: {e}", param="response_format", code="invalid_value") from None
+
+    def _llama_constraint(self):
+        """llama-server's json_schema or grammar (constraint's)."""
         from edge.grammar import GrammarError, gbnf, json_schema
 
+        if self.grammar is not None and not self.grammar.strip():
+            self.grammar = None                    # llama-server: an empty grammar is none
         if self.grammar and self.json_schema is not None:
             raise APIError(400, "grammar: give either json_schema or grammar, not both", param="grammar",
                            code="invalid_value")
@@ -364,7 +466,6 @@ class _Sampling(_KeepAlive):
         return self.n_predict, "n_predict"
 
 
-RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
 class ChatCompletionRequest(_Sampling):
@@ -375,7 +476,6 @@ class ChatCompletionRequest(_Sampling):
     tools: list | None = None                  # edge.tool_calls.check_tools
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
-    response_format: dict | None = None
     # not served: a request that depends on them gets a 400 rather than a silent plain answer
     functions: list | None = None
     function_call: str | dict | None = None
@@ -397,41 +497,28 @@ class ChatCompletionRequest(_Sampling):
         "web_search_options": None,
     }
 
-    def check_unsupported(self) -> None:
-        """Raise APIError (400) for a response_format of another type than text, json_object or
-        json_schema; the rest of NOT_IMPLEMENTED is check_not_implemented's."""
-        kind = (self.response_format or {}).get("type", "text")
-        if kind not in RESPONSE_FORMATS:
-            raise APIError(400, f"response_format type {_short(kind)} is not supported by this server (one of "
-                                f"{', '.join(RESPONSE_FORMATS)})", param="response_format", code="unsupported_value")
+    def check_tool_messages(self) -> None:
+        """OpenAI's rules for ``role: "tool"`` messages (its chat route; other APIs' adapters have
+        their own): each answers a call of the assistant message before it (other tool messages
+        between them), by its ``tool_call_id`` when it has one (left out, as llama-server takes
+        it: OpenAI would 400).
 
-    def constraint(self):
-        """As _Sampling.constraint, with OpenAI's response_format: json_object (any JSON object, or
-        llama-server's ``schema`` beside it) and json_schema (``json_schema.schema``; absent: any
-        JSON value). response_format other than text with json_schema or grammar is a 400."""
-        from edge.grammar import GrammarError, any_json_object, json_schema
-
-        rf = self.response_format or {}
-        kind = rf.get("type", "text")
-        if kind == "text":
-            return super().constraint()
-        if self.json_schema is not None or self.grammar:
-            other = "json_schema" if self.json_schema is not None else "grammar"
-            raise APIError(400, f"response_format: {kind} and {other} both constrain the answer: give one",
-                           param="response_format", code="invalid_value")
-        if kind == "json_object":
-            schema = rf.get("schema")
-        else:
-            spec = rf.get("json_schema")
-            if not isinstance(spec, dict):
-                raise APIError(400, "response_format: type json_schema needs a json_schema object ({\"name\": ..., "
-                                    "\"schema\": {...}})", param="response_format", code="invalid_value")
-            schema = spec.get("schema", True)
-        try:
-            return (any_json_object() if schema is None else json_schema(schema)), "response_format"
-        except GrammarError as e:
-            raise APIError(400, f"response_format: {e}", param="response_format", code="invalid_value") from None
-
+        Raises:
+            APIError: 400 naming the message (``messages.N.tool_call_id`` / ``messages.N``).
+        """
+        calls = None                     # the ids of the last assistant's calls (None: no calls)
+        for i, m in enumerate(self.messages):
+            if m.role == "assistant":
+                calls = {c.id for c in m.tool_calls} if m.tool_calls else None
+            elif m.role != "tool":
+                calls = None
+            elif calls is None:
+                raise APIError(400, f"messages.{i}: messages with role 'tool' must be a response to a preceding "
+                                    "message with 'tool_calls'", param=f"messages.{i}", code="invalid_value")
+            elif m.tool_call_id is not None and None not in calls and m.tool_call_id not in calls:
+                raise APIError(400, f"messages.{i}.tool_call_id: {_short(m.tool_call_id)} is not the id of a call of "
+                                    "the assistant message before it", param=f"messages.{i}.tool_call_id",
+                               code="invalid_value")
 
     def tool_setup(self):
         """(mode "auto" / "none" / "required", the tools to render, the tools a call may use)
@@ -468,8 +555,23 @@ class TokenizeRequest(_Body):
     content: str
     add_special: bool = False
     parse_special: bool = True
+    with_pieces: bool = False                  # llama-server: [{"id", "piece"}] instead of ids
 
 
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
+
+
+def token_pieces(tok, ids: list[int]) -> list[dict]:
+    """/tokenize's ``with_pieces``: [{"id", "piece"}], the piece a string when its bytes are
+    valid UTF-8, else the list of its byte values (special tokens as their text)."""
+    out = []
+    for t in ids:
+        raw = tok.token_to_piece(int(t), special=True)
+        try:
+            piece: str | list[int] = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(raw)
+        out.append({"id": int(t), "piece": piece})
+    return out

@@ -70,9 +70,10 @@ class Finished:
     completion_tokens: int
     cached_tokens: int
     stop_sequence: str | None = None
-    ttft: float | None = None          # seconds from submit to the first token
-    queue_wait: float | None = None    # seconds from submit to admission
-    duration: float | None = None      # seconds from submit to the end
+    # timings (not part of equality: two runs of one request finish alike)
+    ttft: float | None = field(default=None, compare=False)         # seconds from submit to the first token
+    queue_wait: float | None = field(default=None, compare=False)   # seconds from submit to admission
+    duration: float | None = field(default=None, compare=False)     # seconds from submit to the end
 
     @property
     def prompt_seconds(self) -> float:
@@ -84,6 +85,50 @@ class Finished:
     def generation_seconds(self) -> float:
         """Seconds from the first token to the last (Ollama's eval_duration)."""
         return max(0.0, (self.duration or 0.0) - (self.ttft or 0.0))
+
+    def timings(self, predicted_n: int | None = None) -> dict:
+        """llama-server's ``timings``: cache_n (prompt tokens the prefix cache held), prompt_n
+        (prompt tokens computed), prompt_ms (admission to the first token), predicted_n (tokens
+        generated; ``predicted_n`` overrides completion_tokens), predicted_ms (first token to
+        last), and the per-token and per-second rates of both (0 where a count or a time is 0)."""
+        prompt_n = max(0, self.prompt_tokens - self.cached_tokens)
+        prompt_ms = self.prompt_seconds * 1e3
+        n = self.completion_tokens if predicted_n is None else predicted_n
+        predicted_ms = self.generation_seconds * 1e3
+        return {"cache_n": self.cached_tokens,
+                "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+                "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+                "prompt_per_second": 1e3 * prompt_n / prompt_ms if prompt_ms > 0 else 0.0,
+                "predicted_n": n, "predicted_ms": predicted_ms,
+                "predicted_per_token_ms": predicted_ms / n if n else 0.0,
+                "predicted_per_second": 1e3 * n / predicted_ms if predicted_ms > 0 else 0.0}
+
+
+@dataclass
+class Progress:
+    """Prompt processing of a request that asked for it (Request.progress), after each step that
+    computed some of its prompt: prompt tokens in all, those the prefix cache held, those whose
+    K/V is computed now (the cached ones included) and seconds since its admission
+    (llama-server's ``prompt_progress``: total, cache, processed, time_ms)."""
+
+    total: int
+    cache: int
+    processed: int
+    seconds: float
+
+
+@dataclass
+class SlotRecord:
+    """What a sequence slot last held (Scheduler.last, for llama-server's /slots): the request
+    it served (None after a /slots restore), its prompt, its tokens (the prompt, then the
+    generated ones), the prompt tokens the prefix cache held and the tokens whose K/V was
+    computed when it ended."""
+
+    req: "Request | None"
+    prompt_ids: list[int]
+    tokens: list[int]
+    n_cached: int
+    n_computed: int
 
 
 @dataclass
@@ -116,6 +161,9 @@ class Request:
     processors: list[LogitsProcessor] = field(default_factory=list)
     speculative: dict = field(default_factory=dict)   # n_max / n_min / p_min: this request's drafts
     cancelled: bool = False
+    progress: bool = False         # emit Progress events while its prompt is computed
+    slot: int | None = None        # the KV cache sequence slot it got (set at admission)
+    n_cached: int = 0              # prompt tokens the prefix cache held (set at admission)
     t_submit: float = 0.0
     t_admit: float | None = None
     t_first: float | None = None
@@ -177,6 +225,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._waiting: deque[Request] = deque()
         self._running: list[_Seq] = []
+        self.last: dict[int, SlotRecord] = {}     # slot -> what it last held (llama-server's /slots)
         self._cv = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="edge-scheduler", daemon=True)
@@ -220,6 +269,10 @@ class Scheduler:
         """(requests running, requests waiting), for /metrics."""
         with self._cv:
             return len(self._running), len(self._waiting)
+
+    def running(self) -> list[tuple[Request, Sequence]]:
+        """The admitted requests with their sequences (slot, tokens, n_cached), a snapshot."""
+        return [(s.req, s.gen) for s in list(self._running)]
 
     def busy(self) -> bool:
         with self._cv:
@@ -270,6 +323,7 @@ class Scheduler:
                     return
                 self._waiting.popleft()
             req.t_admit = time.perf_counter()
+            req.slot, req.n_cached = gen.slot, gen.n_cached
             self._observe(queue=req.t_admit - req.t_submit)
             self._running.append(_Seq(req, gen))
             self.stats.prompt_tokens += len(req.prompt_ids)
@@ -293,6 +347,7 @@ class Scheduler:
             else:
                 seq.gen.draft = None
         budget = max(self.n_batch - sum(len(r.tokens) for r in rows), 1)
+        prefilled = []
         for seq in self._running:                       # prefill chunks, oldest first
             if seq.gen.n_generated or seq.done or budget <= 0:
                 continue
@@ -301,10 +356,12 @@ class Scheduler:
                 continue
             rows.append(r)
             budget -= len(r.tokens)
+            if seq.req.progress:
+                prefilled.append(seq)
             if r.n_logits:
                 owners.append(seq)
         if rows:
-            self._forward(rows, owners)
+            self._forward(rows, owners, prefilled)
         for seq in [s for s in self._running if s.req.cancelled or s.done]:
             self._retire(seq)
 
@@ -320,11 +377,17 @@ class Scheduler:
             return False
         return True
 
-    def _forward(self, rows: list[Rows], owners: list[_Seq]) -> None:
-        """One step over the rows (owners: the sequences that get logits, in row order), then
-        sampling of each owner's next token."""
+    def _forward(self, rows: list[Rows], owners: list[_Seq], prefilled: list[_Seq] = ()) -> None:
+        """One step over the rows (owners: the sequences that get logits, in row order), the
+        Progress of the ``prefilled`` sequences that asked for it, then sampling of each owner's
+        next token."""
         logits = self.loop.step(rows)
         now = time.perf_counter()
+        for seq in prefilled:
+            gen = seq.gen
+            self._safe_emit(seq.req, Progress(len(gen.prompt_ids), gen.n_cached,
+                                              min(int(self.kv.pos[gen.slot]), len(gen.prompt_ids)),
+                                              now - seq.req.t_admit))
         n_logits = {r.slot: r.n_logits for r in rows}
         at = 0
         for seq in owners:
@@ -387,6 +450,10 @@ class Scheduler:
         seq.done = True
 
     def _retire(self, seq: _Seq) -> None:
+        gen = seq.gen
+        if gen.slot is not None:
+            self.last[gen.slot] = SlotRecord(seq.req, gen.prompt_ids, list(gen.tokens), gen.n_cached,
+                                             int(self.kv.pos[gen.slot]))
         self.loop.free(seq.gen)
         self._running.remove(seq)
 

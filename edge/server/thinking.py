@@ -21,7 +21,8 @@ from edge.reasoning import ReasoningBudget, ReasoningSplitter, Split, is_reasoni
 from edge.server import protocol as P
 from edge.tokenizer import TokenAttr
 
-_RESERVED = ("self", "messages", "add_generation_prompt", "bos_token", "eos_token")   # ChatTemplate.render's own
+# ChatTemplate.render's own, and tools (the request's tools field)
+_RESERVED = ("self", "messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
 
 
 def template_variables(body, tokenizer, reasoning_budget: int = -1) -> dict:

@@ -47,6 +47,9 @@ class Tokenizer:
         add_bos, add_eos: whether ``encode(..., add_special=True)`` adds BOS / EOS.
         add_space_prefix: SPM only: a space is put before text at the start / after a special token.
         eog_ids: end-of-generation token ids (llama.cpp ``special_eog_ids``).
+        special_ids: special token ids by field name (bos, eos, eot, eom, unk, pad, sep, mask,
+            fim_pre, fim_suf, fim_mid, fim_pad, fim_rep, fim_sep), None when the model has none
+            (the FIM ids from the GGUF keys or llama.cpp's text-based detection).
         token_types: int32[n_vocab], GGUF ``tokenizer.ggml.token_type`` (gguf.TokenType values).
     """
 
@@ -64,6 +67,7 @@ class Tokenizer:
         self.add_space_prefix = vocab.add_space_prefix
         self._clean_spaces = vocab.clean_spaces
         self.eog_ids = vocab.eog_ids
+        self.special_ids = dict(vocab.ids)
         self._pieces: list[bytes | None] = [None] * self.n_vocab
 
         # special-token partition candidates, longest text first (llama.cpp cache_special_tokens)
@@ -107,6 +111,15 @@ class Tokenizer:
     def token_attr(self, token_id: int) -> TokenAttr:
         """The token's llama.cpp attributes (after llama.cpp's text-based fix-ups)."""
         return TokenAttr(self._attrs[self._check_id(token_id)])
+
+    def special_texts(self) -> list[str]:
+        """The texts that ``parse_special`` matches and ``protect`` guards (control and unknown
+        tokens), longest first: text from a user must not reach the prompt as them."""
+        texts = getattr(self, "_special_texts", None)
+        if texts is None:
+            texts = {t.decode("utf-8", "replace") for i, t in self._specials_all if self._attrs[i] & _SPECIAL and t}
+            texts = self._special_texts = sorted(texts, key=lambda t: (-len(t), t))
+        return list(texts)
 
     def is_eog(self, token_id: int) -> bool:
         """True if generating this token ends generation (llama.cpp ``llama_vocab_is_eog``)."""
