@@ -52,6 +52,9 @@ CASES = {t: CI_CASES.get(t, (["llama3-q8_0"], [])) for t in TARGETS}
     ({"+avx2"}, "avx2"),
     ({"+sse2", "+sse4.2"}, "generic"),
     (set(), "generic"),
+    ({"+neon", "+dotprod", "+i8mm"}, "neon-dotprod"),     # arm64: sdot tiles (smmla has no path yet)
+    ({"+neon", "+dotprod"}, "neon-dotprod"),
+    ({"+neon", "+fp-armv8"}, "neon"),
 ])
 def test_kernel_path_names(features, path):
     assert simd.kernel_path(frozenset(features)) == path
