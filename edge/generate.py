@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edge.kv.cache import PagedKVCache
-from edge.sampling import LogitsProcessor, Sampler, SamplingParams
+from edge.sampling import InfillVocab, LogitsProcessor, Sampler, SamplingParams
 from edge.textstream import Released, TextStream
 
 
@@ -191,7 +191,8 @@ class GenerationLoop:
 
         Args:
             prompt_ids: the prompt's token ids.
-            params: sampling parameters (default SamplingParams()).
+            params: sampling parameters (default SamplingParams()); ``infill`` needs the
+                loop's tokenizer (ValueError without one).
             limits: max_tokens, stop strings, eog.
             processors: the sampler's mask stage (edge.sampling.LogitsProcessor).
             logprobs: None, or how many top alternatives :meth:`sample` reports with each token.
@@ -204,7 +205,9 @@ class GenerationLoop:
         spec = self.speculator
         if spec is not None:
             lookahead = max(lookahead, spec.params.draft_max + 1)
-        seq = Sequence(prompt, list(prompt), Sampler(params or SamplingParams(), processors), limits,
+        params = params or SamplingParams()
+        infill = InfillVocab.of(self.tokenizer) if params.infill and self.tokenizer is not None else None
+        seq = Sequence(prompt, list(prompt), Sampler(params, processors, infill), limits,
                        stream, logprobs, lookahead)
         if spec is not None:
             spec.start(seq)

@@ -95,7 +95,8 @@ def prepare(schema: dict) -> dict:
     ``x-guidance`` (llguidance's options: whitespace_flexible, whitespace_pattern, ...); a
     ``oneOf`` whose branches a required ``const`` property tells apart (pydantic's discriminated
     unions) as the ``anyOf`` it equals; ``uniqueItems`` dropped (not enforced: llguidance has no
-    such constraint; pydantic's ``set[...]`` parses duplicates anyway). Returns a new schema."""
+    such constraint; pydantic's ``set[...]`` parses duplicates anyway); objects closed as
+    llama.cpp reads them (:func:`closed`). Returns a new schema."""
     root = schema
 
     def rewrite(node: dict) -> dict:
@@ -105,8 +106,24 @@ def prepare(schema: dict) -> dict:
             node.pop("discriminator", None)
         return node
 
-    out = map_schemas(schema, rewrite)
+    out = closed(map_schemas(schema, rewrite))
     return out if "x-guidance" in out else {**out, "x-guidance": JSON_LAYOUT}
+
+
+def closed(schema):
+    """``schema`` with ``"additionalProperties": false`` on every object schema that lists
+    ``properties`` and says nothing of other keys, as llama.cpp reads such a schema
+    (common/json-schema.cpp: properties without additionalProperties admit no other key; an
+    object without properties admits any): a value holds no invented keys. Schemas under
+    ``allOf`` are left as they are (their objects are merged). Returns a new schema."""
+
+    def close(node: dict) -> dict:
+        if isinstance(node.get("properties"), dict) and "allOf" not in node and not any(
+                k in node for k in ("additionalProperties", "patternProperties", "unevaluatedProperties")):
+            node["additionalProperties"] = False
+        return node
+
+    return map_schemas(schema, close, skip=("allOf",))
 
 
 def _disjoint(branches: list, root: dict) -> bool:

@@ -15,9 +15,13 @@ sampler order, each step mirroring its ``llama_sampler_*_apply`` in src/llama-sa
                        cumulative probability is >= top_p (1 = off; 0 keeps the best token)
 6. min_p               keep logits >= max_logit + log(min_p) (0 = off)
 7. temperature         ``logit /= temperature``
-8. dist                draw from the softmax of what is left
+8. infill (opt-in)     llama.cpp's infill sampler (:func:`infill_apply`) on what is left, when
+                       ``infill`` is set: the place it takes when "infill" ends llama-server's
+                       ``samplers`` list, as llama.vscode and llama.vim send it
+9. dist                draw from the softmax of what is left
 
-``temperature <= 0`` is greedy: the exact argmax after steps 1-3 (ties go to the lowest id).
+``temperature <= 0`` is greedy: the exact argmax after steps 1-3 (ties go to the lowest id), with
+infill on too (llama.cpp's temperature 0 leaves one finite logit, and infill keeps that token).
 Ties elsewhere are broken towards the lowest token id, so results do not depend on sort
 stability. Steps 1-3 run in the logits' dtype (float32, as llama.cpp); probabilities are
 float64. The random stream is a numpy ``Generator`` (PCG64) seeded from ``seed``, so draws are
@@ -30,7 +34,9 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Callable
+import weakref
+from bisect import bisect_left
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping, Sequence
@@ -80,6 +86,8 @@ class SamplingParams:
         presence_penalty, frequency_penalty: finite; 0 = off (negative values reward repeats).
         seed: None (a random seed) or an int >= 0.
         logit_bias: {token id (int >= 0): bias (finite float, or -inf to ban)}; stored read-only.
+        infill: llama.cpp's infill sampler after temperature (module docstring, step 8); the
+            :class:`Sampler` then needs the model's :class:`InfillVocab`.
 
     Raises:
         InvalidParameter (a ValueError): naming the field, when a value is of the wrong type or
@@ -96,6 +104,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     logit_bias: Mapping[int, float] = field(default_factory=dict)
+    infill: bool = False
 
     def __post_init__(self):
         def check(name: str, ok: bool, rule: str) -> None:
@@ -116,6 +125,7 @@ class SamplingParams:
         check("seed", self.seed is None or (_is_int(self.seed) and self.seed >= 0),
               "None or an integer >= 0")
         check("logit_bias", isinstance(self.logit_bias, Mapping), "a mapping token id -> bias")
+        check("infill", isinstance(self.infill, (bool, np.bool_)), "a bool")
         for token, bias in self.logit_bias.items():
             if not (_is_int(token) and token >= 0):
                 raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
@@ -166,6 +176,148 @@ def _top_p_prefix(probs: np.ndarray, p: float, is_sorted: bool) -> np.ndarray:
         m = min(n, m * 16)
 
 
+INFILL_MIN_P = np.float32(0.2)   # llama_sampler_infill_apply: text tokens below this are dropped
+
+
+class InfillVocab:
+    """What llama.cpp's infill sampler asks of a vocabulary: each token's piece (its bytes with
+    special tokens rendered empty), the end-of-generation set and the EOT token (EOS without one).
+
+    Pieces are looked up once per token and kept, so a vocabulary pays for a piece once, not
+    once per step. Build one per tokenizer with :meth:`of`.
+
+    Args:
+        piece: token id -> bytes (llama.cpp ``token_to_piece(id, lstrip 0, special false)``).
+        eog_ids: the end-of-generation token ids (``llama_vocab_is_eog``).
+        eot_id: ``llama_vocab_eot``, or ``llama_vocab_eos`` when the vocabulary has no EOT, or None.
+    """
+
+    _by_tokenizer: "weakref.WeakKeyDictionary[object, InfillVocab]" = weakref.WeakKeyDictionary()
+
+    def __init__(self, piece: Callable[[int], bytes], eog_ids: Iterable[int], eot_id: int | None):
+        self._piece = piece
+        self._pieces: dict[int, bytes] = {}
+        self.eog_ids = frozenset(int(t) for t in eog_ids)
+        self.eot_id = None if eot_id is None else int(eot_id)
+        self._eog_sorted = np.array(sorted(self.eog_ids), np.int64)
+
+    @classmethod
+    def of(cls, tokenizer) -> InfillVocab:
+        """The InfillVocab of an edge.tokenizer.Tokenizer, made once per tokenizer."""
+        vocab = cls._by_tokenizer.get(tokenizer)
+        if vocab is None:
+            eot = tokenizer.special_ids.get("eot")
+            vocab = cls(lambda t: tokenizer.token_to_piece(t, special=False), tokenizer.eog_ids,
+                        eot if eot is not None else tokenizer.eos_id)
+            cls._by_tokenizer[tokenizer] = vocab
+        return vocab
+
+    def is_eog(self, token_ids: np.ndarray) -> np.ndarray:
+        """int[n] token ids -> bool[n]: which end generation."""
+        return np.isin(token_ids, self._eog_sorted)
+
+    def piece(self, token_id: int) -> bytes:
+        """The token's piece (cached)."""
+        raw = self._pieces.get(token_id)
+        if raw is None:
+            raw = self._pieces[token_id] = bytes(self._piece(token_id))
+        return raw
+
+
+def _sum32(values: np.ndarray) -> np.float32:
+    """float32[n] -> their float32 sum added left to right (a C loop's ``sum += x``)."""
+    return np.add.accumulate(values, dtype=np.float32)[-1] if values.shape[0] else np.float32(0)
+
+
+def _merge_prefixes(pieces: list[bytes], p: np.ndarray, alive: np.ndarray) -> None:
+    """llama_sampler_infill_apply's prefix merge, in place: for i0, then i1, in candidate order,
+    when piece i0 is a non-empty prefix of piece i1 the less likely of the two (i0 on a tie)
+    gives its probability to the other and dies. Only related pairs are visited (found by
+    sorting the pieces), in llama.cpp's order, which does not change the result: an unrelated
+    pair does nothing, and llama.cpp's ``break`` on a dead i0 only skips pairs a dead i0
+    cannot merge.
+
+    Shapes: pieces n bytes; p float32[n] (changed); alive bool[n] (changed: False = logit -inf).
+    """
+    n = len(pieces)
+    by_piece = sorted(range(n), key=pieces.__getitem__)
+    sorted_pieces = [pieces[j] for j in by_piece]
+    for i0 in range(n):
+        head = pieces[i0]
+        if not head:
+            continue
+        at = bisect_left(sorted_pieces, head)
+        stop = at
+        while stop < n and sorted_pieces[stop].startswith(head):
+            stop += 1
+        for i1 in sorted(by_piece[at:stop]):
+            if not alive[i0]:
+                break
+            if i1 == i0 or not alive[i1]:
+                continue
+            dst, src = (i1, i0) if p[i1] > p[i0] else (i0, i1)
+            p[dst] = p[dst] + p[src]
+            p[src] = 0
+            alive[src] = False
+
+
+def infill_apply(token_ids: np.ndarray, logits: np.ndarray,
+                 vocab: InfillVocab) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """llama.cpp's infill sampler (src/llama-sampler.cpp ``llama_sampler_infill_apply``) on the
+    candidates left by the samplers before it, in float32 as llama.cpp computes it.
+
+    1. Softmax (candidates sorted by logit, largest first, ties to the lower id). When
+       3 * p(EOG) * n > p(text), only the end-of-generation candidates stay, renormalised.
+    2. Otherwise tokens whose piece is a prefix of another's are merged (:func:`_merge_prefixes`),
+       the merged-away ones getting p 0 and logit -inf.
+    3. Text candidates below p 0.2 are dropped (EOG ones stay); if no text candidate is left the
+       result is the EOT token alone (EOS without EOT; logit 1, p 1). Else renormalise, drop text
+       candidates below 1 / (n_text + 1), renormalise again.
+
+    Args:
+        token_ids: int[n] candidate ids (n >= 1); logits: float[n] their logits (no NaN, at least
+            one finite).
+        vocab: the model's :class:`InfillVocab`.
+    Returns:
+        (token_ids int64[m], probs float32[m], logits float32[m]): llama.cpp's candidate array
+        after the sampler, in its order. A merged-away EOG token stays with p 0 and logit -inf;
+        the dist sampler after it draws from the softmax of these logits, not from probs.
+        (llama.cpp leaves the lone EOT's p stale; here it is 1.)
+    Raises:
+        SamplingError: the EOT-only result on a vocabulary with neither EOT nor EOS.
+
+    Cost: O(n log n) plus the related pairs, in Python: about 1 ms on top_k 40's candidates,
+    about 2 s on a whole 151,936-token vocabulary (llama.cpp's loop over every pair would take
+    hours there); keep a top_k before it.
+    """
+    ids = np.asarray(token_ids, np.int64)
+    x = np.asarray(logits, np.float32)
+    order = np.lexsort((ids, -x))                      # largest logit first, ties to the lower id
+    ids, x = ids[order], x[order]
+    e = np.exp(x - x[0])
+    p = e / _sum32(e)
+    eog = vocab.is_eog(ids)
+    p_eog, p_txt = _sum32(np.where(eog, p, 0)), _sum32(np.where(eog, 0, p))
+    if np.float32(3) * p_eog * np.float32(ids.shape[0]) > p_txt:
+        return ids[eog], p[eog] / _sum32(p[eog]), x[eog]
+
+    alive = x > -np.inf
+    _merge_prefixes([vocab.piece(int(t)) for t in ids], p, alive)
+    x = np.where(alive, x, np.float32(-np.inf))
+
+    keep = eog | (p >= INFILL_MIN_P)
+    n_text = int(np.count_nonzero(keep & ~eog))
+    if n_text == 0:
+        if vocab.eot_id is None:
+            raise SamplingError("infill: the vocabulary has neither an EOT nor an EOS token")
+        return np.array([vocab.eot_id], np.int64), np.ones(1, np.float32), np.ones(1, np.float32)
+    ids, p, x, eog = ids[keep], p[keep], x[keep], eog[keep]
+    p = p / _sum32(p)
+    keep = eog | (p >= np.float32(1.0 / (n_text + 1)))
+    ids, p, x = ids[keep], p[keep], x[keep]
+    return ids, p / _sum32(p), x
+
+
 class TokenMask:
     """A logits processor that keeps only the allowed tokens (the others get -inf).
 
@@ -213,16 +365,27 @@ class Sampler:
         params: the :class:`SamplingParams`.
         processors: the mask stage's :data:`LogitsProcessor` callables, applied in order after
             logit_bias and penalties, before top_k (greedy included).
+        infill_vocab: the model's :class:`InfillVocab` (``InfillVocab.of(tokenizer)``); needed
+            when ``params.infill`` is set, unused otherwise.
 
     Attributes:
         params: the :class:`SamplingParams`.
         processors: the mask stage (a tuple).
+        infill_vocab: as given.
         seed: the seed of the random stream (``params.seed``, or a random 32-bit one).
+
+    Raises:
+        ValueError: ``params.infill`` without an ``infill_vocab``.
     """
 
-    def __init__(self, params: SamplingParams, processors: Sequence[LogitsProcessor] = ()):
+    def __init__(self, params: SamplingParams, processors: Sequence[LogitsProcessor] = (),
+                 infill_vocab: InfillVocab | None = None):
+        if params.infill and infill_vocab is None:
+            raise ValueError("SamplingParams.infill needs the model's vocabulary: pass infill_vocab "
+                             "(InfillVocab.of(tokenizer))")
         self.params = params
         self.processors = tuple(processors)
+        self.infill_vocab = infill_vocab
         self.seed = params.seed if params.seed is not None else secrets.randbits(32)
         self._rng = np.random.default_rng(self.seed)
         self._bias_ids = np.fromiter(params.logit_bias.keys(), np.int64, len(params.logit_bias))
@@ -350,9 +513,31 @@ class Sampler:
         if params.min_p > 0:
             keep = values >= values.max() + np.log(np.asarray(params.min_p, values.dtype))
             token_ids, values = token_ids[keep], values[keep]
+        if params.infill:
+            return self._infill_distribution(token_ids, values)
         with np.errstate(over="ignore"):  # a tiny temperature sends non-max logits to -inf
             scaled = (values.astype(np.float64) - float(values.max())) / params.temperature
         weights = np.exp(scaled)
+        return token_ids, weights / weights.sum()
+
+    def _infill_distribution(self, token_ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Steps 7-9 with infill on, as llama.cpp's temp_ext, infill and dist samplers run them
+        (float32 logits): the infill candidates that keep a finite logit, with the softmax of
+        their logits (dist's draw; infill's own merged probabilities only choose the candidates).
+
+        Shapes: token_ids int64[n], values float[n] -> (int64[m], float64[m])."""
+        scaled = values.astype(np.float32)
+        if self.params.temperature != 1:
+            temperature = np.float32(self.params.temperature)
+            with np.errstate(over="ignore"):
+                divided = scaled / temperature
+                if not np.isfinite(divided.max()):  # a tiny temperature (llama.cpp: NaN): shift first
+                    divided = (scaled - scaled.max()) / temperature
+            scaled = divided
+        token_ids, _, scaled = infill_apply(token_ids, scaled, self.infill_vocab)
+        live = scaled > -np.inf
+        token_ids, scaled = token_ids[live], scaled[live].astype(np.float64)
+        weights = np.exp(scaled - scaled.max())
         return token_ids, weights / weights.sum()
 
     def _processed(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:

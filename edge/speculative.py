@@ -375,7 +375,7 @@ class Speculator:
 
         seq.spec = SpecState(limit=min(self.params.draft_max, 8))
         seq.spec_sampler = Sampler(replace(seq.sampler.params, seed=(seq.sampler.seed + 0x9E3779B9) % (1 << 32)),
-                                   seq.sampler.processors)
+                                   seq.sampler.processors, seq.sampler.infill_vocab)
 
     def propose(self, seqs, budgets: Seq[int]) -> None:
         """Set seq.draft for each sequence that should draft now (budgets: the most tokens each

@@ -169,19 +169,11 @@ def _compile_error(params_json: str) -> str | None:
 
 
 def closed(schema):
-    """``schema`` (a tool's parameters) with ``"additionalProperties": false`` on every object
-    schema that lists ``properties`` and says nothing of other keys (llama.cpp's
-    json-schema-to-grammar reads them so): forced arguments hold no invented keys. Schemas under
-    ``allOf`` are left as they are (their objects are merged). Returns a new schema."""
-    from edge.grammar import map_schemas
+    """``schema`` (a tool's parameters) closed as llama.cpp reads it (edge.grammar.closed):
+    forced arguments hold no invented keys. Returns a new schema."""
+    from edge.grammar import closed as close_objects
 
-    def close(node: dict) -> dict:
-        if isinstance(node.get("properties"), dict) and "allOf" not in node and not any(
-                k in node for k in ("additionalProperties", "patternProperties", "unevaluatedProperties")):
-            node["additionalProperties"] = False
-        return node
-
-    return map_schemas(schema, close, skip=("allOf",))
+    return close_objects(schema)
 
 
 def chosen_tools(tools: list[dict], tool_choice) -> tuple[str, list[dict]]:

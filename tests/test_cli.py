@@ -549,7 +549,7 @@ def test_ps_against_a_real_edge_serve(tmp_path, gemma_path):
 
 def test_run_takes_ollamas_model_then_prompt(store):
     """`edge run MODEL PROMPT` (Ollama's order) runs MODEL; a lone model name is a usage error
-    naming the right command; two loose words are one quoted PROMPT."""
+    naming the right command; loose words are one PROMPT."""
     env = {}                                # the store fixture set EDGE_HOME
     both = _edge("run", "tiny", "<t1><t2>", "--raw", "-n", "3", "--temp", "0", "-c", "64", env=env,
                  input="", timeout=300)
@@ -561,6 +561,9 @@ def test_run_takes_ollamas_model_then_prompt(store):
     assert lone.returncode == 2
     assert lone.stderr.splitlines()[-1] == ('edge run: error: tiny is a model: edge run tiny "PROMPT" (or edge chat '
                                             '-m tiny to chat with it)')
-    loose = _edge("run", "say", "hi", env=env, input="")
-    assert loose.returncode == 2 and loose.stderr.splitlines()[-1] == 'edge run: error: one PROMPT, quoted: edge run ' \
-                                                                      '[-m MODEL] "say hi"'
+    loose = _edge("run", "tiny", "<t1>", "<t2>", "--raw", "-n", "3", "--temp", "0", "-c", "64", env=env, input="",
+                  timeout=300)                # unquoted words are one prompt, as Ollama takes them
+    assert loose.returncode == 0 and loose.stdout == _edge("run", "-m", "tiny", "<t1> <t2>", "--raw", "-n", "3",
+                                                           "--temp", "0", "-c", "64", env=env, input="").stdout
+    missing = _edge("run", "./nope.gguf", "hi", env=env, input="")   # a path first: the model, not found
+    assert missing.returncode == 1 and missing.stderr.splitlines()[-1] == "edge run: error: file not found: ./nope.gguf"

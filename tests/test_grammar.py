@@ -250,13 +250,28 @@ def test_discriminated_one_of_and_unique_items():
     assert out["properties"]["pet"] == {"anyOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}]}
     assert out["properties"]["tags"] == {"type": "array", "items": {"type": "string"}}
     assert out["properties"]["uniqueItems"] == {"type": "boolean"} and out["x-guidance"] == JSON_LAYOUT
-    assert out["$defs"] == PETS["$defs"] and PETS["properties"]["tags"]["uniqueItems"] is True   # a copy
+    closed = {k: {**v, "additionalProperties": False} for k, v in PETS["$defs"].items()}   # llama.cpp's reading
+    assert out["$defs"] == closed and PETS["properties"]["tags"]["uniqueItems"] is True   # a copy
     assert json_schema(PETS).kind == "json_schema"
     same = {"oneOf": [{"type": "object", "required": ["k"], "properties": {"k": {"const": 1}, "a": {}}},
                       {"type": "object", "required": ["k"], "properties": {"k": {"const": 1}, "b": {}}}]}
     assert "oneOf" in prepare(same)
     with pytest.raises(GrammarError, match="oneOf"):
         json_schema(same)
+
+
+def test_listed_properties_close_an_object_as_llama_cpp_reads_it():
+    """properties without additionalProperties admit no other key (llama.cpp's
+    common/json-schema.cpp; the client pass got {"a": 1, "b": 2, "c": 3} for a schema of "a");
+    an object without properties, or one that says additionalProperties, keeps its reading."""
+    from edge.grammar import prepare
+
+    out = prepare({"type": "object", "properties": {"a": {"type": "integer"}, "o": {"type": "object"}},
+                   "required": ["a"]})
+    assert out["additionalProperties"] is False and "additionalProperties" not in out["properties"]["o"]
+    assert prepare({"type": "object", "properties": {}, "additionalProperties": True})["additionalProperties"] is True
+    g = json_schema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    assert "additionalProperties" not in json.loads(g.source)        # the client's schema as given
 
 
 def test_options_read_files_and_name_the_flag(tmp_path):

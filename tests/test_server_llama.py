@@ -2,7 +2,8 @@
 
 One server per module on the default model (qwen2.5-coder-0.5b-instruct, a coder model with FIM
 tokens; -np 2, -c 2048, --slot-save-path): /infill whose greedy middle makes the file compile and
-whose second request in the same file reuses the prefix cache, /completion's object and its
+whose second request in the same file reuses the prefix cache, llama.vscode's request through
+the infill sampler (sampled at temperature 1, ending on EOG), /completion's object and its
 server-sent events (prompt progress, timings per token), ``timings`` consistent with the token
 counts on every route (OpenAI's too), logit_bias in llama-server's forms, n_indent, n_predict 0,
 /props, /slots with a save / erase / restore round trip that gives the same continuation,
@@ -108,7 +109,8 @@ def test_fim_refused_without_fim_tokens(name, request):
     tok = Tokenizer.from_gguf(GGUFFile(request.getfixturevalue(name)))
     with pytest.raises(P.APIError) as e:
         L.fim_prompt(tok, "a", "b", [], [], 512, -1, N_CTX, "m")
-    assert e.value.status == 400
+    assert e.value.status == 501 and L.error_response("/infill", e.value).body.startswith(
+        b'{"error":{"code":501,"message":"Infill is not supported')           # llama-server's not_supported_error
     assert e.value.message.startswith("Infill is not supported by this model: prefix token is missing. suffix token "
                                       "is missing. middle token is missing. ")
 
@@ -158,6 +160,45 @@ def test_infill_repository_context_and_editor_fields(server):
     assert out["timings"]["cache_n"] >= 16        # the warm-up cached the repository part
     gs = out["generation_settings"]        # samplers left out of the list are off; greedy stays greedy
     assert (gs["top_k"], gs["top_p"], gs["min_p"], gs["temperature"]) == (40, 0.99, 0.0, 0.0)
+    # llama.vscode's n_cmpl (its max_parallel_completions, 3 by default): an array of completions,
+    # as many as -np allows (2 here)
+    outs = _ok(server, "/infill", {"input_prefix": "def add(a, b):\n", "input_suffix": "\n", "prompt": "    return ",
+                                   "n_predict": 6, "n_cmpl": 2, "top_k": 40, "top_p": 0.99, "seed": 7,
+                                   "samplers": ["top_k", "top_p", "infill"]})
+    assert isinstance(outs, list) and [o["index"] for o in outs] == [0, 1]
+    assert all(o["tokens_predicted"] >= 1 and o["prompt"] == outs[0]["prompt"] for o in outs)
+    assert "n_cmpl must be in 1..2" in _llama_error(*server.post("/infill", {"input_prefix": "a", "input_suffix": "b",
+                                                                            "n_cmpl": 3}), 400)
+
+
+# llama.vscode's completion request, field for field (llama.vim sends the same samplers): no
+# temperature in the sampler list, so tokens are drawn at temperature 1 from what top_k, top_p and
+# infill leave
+VSCODE = {"prompt": "", "n_predict": 128, "top_k": 40, "top_p": 0.99, "stream": False,
+          "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True, "t_max_prompt_ms": 500,
+          "t_max_predict_ms": 1000}
+
+
+def test_infill_sampler_on_llama_vscodes_request(server):
+    """The infill sampler is applied (generation_settings lists it): the middle it samples
+    completes the file and ends on an end-of-generation token (measured: " + b\n" in 30 of 30
+    draws; without "infill" 3 of 10, the others running on past the function until the time
+    limit). Infill before a sampler that is on is refused; "infill" works on /v1/completions'
+    sampler list too."""
+    prefix, suffix = "def add(a, b):\n    return a", "\n\n\nprint(add(1, 2))\n"
+    extra = [{"filename": "calc/sub.py", "text": "def sub(a, b):\n    return a - b\n"}]
+    out = _ok(server, "/infill", {"input_prefix": prefix, "input_suffix": suffix, "input_extra": extra, **VSCODE})
+    assert out["content"].strip() and out["stop"] is True and out["stop_type"] == "eos"
+    compile(prefix + out["content"] + suffix, "add.py", "exec")
+    gs = out["generation_settings"]
+    assert gs["samplers"][-1] == "infill"
+    assert (gs["top_k"], gs["top_p"], gs["min_p"], gs["temperature"]) == (40, 0.99, 0.0, 1.0)
+    msg = _llama_error(*server.post("/infill", {"input_prefix": prefix, "input_suffix": suffix,
+                                                **VSCODE, "samplers": ["infill", "top_k", "top_p"]}), 400)
+    assert "infill" in msg and "top_k" in msg
+    status, body = server.post("/v1/completions", {"prompt": "def add(a, b):\n", "max_tokens": 4, "top_k": 40,
+                                                   "samplers": ["top_k", "top_p", "min_p", "temperature", "infill"]})
+    assert status == 200 and body["usage"]["completion_tokens"] >= 1
 
 
 # ---- /completion ----------------------------------------------------------------------------------
@@ -354,10 +395,10 @@ def test_errors_in_llama_servers_shape(server):
     _llama_error(status, json.loads(raw), 400)
     assert "input_prefix" in _llama_error(*server.post("/infill", {"input_suffix": ""}), 400)
     _llama_error(*server.post("/completion", {}), 400)
-    _llama_error(*server.post("/completion", {"prompt": "x", "samplers": ["top_k", "mirostat"]}), 400)
     _llama_error(*server.post("/completion", {"prompt": "x", "samplers": ["temperature", "top_k"]}), 400)
     _llama_error(*server.post("/completion", {"prompt": "x", "post_sampling_probs": True}), 400)
     _llama_error(*server.post("/completion", {"prompt": "x", "mirostat": 2}), 400)
     _llama_error(*server.post("/completion", {"prompt": [1, 10 ** 9]}), 400)
-    _llama_error(*server.post("/completion", {"prompt": "x " * (N_CTX + 8), "n_predict": 1}), 400,
-                 "exceed_context_size_error")
+    status, body = server.post("/completion", {"prompt": "x " * (N_CTX + 8), "n_predict": 1})
+    assert body["error"].pop("n_ctx") == N_CTX and body["error"].pop("n_prompt_tokens") > N_CTX  # llama-server's fields
+    _llama_error(status, body, 400, "exceed_context_size_error")

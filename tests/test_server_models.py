@@ -259,6 +259,7 @@ def test_clients_switch_models_and_unload(router):
                                                                                              "temperature": 0})
         assert r.model == model and r.eval_count == 3 and r.done_reason == "length"
     assert {m.model for m in oc.ps().models} == {f"{QWEN}:latest", f"{SMOL}:latest"}
+    assert {m.model for m in oc.list().models} == {f"{QWEN}:latest", f"{SMOL}:latest", f"{GEMMA}:latest"}  # all pulled
     parts = list(oc.generate(model=SMOL, prompt="Say hi.", stream=True, keep_alive=0,
                              options={"num_predict": 3, "temperature": 0}))
     assert parts[-1].done and parts[-1].eval_count == 3
@@ -318,9 +319,33 @@ def test_several_hosts_and_an_alias(tmp_path, smollm2_path):
             status, body = get("127.0.0.2", "/v1/chat/completions",
                                {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
             assert status == 200 and body["model"] == "my-model", body
+        # one model (-m): it stays loaded; /models/load and /models/unload are a router's
+        for route in ("/models/unload", "/models/load"):
+            status, body = get("127.0.0.1", route, {"model": "my-model"})
+            assert status == 400 and body["error"]["code"] == "unsupported_value", body
+        assert get("127.0.0.1", "/v1/chat/completions", {"model": "x", "messages": [{"role": "user", "content": "hi"}],
+                                                        "max_tokens": 1})[0] == 200
     finally:
         proc.terminate()
         proc.wait(30)
     banner = proc.stderr.read().splitlines()[0]       # the alias with the file it names
     assert banner.startswith(f"edge serve: my-model ({smollm2_path.name}) on http://127.0.0.1:"), banner
     assert proc.returncode == 0                       # SIGTERM: a stop, not an interruption
+
+
+def test_serve_says_each_burst_of_compiles():
+    """edge serve names every burst of numba compiles after a quiet spell, not only the first
+    (compile_notes says that one): a model loaded later by name compiled in silence for a minute."""
+    from edge.cli.serve import _CompileBursts
+
+    said = []
+    bursts = _CompileBursts(said.append)
+    bursts.QUIET = 0.2
+    bursts.watch.on_start(None)                       # the first burst: compile_notes' note
+    bursts.watch.on_start(None)
+    assert said == []
+    time.sleep(0.3)
+    bursts.watch.on_start(None)                       # a later load
+    bursts.watch.on_start(None)
+    assert said == ["compiling kernels this server has not used before (once; later starts load them from "
+                    "numba's cache)"]

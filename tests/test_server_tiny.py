@@ -66,7 +66,8 @@ def tiny_server(tiny_model, tmp_path_factory):
 
 
 def test_api_key(tiny_server):
-    assert tiny_server.get("/health", headers={"Authorization": ""}) == (200, {"status": "ok"})
+    for path in ("/health", "/v1/health"):       # public, as llama-server's (health probes carry no key)
+        assert tiny_server.get(path, headers={"Authorization": ""}) == (200, {"status": "ok"})
     for auth in ("", "Bearer wrong", f"Basic {API_KEY}", f"Bearer {API_KEY}x", API_KEY):
         for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"),
                              ("POST", "/tokenize")):

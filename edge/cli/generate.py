@@ -142,13 +142,20 @@ def _is_model_name(word: str) -> bool:
         return False
 
 
+def _is_path(word: str) -> bool:
+    """True for a word that can only be a model file: it ends in .gguf (a Hub name aside)."""
+    from edge.store import store_hf
+
+    return word.lower().endswith(".gguf") and not store_hf.is_hub_name(word)
+
+
 def _model_then_prompt(args, words: list[str]) -> str | None:
     """PROMPT from the positional words: ``MODEL PROMPT`` (Ollama's order) sets -m; a lone word
     that names a model is refused with the right command. Raises UsageError."""
-    if len(words) >= 2 and args.model is None and _is_model_name(words[0]):
-        args.model, words = words[0], words[1:]
+    if len(words) >= 2 and args.model is None and (_is_model_name(words[0]) or _is_path(words[0])):
+        args.model, words = words[0], words[1:]       # a path too: -m's "file not found" if it is not there
     if len(words) > 1:
-        raise UsageError(f"one PROMPT, quoted: edge run [-m MODEL] \"{' '.join(words)[:60]}\"")
+        words = [" ".join(words)]                     # unquoted words: one prompt, as Ollama takes them
     if len(words) == 1 and args.model is None and args.prompt is None and args.file is None \
             and _is_model_name(words[0]):
         raise UsageError(f"{words[0]} is a model: edge run {words[0]} \"PROMPT\" (or edge chat -m {words[0]} to "

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 import sys
 from pathlib import Path
 
@@ -198,6 +199,7 @@ def cmd_serve(args) -> int:
     if not kernels_compiled():
         print("edge serve: first run: compiling edge's kernels for this CPU before /health says ok (about a "
               "minute on 2 cores, once; later starts load them from numba's cache)", file=sys.stderr, flush=True)
+    bursts = _CompileBursts(event).__enter__()    # from the first load on: its first burst is compile_notes' note
     app = create_app(config)
     state = app.state.edge
     server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, http=protocol,
@@ -207,6 +209,7 @@ def cmd_serve(args) -> int:
     except KeyboardInterrupt:   # uvicorn re-raises the Ctrl+C it handled: the drain is done
         pass
     finally:
+        bursts.__exit__(None, None, None)
         for sock in socks:
             sock.close()
         if args.unix_socket:
@@ -220,6 +223,40 @@ def cmd_serve(args) -> int:
     if stopped:
         print("edge serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+class _CompileBursts:
+    """Say "compiling kernels" each time numba starts compiling after a quiet spell, not only
+    the first time (the note of edge.cli's compile_notes): a model loaded later by name (a new
+    architecture or weight type) compiles its own kernels, a minute on a cold cache."""
+
+    QUIET = 10.0          # seconds without a compile that end a burst
+
+    def __init__(self, say):
+        from edge.compile_watch import CompileWatch
+
+        self.say, self.last, self.bursts = say, None, 0
+        self.watch = CompileWatch(on_progress=self._compiled)
+        self.watch.on_start = self._started
+
+    def _started(self, ev) -> None:
+        now = time.monotonic()
+        if self.last is None or now - self.last > self.QUIET:
+            self.bursts += 1
+            if self.bursts > 1:           # the first: compile_notes said it
+                self.say("compiling kernels this server has not used before (once; later starts load them from "
+                         "numba's cache)")
+        self.last = now
+
+    def _compiled(self, count: int, name: str) -> None:
+        self.last = time.monotonic()
+
+    def __enter__(self):
+        self.watch.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.watch.__exit__(*exc)
 
 
 def _is_loopback(host: str) -> bool:

@@ -109,6 +109,7 @@ class ServerState:
                               memory_budget=config.models_memory, keep_alive=config.keep_alive,
                               load_timeout=config.load_timeout, on_event=config.on_event)
         self.load_error: str | None = None
+        self.started = False              # the default model loaded once (a router server is up)
         self._stored: tuple | None = None          # (store key, list_models()) for /v1/models
         self.metrics = Metrics(self)
         self.created = int(time.time())
@@ -133,6 +134,7 @@ class ServerState:
             self._failed(e)
             return
         self.pool._load(slot)
+        self.started = slot.status == "loaded"     # /health: ok from now on, whatever loads later
         if slot.status != "loaded":
             self.load_error = slot.error
             if self.config.on_load_error is not None:
@@ -214,7 +216,7 @@ class ServerState:
         if self.pool.default is None and not self.pool.router:
             raise P.APIError(503, "the model is loading; retry shortly", code="loading")
         slot = self.pool.default
-        if slot is not None and not slot.ready.is_set():
+        if slot is not None and not slot.ready.is_set() and not self.pool.router:   # router: acquire waits
             raise P.APIError(503, "the model is loading; retry shortly", code="loading",
                              headers={"Retry-After": "1"})
 
@@ -323,6 +325,10 @@ def _sampling(body, engine) -> SamplingParams:
         bias.update(dict.fromkeys(engine.tokenizer.eog_ids, -math.inf))
     if bias:
         kw["logit_bias"] = bias
+    if body.samplers is not None:
+        kw |= sampler_fields(body.samplers, body.temperature)
+        if "infill" in _sampler_names(body.samplers):
+            kw["infill"] = True
     try:
         params = SamplingParams(**kw)
     except InvalidParameter as e:
@@ -332,9 +338,46 @@ def _sampling(body, engine) -> SamplingParams:
     return params
 
 
-# llama.cpp's default sampler order, by name and by letter (common_sampler_type)
+# llama.cpp's default sampler order, by name and by letter (common_sampler_type), and infill
 _SAMPLER_ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
-_SAMPLER_LETTERS = dict(zip("edskypmxt", _SAMPLER_ORDER))
+_SAMPLER_LETTERS = {**dict(zip("edskypmxt", _SAMPLER_ORDER)), "i": "infill"}
+
+
+# llama.cpp's other spellings of the names (common_sampler_types_from_names: kebab-case, no
+# underscore, and three more), matched without case
+_SAMPLER_ALIASES = {**{n.replace("_", sep): n for n in (*_SAMPLER_ORDER, "infill") if "_" in n for sep in ("-", "")},
+                    "nucleus": "top_p", "temp": "temperature", "typ": "typ_p"}
+
+
+def _sampler_names(samplers) -> list:
+    """llama-server's ``samplers`` (names in any of llama.cpp's spellings, or letters as one
+    string) as canonical names; a name llama.cpp does not know is left out (it warns and goes
+    on)."""
+    if isinstance(samplers, str):
+        names = [_SAMPLER_LETTERS.get(c) for c in samplers]
+    else:
+        names = [n.lower() if isinstance(n, str) else None for n in samplers]
+        names = [_SAMPLER_ALIASES.get(n, n) for n in names]
+    return [n for n in names if n in _SAMPLER_ORDER or n == "infill"]
+
+
+def sampler_fields(samplers, temperature) -> dict:
+    """The sampling fields llama-server's ``samplers`` list implies: the list is the chain, so
+    a sampler left out is off (top_k 0, top_p 1, min_p 0, penalties neutral, temperature 1
+    unless the request asks 0 or less: greedy stays greedy). Same on every route."""
+    names = _sampler_names(samplers)
+    off = {}
+    if "top_k" not in names:
+        off["top_k"] = 0
+    if "top_p" not in names:
+        off["top_p"] = 1.0
+    if "min_p" not in names:
+        off["min_p"] = 0.0
+    if "penalties" not in names:
+        off |= {"repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    if "temperature" not in names and not (temperature is not None and temperature <= 0):
+        off["temperature"] = 1.0
+    return off
 
 
 def _speculative(body) -> dict:
@@ -346,23 +389,25 @@ def _speculative(body) -> dict:
 def _check_samplers(samplers, params: SamplingParams, n_vocab: int) -> None:
     """Raise APIError (400) unless ``samplers`` (names, or letters as one string) keeps
     llama.cpp's default order and names every sampler this request turns on: the one chain
-    this server runs. Samplers left out of the list must be off."""
-    names = [_SAMPLER_LETTERS.get(c, c) for c in samplers] if isinstance(samplers, str) else list(samplers)
-    unknown = [n for n in names if n not in _SAMPLER_ORDER]
-    if unknown:
-        raise P.APIError(400, f"samplers: unknown sampler {unknown[0]!r} (known: {', '.join(_SAMPLER_ORDER)})",
-                         param="samplers", code="invalid_value")
+    this server runs (sampler_fields turned the ones left out off). "infill" (SamplingParams.infill)
+    may stand anywhere after the samplers that are on: edge runs it after them all, just before
+    the draw, which is where llama.cpp runs it then (a sampler that is off does nothing)."""
+    names = _sampler_names(samplers)
     on = {"penalties": params.repeat_last_n != 0 and (params.repeat_penalty != 1 or params.presence_penalty != 0
                                                        or params.frequency_penalty != 0),
           "top_k": 0 < params.top_k < n_vocab, "top_p": params.top_p < 1, "min_p": params.min_p > 0,
           "temperature": params.temperature > 0 and params.temperature != 1}
-    positions = [_SAMPLER_ORDER.index(n) for n in names]
+    positions = [_SAMPLER_ORDER.index(n) for n in names if n != "infill"]
     missing = [n for n, active in on.items() if active and n not in names]
     if positions != sorted(positions) or missing:
         why = f"{missing[0]} is on but not listed" if missing else "the order differs"
         raise P.APIError(400, f"samplers: only llama.cpp's default order ({';'.join(_SAMPLER_ORDER)}) is supported, "
                               f"with every sampler that is on listed ({why})", param="samplers",
                          code="unsupported_value")
+    after = [n for n in names[names.index("infill") + 1:] if on.get(n)] if "infill" in names else []
+    if after:
+        raise P.APIError(400, f"samplers: infill is supported after every sampler that is on ({after[0]} is on and "
+                              "comes after it)", param="samplers", code="unsupported_value")
 
 
 def _check_common(body, state: ServerState, max_tokens, max_tokens_param: str = "max_tokens") -> None:
@@ -991,6 +1036,7 @@ class _Handlers:
         processors = await run_in_threadpool(_processors, grammar, grammar_param, engine, len(ids))
         gen = GenRequest(ids, params, emit=None, max_tokens=max_tokens, stop=body.stop_list(),
                          logprobs=body.logprobs, processors=processors, speculative=_speculative(body))
+        gen.progress = body.progress
         stream = _Stream(scheduler, gen)
         try:
             stream.submit()
@@ -1023,6 +1069,7 @@ class _Handlers:
     async def load_model(self, request: Request):
         """POST /models/load {"model"}: load a pulled model now (router); answers once it is loaded."""
         body = await _body(request, self.state, P.ModelRequest)
+        self._one_model_server("load")
         slot = await self.state.acquire(body.model, body.keep_alive_seconds())
         self.state.pool.release(slot)
         return JSONResponse({"success": True, "model": slot.name, "status": slot.status})
@@ -1030,8 +1077,17 @@ class _Handlers:
     async def unload_model(self, request: Request):
         """POST /models/unload {"model"}: unload a model now, or once its requests are done."""
         body = await _body(request, self.state, P.ModelRequest)
+        self._one_model_server("unload")
         slot = await run_in_threadpool(self.state.pool.unload, body.model)
         return JSONResponse({"success": True, "model": slot.name, "status": slot.status})
+
+    def _one_model_server(self, action: str) -> None:
+        """400 for /models/load and /models/unload on a server started with -m: its one model
+        stays loaded (unloading it left every request a 503), no other is served."""
+        if not self.state.pool.router:
+            raise P.APIError(400, f"this server serves one model (edge serve -m) and keeps it loaded: /models/{action} "
+                                  "is for a server started without -m, which serves every pulled model",
+                             param="model", code="unsupported_value")
 
     async def root(self, request: Request):
         """GET / and HEAD /: that edge is running, with the text Ollama's clients look for in it."""
@@ -1064,7 +1120,9 @@ class _Handlers:
         if self.state.load_error:
             return JSONResponse({"status": "error", "error": self.state.load_error}, status_code=503)
         slot = self.state.pool.default
-        if slot is not None and not slot.ready.is_set() or slot is None and not self.state.pool.router:
+        if not self.state.pool.router and (slot is None or not slot.ready.is_set()):   # router: up once started
+            return JSONResponse({"status": "loading model"}, status_code=503)
+        if self.state.pool.router and slot is not None and not slot.ready.is_set() and not self.state.started:
             return JSONResponse({"status": "loading model"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
@@ -1080,7 +1138,7 @@ class RequestLog:
     /metrics (edge.server.metrics.outcome). Handlers leave ``edge_model`` and ``edge_run`` in
     request.state."""
 
-    QUIET = ("/health", "/metrics")
+    QUIET = ("/health", "/v1/health", "/metrics")
 
     def __init__(self, app, state: "ServerState", log: bool = True):
         self.app, self.state, self.log = app, state, log
@@ -1109,7 +1167,8 @@ class RequestLog:
             status = CLIENT_GONE                # a stream the client left before its end
         if scope.get("path") in self.QUIET:
             return
-        self.state.metrics.count(model or "", status)
+        if model or scope.get("method") == "POST":   # not the GETs that poll models, props, tags
+            self.state.metrics.count(model or "", status)
         if not self.log:
             return
         asked = info.get("edge_asked")            # the name a refused request gave (not a metrics label)

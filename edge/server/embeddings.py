@@ -90,7 +90,8 @@ def _bad(e: Exception) -> P.APIError:
     """The client's 400 for an edge.embedding error or an input past the context."""
     if isinstance(e, ContextLengthExceeded):
         return P.APIError(400, f"an input has {e.n_prompt} tokens but the context size (n_ctx) is {e.n_ctx}; "
-                               "shorten it or raise -c/--ctx-size", param="input", code="context_length_exceeded")
+                               "shorten it or raise -c/--ctx-size", param="input", code="context_length_exceeded",
+                          extra={"n_prompt_tokens": e.n_prompt, "n_ctx": e.n_ctx})
     if e.empty:
         return P.APIError(400, f"{EMPTY_INPUT} ({e})", param="input", code="invalid_value")
     param = {"normalize": "embd_normalize", "pooling": "model"}.get(e.param, e.param)

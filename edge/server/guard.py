@@ -11,7 +11,8 @@ this module closes:
   ``--allowed-hosts`` (``*`` = any). Others get a 403.
 - Cross-site requests: a page of another site can send a "simple" POST (``text/plain``, no
   preflight) to any address. Requests with an ``Origin`` header are served only for origins on
-  loopback (any port, as Ollama's defaults) and those given to ``--cors-origins`` (``*`` = any);
+  loopback (any port), desktop apps' pages (app://, file://, tauri://, vscode-webview://,
+  vscode-file://: Ollama's defaults) and those given to ``--cors-origins`` (``*`` = any);
   others get a 403 before anything runs. Allowed origins get CORS headers (starlette's
   CORSMiddleware answers their preflight). POST bodies must be ``application/json`` besides
   (protocol.check_content_type), which no simple request can send.
@@ -39,7 +40,9 @@ def openai_error(path: str, err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 _LOOPBACK_ORIGIN = re.compile(r"https?://(localhost|[a-z0-9.-]+\.localhost|127(\.[0-9]{1,3}){3}|\[::1\])"
-                              r"(:[0-9]{1,5})?")
+                              r"(:[0-9]{1,5})?"
+                              # desktop apps' own pages, allowed by Ollama's default OLLAMA_ORIGINS too
+                              r"|(app|file|tauri|vscode-webview|vscode-file):(//.*)?")
 _ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#\s]+")
 _WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
 
@@ -114,7 +117,7 @@ class HostOriginGuard:
         return name in self.names or name.endswith(".localhost")
 
     def origin_allowed(self, origin: str) -> bool:
-        """True for a loopback origin or one given to --cors-origins."""
+        """True for a loopback origin, a desktop app's page or one given to --cors-origins."""
         o = origin.strip().lower().rstrip("/")
         return self.any_origin or o in self.origins or bool(_LOOPBACK_ORIGIN.fullmatch(o))
 
@@ -162,7 +165,7 @@ class RequireAPIKey:
         return False
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] != "/health" and not self._given(scope["headers"]):
+        if scope["type"] == "http" and scope["path"] not in ("/health", "/v1/health") and not self._given(scope["headers"]):
             err = APIError(401, "invalid or missing API key (Authorization: Bearer KEY or x-api-key: KEY)",
                            code="invalid_api_key")
             await self.respond(scope["path"], err)(scope, receive, send)

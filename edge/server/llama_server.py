@@ -55,9 +55,6 @@ FLOAT_LOWEST = -3.4028234663852886e38     # llama-server's logprob of a token of
 DEFAULT_SEED = 4294967295                 # LLAMA_DEFAULT_SEED: a random seed
 _SMALL_BODY = 1 << 20                     # /slots actions: a file name
 FIM_ALIGN = 64                            # /infill cuts a long prefix at a multiple of this many tokens
-# llama.cpp's sampler names and letters (common_sampler_type), in its default order, and infill
-_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
-_LETTERS = {**dict(zip("edskypmxt", _SAMPLERS)), "i": "infill"}
 
 
 def serves(path: str) -> bool:
@@ -71,7 +68,9 @@ def error_response(path: str, err: P.APIError) -> JSONResponse:
     kind = _ERROR_TYPES.get(err.status, "server_error" if err.status >= 500 else "invalid_request_error")
     if err.code == "context_length_exceeded":
         kind = "exceed_context_size_error"
-    body = {"code": err.status, "message": err.message, "type": kind}
+    if err.code == "infill_not_supported":
+        kind = "not_supported_error"
+    body = {"code": err.status, "message": err.message, "type": kind, **err.extra}
     if err.param:
         body["param"] = err.param
     return JSONResponse({"error": body}, status_code=err.status, headers=err.headers)
@@ -210,7 +209,7 @@ def fim_prompt(tok, input_prefix, input_suffix, input_extra: list, prompt_ids: l
     missing = [what for key, what in (("fim_pre", "prefix"), ("fim_suf", "suffix"), ("fim_mid", "middle"))
                if ids.get(key) is None]
     if missing:
-        raise P.APIError(400, "Infill is not supported by this model: " + "".join(f"{w} token is missing. "
+        raise P.APIError(501, "Infill is not supported by this model: " + "".join(f"{w} token is missing. "
                                                                                 for w in missing)
                          + f"({model} has no fill-in-the-middle tokens; use a code model that has them, such as "
                            "qwen2.5-coder)", code="infill_not_supported")
@@ -241,33 +240,13 @@ def fim_prompt(tok, input_prefix, input_suffix, input_extra: list, prompt_ids: l
 # ---- sampling ---------------------------------------------------------------------------------
 
 def _samplers(body: CompletionBody) -> dict:
-    """The sampling fields llama-server's ``samplers`` list implies: a sampler left out is off
-    (top_k 0, top_p 1, min_p 0, penalties neutral, temperature 1 unless the request asks 0 or
-    less: greedy stays greedy). "infill" is accepted and not applied (edge has no infill sampler).
-    Raises APIError (400) for an unknown name or an order other than llama.cpp's default."""
+    """The sampling fields llama-server's ``samplers`` list implies (app.sampler_fields: a
+    sampler left out is off). "infill" turns on llama.cpp's infill sampler: the list goes on
+    to app._sampling, which sets SamplingParams.infill (and app._check_samplers, which wants
+    the default order, infill after every sampler that is on)."""
     if body.samplers is None:
         return {}
-    names = [_LETTERS.get(c, c) for c in body.samplers] if isinstance(body.samplers, str) else list(body.samplers)
-    unknown = [n for n in names if n not in _SAMPLERS and n != "infill"]
-    if unknown:
-        raise P.APIError(400, f"samplers: unknown sampler {unknown[0]!r} (known: {', '.join(_SAMPLERS)}, infill)",
-                         param="samplers", code="invalid_value")
-    order = [_SAMPLERS.index(n) for n in names if n != "infill"]
-    if order != sorted(order):
-        raise P.APIError(400, f"samplers: only llama.cpp's default order ({';'.join(_SAMPLERS)}) is supported",
-                         param="samplers", code="unsupported_value")
-    off = {}
-    if "top_k" not in names:
-        off["top_k"] = 0
-    if "top_p" not in names:
-        off["top_p"] = 1.0
-    if "min_p" not in names:
-        off["min_p"] = 0.0
-    if "penalties" not in names:
-        off |= {"repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
-    if "temperature" not in names and not (body.temperature is not None and body.temperature <= 0):
-        off["temperature"] = 1.0
-    return off
+    return A.sampler_fields(body.samplers, body.temperature)
 
 
 def _logit_bias(body: CompletionBody, tok) -> dict[str, float] | None:
@@ -312,7 +291,7 @@ def _completion_request(body: CompletionBody, ids: list[int], logprobs: int | No
                         n_predict: int) -> P.CompletionRequest:
     """edge's CompletionRequest of a llama-server body (already validated) for prompt ``ids``."""
     fields = {name: getattr(body, name) for name in P._Sampling.model_fields
-              if name not in ("logit_bias", "samplers", "stream", "stream_options", "n", "max_tokens",
+              if name not in ("logit_bias", "stream", "stream_options", "n", "max_tokens",
                               "n_predict", "n_probs", "n_indent", "t_max_predict_ms")}
     fields |= _samplers(body)
     fields |= {"prompt": ids, "n_predict": n_predict, "logprobs": logprobs, "stream": False}
@@ -343,7 +322,8 @@ def params_json(params, max_tokens: int | None, stop, n_probs: int, stream: bool
         "ignore_eos": False, "stream": stream,
         "logit_bias": [{"bias": b if math.isfinite(b) else None, "token": t} for t, b in bias.items()],
         "n_probs": n_probs, "min_keep": 0, "grammar": grammar,
-        "samplers": ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"],
+        "samplers": ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"]
+        + ["infill"] * params.infill,
         "speculative.n_max": spec.get("n_max", 16), "speculative.n_min": spec.get("n_min", 0),
         "speculative.p_min": spec.get("p_min", 0.75),
         "timings_per_token": timings_per_token, "post_sampling_probs": False, "lora": [],
@@ -543,10 +523,25 @@ class _Llama:
             if body.stream and len(prompts) > 1:
                 raise P.APIError(400, "stream: several prompts in one streamed request are not supported; send "
                                       "them one by one", param="stream", code="unsupported_value")
-            gens = [await self._start(request, body, ids, slot, i) for i, ids in enumerate(prompts)]
+            k = self._n_cmpl(body, len(prompts))
+            gens = [await self._start(request, body, ids, slot, i * k + c, c)
+                    for i, ids in enumerate(prompts) for c in range(k)]
         finally:
             self.state.pool.release(slot)
         return await self._answer(request, body, gens)
+
+    def _n_cmpl(self, body: CompletionBody, n_prompts: int) -> int:
+        """n_cmpl (alias n): completions per prompt, 1..-np as llama-server takes them; each its
+        own generation (seeds seed, seed + 1, ... when one is given). Raises APIError 400."""
+        k = body.n_cmpl if body.n_cmpl is not None else body.n if body.n is not None else 1
+        limit = self.state.config.n_parallel
+        if not 1 <= k <= limit:
+            raise P.APIError(400, f"n_cmpl must be in 1..{limit} (the server's -np), got {k}", param="n_cmpl",
+                             code="invalid_value")
+        if body.stream and k * n_prompts > 1:
+            raise P.APIError(400, "stream: several completions in one streamed request are not supported; send "
+                                  "n_cmpl 1, or stream false", param="stream", code="unsupported_value")
+        return k
 
     async def infill(self, request: Request):
         """POST /infill: the FIM prompt (:func:`fim_prompt`) generated as /completion."""
@@ -556,10 +551,11 @@ class _Llama:
             engine = slot.engine
             n_predict = self._n_predict(body)
             ids = await run_in_threadpool(self._fim, engine, body, n_predict, slot.name)
-            gen = await self._start(request, body, ids, slot, 0)
+            k = self._n_cmpl(body, 1)
+            gens = [await self._start(request, body, ids, slot, c, c) for c in range(k)]
         finally:
             self.state.pool.release(slot)
-        return await self._answer(request, body, [gen])
+        return await self._answer(request, body, gens)
 
     def _fim(self, engine, body: InfillBody, n_predict: int, name: str) -> list[int]:
         prompt_ids = engine.tokenizer.encode(body.prompt, add_special=False, parse_special=True)
@@ -574,23 +570,24 @@ class _Llama:
                              param="n_predict", code="invalid_value")
         return n
 
-    async def _start(self, request: Request, body: CompletionBody, ids: list[int], slot, index: int) -> _Generation:
+    async def _start(self, request: Request, body: CompletionBody, ids: list[int], slot, index: int,
+                     seed_offset: int = 0) -> _Generation:
         if body.post_sampling_probs:
             raise P.APIError(400, "post_sampling_probs = true is not supported by this server: its probabilities are "
                                   "those of the raw logits; leave it out", param="post_sampling_probs",
                              code="unsupported_value")
-        if (body.n_cmpl or 1) != 1 or (body.n or 1) != 1:
-            raise P.APIError(400, "n_cmpl: one completion per prompt", param="n_cmpl", code="unsupported_value")
         body.check_not_implemented()
         n = self._n_predict(body)
         need_ids = bool(body.stream or body.return_tokens or body.n_probs or body.n_indent or body.t_max_predict_ms)
         logprobs = (body.n_probs or 0) if need_ids else None
         creq = _completion_request(body, ids, logprobs, 1 if n == 0 else n)
+        if seed_offset and creq.seed is not None and 0 <= creq.seed < DEFAULT_SEED:
+            creq.seed += seed_offset
         bias = await run_in_threadpool(_logit_bias, body, slot.engine.tokenizer)
         if bias is not None:
             creq.logit_bias = bias
+        creq.progress = bool(body.return_progress and body.stream)
         run = await self.h.start_completion(request, creq)
-        run.stream.gen.progress = bool(body.return_progress and body.stream)
         return _Generation(run, body, ids, slot.engine, n == 0, index)
 
     async def _answer(self, request: Request, body: CompletionBody, gens: list[_Generation]):

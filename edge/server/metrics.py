@@ -28,7 +28,7 @@ def outcome(status: int) -> str:
         return "cancelled"
     if status == 503:
         return "rejected"
-    return "client_error" if status < 500 else "error"
+    return "client_error" if status < 500 or status == 501 else "error"   # 501: asked for what edge does not do
 
 
 def rss_bytes() -> tuple[int, int]:

@@ -707,7 +707,15 @@ class _Ollama:
         """GET /api/tags: the pulled models (``{"models": [{name, model, modified_at, size,
         digest, details}]}``), names tagged ``:latest`` unless the store's name has a tag."""
         def listing():
-            return [self._entry(m) for m in self.catalog.models()]
+            models = self.catalog.models()
+            pool = self.state.pool
+            if not pool.router:      # -m: the one model served here (the chat routes answer 404 for the others)
+                path = pool.default_path.resolve() if pool.default_path is not None else None
+                models = [m for m in models if m["path"].resolve() == path]
+                if not models and path is not None and pool.default is not None:     # -m FILE outside the store
+                    models = [{"name": pool.default.name, "path": path, "size": path.stat().st_size,
+                               "digest": _digest(path, None)}]
+            return [self._entry(m) for m in models]
         return JSONResponse({"models": await run_in_threadpool(listing)})
 
     def _loaded_path(self, name: str) -> Path | None:

@@ -540,6 +540,8 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    progress: bool = False          # edge's own: Progress events while the prompt is computed (/completion's
+                                    # return_progress; set before submission, or the first step could pass unseen)
 
     NOT_IMPLEMENTED: ClassVar[dict[str, _Neutral]] = {
         **_SAMPLING_NOT_IMPLEMENTED, "best_of": (lambda v: v == 1, "1")}
