@@ -51,8 +51,9 @@ JSON (``edge bench --json``), one object:
                   n_tokens (tokens the engine processed or generated in one rep),
                   vs_1_seq (batched rows only)}
     peak_rss_mb, load_to_first_token_s, process_first_token_wall_s: {edge, llama_cpp}
+    kernels: {path (kernels_cpu.simd.kernel_path: "avx512-vnni", "avx2", ...), cpu (numba's target CPU)}
     ceilings: this machine's, measured after the tests (kernels_cpu.ceilings) with the same threads:
-        {kernel_path ("avx512-vnni" | "avx2" | "generic"), features, read_gb_s (memory read
+        {kernel_path ("avx512-vnni" | "avx512" | "avx2" | "generic"), features, read_gb_s (memory read
         bandwidth), int8_gmacs (int8 multiply-adds per second, in G), weight_bytes_per_token
         (bytes of weight matrices one token reads: all but token_embd unless it is the output;
         experts counted as n_expert_used / n_expert of theirs), macs_per_token (their
@@ -467,7 +468,7 @@ def run_bench(cfg: BenchConfig, log=lambda msg: print(msg, file=sys.stderr, flus
               "tensor_types": tensor_types,
               "threads": cfg.threads, "n_ctx": cfg.n_ctx, "n_batch": cfg.n_batch, "reps": cfg.reps,
               "cache_type_k": cfg.cache_type_k, "cache_type_v": cfg.cache_type_v,
-              "batch_invariant": cfg.batch_invariant, "seed": SEED, "tests": [],
+              "batch_invariant": cfg.batch_invariant, "seed": SEED, "tests": [], "kernels": kernels(),
               "peak_rss_mb": {"edge": None, "llama_cpp": None},
               "load_to_first_token_s": {"edge": edge.load_to_first_token_s, "llama_cpp": None},
               "process_first_token_wall_s": {"edge": wall, "llama_cpp": None},
@@ -518,6 +519,14 @@ def step_cost(model) -> tuple[int, int]:
                 total_bytes += value.rows.nbytes
                 total_macs += value.n_in * value.n_out
     return int(total_bytes), int(total_macs)
+
+
+def kernels() -> dict:
+    """The kernel path edge runs here and the CPU numba compiles for: {"path", "cpu"}
+    (kernels_cpu.simd.kernel_path, cpu_target)."""
+    from kernels_cpu import simd
+
+    return {"path": simd.kernel_path(), "cpu": simd.cpu_target()}
 
 
 def measure_ceilings(threads: int, model) -> dict:

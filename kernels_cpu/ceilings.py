@@ -6,7 +6,7 @@ throughput (what prefill, batched decode and verification are bound by).
   vector loads (8 x 32 bytes per loop step, OR-ed together so nothing is optimised away) and
   returns the best bytes per second of a few passes.
 * :func:`int8_throughput` runs, on every thread, a register-only loop of the instruction edge's
-  int8 tiles use on this CPU (:func:`kernel_path`): ``vpdpbusd`` zmm with AVX-512 VNNI (64
+  int8 tiles use on this CPU (kernels_cpu.simd.kernel_path): ``vpdpbusd`` zmm with AVX-512 VNNI (64
   multiply-adds each), else ``vpmaddubsw`` + ``vpmaddwd`` + ``vpaddd`` ymm with AVX2 (32), else
   16 int8 products widened to int32 (plain LLVM vectors), in 8 independent chains so that the
   latency is hidden; returns int8 multiply-adds per second.
@@ -23,19 +23,11 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from kernels_cpu.simd import BYTE_PTR, HAS_AVX2, HAS_VNNI, I8, I16, I32, I64, _x86_call, target_features, vec
+from kernels_cpu.simd import (BYTE_PTR, HAS_AVX2, HAS_VNNI, I8, I16, I32, I64, _x86_call, kernel_path,  # noqa: F401
+                              target_features, vec)
 
 CHUNK = 1 << 20  # bytes per parallel work item of the bandwidth loop
 _STEP = 256  # bytes per loop step: 8 loads of 32 bytes
-
-
-def kernel_path() -> str:
-    """The int8 kernel path edge's matmuls take on this CPU: "avx512-vnni", "avx2" or "generic"."""
-    if HAS_VNNI:
-        return "avx512-vnni"
-    if HAS_AVX2:
-        return "avx2"
-    return "generic"
 
 
 def _loop(b: ir.IRBuilder, fn: ir.Function, n, state: list, step):

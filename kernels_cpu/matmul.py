@@ -44,16 +44,19 @@ weight row per lane), Q5_0 / Q8_0 and Q6_K on the VEC_DOT path from kernels_cpu.
 For two or more activation rows, the one-row-per-lane types (Q4_K GEMV / GEMM, Q6_K TILED and
 the GEMV path of Q8_0 / Q5_0 / Q4_0 / IQ4_NL / MXFP4) run in 16-row panels instead
 (kernels_cpu.matmul_panel: each weight block decoded once for all the rows; same bits).
-On AVX2 CPUs without VNNI (simd.HAS_AVX2_INT8), Q4_0 / Q5_0 / Q8_0 on the VEC_DOT path come from
-kernels_cpu.matmul_avx2 (vpmaddubsw + vpmaddwd into the same 8 lanes); Q5_0 / Q8_0 take int8 quants.
-On every CPU with AVX2 (simd.HAS_AVX2), Q4_1 / Q5_1 come from kernels_cpu.matmul_avx2 too, IQ4_NL /
+On AVX2 CPUs without VNNI and arm64 CPUs with DotProd (simd.HAS_INT8_VEC_DOT), Q4_0 / Q5_0 / Q8_0
+on the VEC_DOT path come from kernels_cpu.matmul_avx2 (vpmaddubsw + vpmaddwd, or sdot, into the
+same 8 lanes); Q5_0 / Q8_0 take int8 quants. On every CPU with AVX2 or DotProd, Q4_1 / Q5_1 come
+from kernels_cpu.matmul_avx2 too; on every CPU with AVX2 (simd.HAS_AVX2), IQ4_NL /
 IQ4_XS / MXFP4 from kernels_cpu.iq4_avx2, the IQ2 / IQ3 types from kernels_cpu.iq23_avx2 and IQ1_S /
 IQ1_M / TQ1_0 / TQ2_0 from kernels_cpu.iq1tq_avx2 (with VNNI instructions where the CPU has them,
 and on AVX-512 VNNI GEMV-path IQ4_NL / MXFP4 / Q4_0 and TILED-path IQ4_XS from
 kernels_cpu.matmul_rows); they take int8 quants.
 
-Not reproduced: F32/F16/BF16 weights (tinyBLAS / ggml_vec_dot_f16 orders); they agree to
-float32 rounding.
+F32/F16/BF16 weights: tinyBLAS's order for one output on AVX-512 F (16 fma lanes, then their
+halves tree; kernels_cpu.matmul_float), the same bits on every CPU; llama.cpp's own results
+depend on its build and path (ggml_vec_dot_f16, AVX-512 BF16's dot products), so they agree
+to float32 rounding.
 
 Shapes everywhere: w uint8[R, row_bytes] (GGUFFile.tensor_rows), x float32[T, K], out
 float32[T, R]; per-type kernels take the quantized activations (see quantize_act).

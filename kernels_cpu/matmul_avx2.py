@@ -1,5 +1,5 @@
-"""Q4_0 / Q5_0 / Q8_0 (vec_dot) matmul tiles for CPUs with AVX2 and without AVX-512 VNNI, and
-Q4_1 / Q5_1 tiles for every CPU with AVX2: 8-bit products through ``vpmaddubsw`` (``vpdpbusd``
+"""Q4_0 / Q5_0 / Q8_0 (vec_dot) matmul tiles for CPUs with AVX2 and without AVX-512 VNNI and for
+arm64 with DotProd, and Q4_1 / Q5_1 tiles for every CPU with AVX2 or DotProd: 8-bit products through ``vpmaddubsw`` (``vpdpbusd``
 where AVX-512 VNNI is there), one weight row per 256-bit vector.
 
 They reproduce the generic tiles of path VEC_DOT (kernels_cpu.matmul_tiles) for these types,
@@ -25,7 +25,11 @@ tinyBLAS_Q0_AVX).
 Activation quants must lie in [-127, 127], as quantize_row_q8_0 makes them (d = amax / 127; a
 -128 would not be negated by ``vpsignb`` in the Q8_0 tile).
 
-With AVX-512 VNNI the lanes come from one ``vpdpbusd`` (same exact integers, no int16 step).
+With AVX-512 VNNI the lanes come from one ``vpdpbusd`` (same exact integers, no int16 step). On
+arm64 with DotProd (simd.HAS_DOTPROD) from two ``sdot`` (16 bytes each: lanes 0-3, 4-7), signed by
+signed: Q8_0 needs no sign trick there, and every other code is at most 127. The tiles then are
+llama.cpp's arm kernels' integer step (ggml_vec_dot_q8_0_q8_0 in arch/arm/quants.c: vdotq_s32)
+with edge's float structure, so the answers stay those of every other CPU.
 
 numba's on-disk cache keys matmul's kernels on matmul_kernels.py only: after editing this module,
 clear kernels_cpu/__pycache__/matmul_kernels.*.nbi / .nbc.
@@ -36,8 +40,9 @@ from gguf import GGMLQuantizationType as T
 from llvmlite import ir
 
 from kernels_cpu.ggml_types import TYPES
-from kernels_cpu.simd import (F32, HAS_VNNI, I8, I16, I32, I64, bit_lanes, concat, dot_u8_s8, fmuladd, load, load_half,
-                              madd_u8_s8_256, shuffle, sign_i8_256, splat, sum_pairs_i16_256, tile_function, vec)
+from kernels_cpu.simd import (F32, HAS_DOTPROD, HAS_VNNI, I8, I16, I32, I64, bit_lanes, concat, dot_u8_s8, fmuladd, load,
+                              load_half, madd_u8_s8_256, sdot, shuffle, sign_i8_256, splat, sum_pairs_i16_256,
+                              tile_function, vec)
 
 V32I8, V8I32, V8F32 = vec(I8, 32), vec(I32, 8), vec(F32, 8)
 AVX2_TYPES = ("Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1")
@@ -50,7 +55,12 @@ def _bytes(value: int):
 
 def _sum4(b, u8, s8):
     """<8 x i32>: lane j = sum of u8[k] * s8[k] for k = 4j..4j+3 (vpdpbusd with AVX-512 VNNI, else
-    vpmaddubsw, then vpmaddwd with ones; the pair sums must not saturate, see the module docstring)."""
+    vpmaddubsw, then vpmaddwd with ones; the pair sums must not saturate, see the module docstring;
+    on arm64 two sdot, signed x signed: u8 must then be at most 127, as the codes are)."""
+    if HAS_DOTPROD:
+        zero, halves = ir.Constant(vec(I32, 4), [0] * 4), (range(16), range(16, 32))
+        lo, hi = (sdot(b, zero, shuffle(b, u8, h), shuffle(b, s8, h)) for h in halves)
+        return concat(b, lo, hi)
     if HAS_VNNI:
         return dot_u8_s8(b, ir.Constant(V8I32, [0] * 8), u8, s8)
     return sum_pairs_i16_256(b, madd_u8_s8_256(b, u8, s8))
@@ -97,10 +107,12 @@ def _block(b, name: str, rows, blk, accs, x16: bool):
             m = load_half(b, p, TYPES[T[name]].offset("m"))
             for t, xa in enumerate(rows["xa"]):
                 sums[r * nt + t] = fmuladd(b, m, load(b, xa, b.mul(blk, ir.Constant(I64, 4)), F32), sums[r * nt + t])
-        if name == "Q8_0":
+        if name == "Q8_0" and not HAS_DOTPROD:
             magnitude = sign_i8_256(b, codes, codes)  # |w|: -128 -> 0x80, 128 as unsigned
         for t in range(nt):
-            if name == "Q8_0":
+            if name == "Q8_0" and HAS_DOTPROD:        # sdot multiplies signed by signed
+                lanes = _sum4(b, codes, xs[t])
+            elif name == "Q8_0":
                 lanes = _sum4(b, magnitude, sign_i8_256(b, xs[t], codes))
             else:
                 lanes = b.add(_sum4(b, codes, xs[t]), starts[t]) if offset else _sum4(b, codes, xs[t])

@@ -29,11 +29,12 @@ from kernels_cpu.iq23_kernels import (matmul_iq2_s_q8_k, matmul_iq2_s_q8_k_bi, m
                                       matmul_iq3_s_q8_k, matmul_iq3_s_q8_k_bi, matmul_iq3_xxs_q8_k,
                                       matmul_iq3_xxs_q8_k_bi)
 from kernels_cpu.iq23_kernels import AVX2_TYPES as IQ23_AVX2_TYPES
+from kernels_cpu.matmul_float import matmul_bf16_bf16, matmul_f16_f16, matmul_f32_f32  # noqa: F401
 from kernels_cpu.matmul_rows import Q0_ROWS
 from kernels_cpu.matmul_tiles import GEMM, GEMV, TILED, VEC_DOT
 from kernels_cpu.matmul_tiling import (ND_Q6_K, NR, NR_Q0, NR_ROWS, NT_WIDE, PANEL_ROWS, _block_sums_32, _blocks,
                                       _panels, _rows, _tiled, many_rows)
-from kernels_cpu.simd import HAS_AVX2, HAS_AVX2_INT8, HAS_VNNI, f32_from_bits
+from kernels_cpu.simd import HAS_AVX2, HAS_DOTPROD, HAS_INT8_VEC_DOT, HAS_VNNI
 
 T_ = GGMLQuantizationType
 
@@ -191,40 +192,7 @@ def matmul_q6_k_q8_k(w, xqs, xd, xbsums, out):
     _plain_q6_k(w, xqs, xd, xbsums, out)
 
 
-# float weights: ggml_vec_dot_f32 / _f16 / _bf16 (float32 accumulation, any summation order)
-
-
-@njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc", "contract"})
-def matmul_f32_f32(w, x, out):
-    """F32 weights w float32[R, K] x float32 x[T, K] -> out[T, R]."""
-    for r in prange(w.shape[0]):
-        for t in range(x.shape[0]):
-            acc = np.float32(0.0)
-            for k in range(x.shape[1]):
-                acc += w[r, k] * x[t, k]
-            out[t, r] = acc
-
-
-@njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc", "contract"})
-def matmul_f16_f16(w, x, out):
-    """F16 weights w uint16[R, K] (binary16 bits) x x[T, K] already rounded to f16 (as float32)."""
-    for r in prange(w.shape[0]):
-        for t in range(x.shape[0]):
-            acc = np.float32(0.0)
-            for k in range(x.shape[1]):
-                acc += f16_to_f32(w[r, k]) * x[t, k]
-            out[t, r] = acc
-
-
-@njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc", "contract"})
-def matmul_bf16_bf16(w, x, out):
-    """BF16 weights w uint16[R, K] (bf16 bits) x x[T, K] already rounded to bf16 (as float32)."""
-    for r in prange(w.shape[0]):
-        for t in range(x.shape[0]):
-            acc = np.float32(0.0)
-            for k in range(x.shape[1]):
-                acc += f32_from_bits(np.uint32(w[r, k]) << np.uint32(16)) * x[t, k]
-            out[t, r] = acc
+# float weights: kernels_cpu.matmul_float (one summation order on every CPU)
 
 
 @njit(cache=True, nogil=True)
@@ -324,8 +292,10 @@ from kernels_cpu.iq4_kernels import (matmul_iq4_nl_q8_0, matmul_iq4_nl_q8_0_bi, 
                                      matmul_mxfp4_q8_0, matmul_mxfp4_q8_0_repacked)
 
 # types whose kernels take int8 activation quants: the VNNI kernels, the AVX2 vpmaddubsw tiles
-ROWS_TYPES = ((T_.Q4_0, T_.Q5_0, T_.Q8_0, T_.Q4_K, T_.Q5_K, T_.Q6_K) if HAS_VNNI else (T_.Q5_0, T_.Q8_0) if HAS_AVX2_INT8 else ())
-ROWS_TYPES += (T_.Q4_1, T_.Q5_1, T_.IQ4_NL, T_.IQ4_XS, T_.MXFP4) if HAS_AVX2 else ()  # matmul_avx2, iq4_avx2 tiles
+ROWS_TYPES = ((T_.Q4_0, T_.Q5_0, T_.Q8_0, T_.Q4_K, T_.Q5_K, T_.Q6_K) if HAS_VNNI else (T_.Q5_0, T_.Q8_0) if HAS_INT8_VEC_DOT
+              else ())
+ROWS_TYPES += (T_.Q4_1, T_.Q5_1) if HAS_AVX2 or HAS_DOTPROD else ()  # matmul_avx2 tiles
+ROWS_TYPES += (T_.IQ4_NL, T_.IQ4_XS, T_.MXFP4) if HAS_AVX2 else ()  # iq4_avx2 tiles
 ROWS_TYPES += tuple(T_[name.upper()] for name in sorted(IQ23_AVX2_TYPES | IQ1TQ_AVX2_TYPES))  # iq23_avx2, iq1tq_avx2
 
 _REPACKED_TYPES = tuple(t for t in QUANTIZED_TYPES if TYPES[t].repacked)

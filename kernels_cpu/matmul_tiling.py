@@ -36,7 +36,7 @@ from kernels_cpu.matmul_panel import PANEL_ROWS, PANEL_T, build_panel
 from kernels_cpu.matmul_rows import ROWS, build_rows_tile
 from kernels_cpu.matmul_tiles import GEMV, PATH_NAMES, TILED, VEC_DOT, build_tile
 from kernels_cpu.matmul_vnni import build_vnni_tile
-from kernels_cpu.simd import BYTE_PTR, HAS_AVX2, HAS_AVX2_INT8, HAS_VNNI, I64
+from kernels_cpu.simd import BYTE_PTR, HAS_AVX2, HAS_DOTPROD, HAS_INT8_VEC_DOT, HAS_VNNI, I64
 
 T_ = GGMLQuantizationType
 # every quantized type's IR decoder (IQ1 / IQ2 / IQ3 / TQ: their AVX2 tiles only)
@@ -75,8 +75,8 @@ def qdot_tile(typingctx, fmt, path, nr, nt, w, r0, r_step, xq, xd, xa, t0, out):
             fn = builder.module.globals.get(name)
         elif HAS_VNNI and p == VEC_DOT and f.ggml_type in (T_.Q5_0, T_.Q8_0, T_.Q6_K):
             fn = build_vnni_tile(builder.module, f.ggml_type.name, n_r, n_t, name, x16)
-        elif p == VEC_DOT and (HAS_AVX2_INT8 and f.ggml_type in (T_.Q4_0, T_.Q5_0, T_.Q8_0)
-                               or HAS_AVX2 and f.ggml_type in (T_.Q4_1, T_.Q5_1)):
+        elif p == VEC_DOT and (HAS_INT8_VEC_DOT and f.ggml_type in (T_.Q4_0, T_.Q5_0, T_.Q8_0)
+                               or (HAS_AVX2 or HAS_DOTPROD) and f.ggml_type in (T_.Q4_1, T_.Q5_1)):
             fn = build_avx2_tile(builder.module, f.ggml_type.name, n_r, n_t, name, x16)
         elif n_r == ROWS and HAS_VNNI and (p == GEMV and f.ggml_type in (T_.IQ4_NL, T_.MXFP4, T_.Q4_0)
                                            or p == TILED and f.ggml_type == T_.IQ4_XS):

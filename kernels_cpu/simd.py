@@ -89,7 +89,7 @@ def load_f16(buf, i):
 # LLVM vector IR helpers (for code generated inside numba intrinsics).
 #
 # Kernels built from these use plain LLVM vector operations only (loads, shuffles, integer and
-# float arithmetic, llvm.fmuladd); LLVM selects the instructions for the host CPU (e.g.
+# float arithmetic, llvm.fma); LLVM selects the instructions for the host CPU (e.g.
 # vpmaddwd / vcvtph2ps / vfmadd on x86-64 with AVX-512 or AVX2, sdot-free NEON code on arm64).
 
 I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -170,12 +170,11 @@ def hsum_f32(b: ir.IRBuilder, v):
 
 
 def fmuladd(b: ir.IRBuilder, x, y, acc):
-    """x * y + acc on float vectors or scalars through llvm.fmuladd (fused where the target has FMA)."""
-    name = f"llvm.fmuladd.v{x.type.count}f32" if isinstance(x.type, ir.VectorType) else "llvm.fmuladd.f32"
-    fn = b.module.globals.get(name)
-    if fn is None:
-        fn = ir.Function(b.module, ir.FunctionType(x.type, [x.type] * 3), name)
-    return b.call(fn, [x, y, acc])
+    """x * y + acc on float vectors or scalars, rounded once (llvm.fma, as :func:`fma`). Was
+    llvm.fmuladd, which LLVM fuses only where the target has FMA: a CPU without it (generic
+    x86-64) got two roundings and other logits; llvm.fma is one definition on every CPU (the
+    same vfmadd where FMA is, the C library's fmaf elsewhere)."""
+    return fma(b, x, y, acc)
 
 
 def fma(b: ir.IRBuilder, x, y, acc):
@@ -199,7 +198,24 @@ def target_features() -> frozenset:
     from llvmlite import binding
 
     features = config.CPU_FEATURES if config.CPU_FEATURES is not None else binding.get_host_cpu_features().flatten()
-    return frozenset(f for f in features.split(",") if f.startswith("+"))
+    listed = features.split(",")
+    cpu = config.CPU_NAME or binding.get_host_cpu_name()
+    arm64 = binding.get_process_triple().startswith(("aarch64", "arm64"))
+    implied = [f for f in _ARM64_IMPLIED.get(cpu, ()) if arm64 and f"-{f[1:]}" not in listed]
+    return frozenset(f for f in listed + implied if f.startswith("+"))
+
+
+# arm64 CPUs by their LLVM name, and the features the name alone enables in LLVM that edge's
+# kernels choose by. A host query may not list them: LLVM reads an arm64 host's features from
+# /proc/cpuinfo on Linux only, and under qemu-user that file is the x86 host's (it answered
+# "-aes,-rand,-sha2,-sve"); LLVM still compiles for everything the CPU name implies.
+_DOT, _I8MM = ("+neon", "+dotprod"), ("+neon", "+dotprod", "+i8mm")
+_ARM64_IMPLIED = {
+    **dict.fromkeys(("apple-a13", "apple-a14", "apple-m1", "cortex-a76", "cortex-a77", "cortex-a78", "cortex-x1",
+                     "neoverse-n1", "neoverse-e1"), _DOT),
+    **dict.fromkeys(("apple-a15", "apple-a16", "apple-a17", "apple-m2", "apple-m3", "apple-m4", "cortex-a710",
+                     "cortex-x2", "cortex-x3", "cortex-x4", "neoverse-n2", "neoverse-v1", "neoverse-v2"), _I8MM),
+}
 
 
 # AVX-512 VNNI on 256- and 512-bit vectors (EVEX vpdpbusd / vpdpwssd ymm need avx512vl too,
@@ -211,6 +227,39 @@ HAS_AVX512 = "+avx512f" in target_features()
 HAS_AVX2 = "+avx2" in target_features()
 # AVX2 without VNNI: 8-bit products through vpmaddubsw ymm (kernels_cpu.matmul_avx2)
 HAS_AVX2_INT8 = HAS_AVX2 and not HAS_VNNI
+# arm64 NEON with the dot product extension (Armv8.2-A DotProd: Apple M1 and later, Cortex-A76 and
+# later, Graviton 2+): sdot, four int8 products into each int32 lane (kernels_cpu.matmul_avx2's tiles)
+HAS_DOTPROD = "+dotprod" in target_features()
+# Q4_0 / Q5_0 / Q8_0 / Q4_1 / Q5_1 vec_dot tiles from kernels_cpu.matmul_avx2 (their int8 step:
+# vpmaddubsw + vpmaddwd, vpdpbusd or sdot)
+HAS_INT8_VEC_DOT = HAS_AVX2_INT8 or HAS_DOTPROD
+
+
+def kernel_path(features: frozenset | None = None) -> str:
+    """The kernel path edge takes for CPU ``features`` (default: target_features()):
+    "avx512-vnni" (AVX-512 VNNI int8 tiles), "avx512" (AVX-512 F without VNNI: the AVX2 int8
+    tiles, AVX-512's exp in attention), "avx2" (vpmaddubsw / vpshufb ymm tiles) or "generic"
+    (plain LLVM vectors); on arm64 "neon-dotprod" (sdot in the Q4_0 / Q5_0 / Q8_0 / Q4_1 / Q5_1
+    tiles) or "neon" (plain LLVM vectors, which LLVM turns into NEON code). AVX-VNNI (VEX) has no
+    path of its own yet: such CPUs take "avx2"."""
+    f = target_features() if features is None else features
+    if "+dotprod" in f:
+        return "neon-dotprod"
+    if "+neon" in f:
+        return "neon"
+    if {"+avx512vnni", "+avx512vl", "+avx512bw"} <= f:
+        return "avx512-vnni"
+    if "+avx512f" in f:
+        return "avx512"
+    return "avx2" if "+avx2" in f else "generic"
+
+
+def cpu_target() -> str:
+    """The CPU numba compiles for: NUMBA_CPU_NAME when set, else the host's (LLVM's name)."""
+    from numba.core import config
+    from llvmlite import binding
+
+    return config.CPU_NAME or binding.get_host_cpu_name()
 
 
 def _x86_call(b: ir.IRBuilder, name: str, args, ret: ir.Type | None = None):
@@ -249,6 +298,12 @@ def dot_u8_s8(b: ir.IRBuilder, acc, u8, s8):
     """<n x i32> acc + (lane j: sum of u8[4j+k] * s8[4j+k], k < 4), u8 unsigned and s8 signed
     <4n x i8>, n = 8 or 16 (exact; x86 vpdpbusd, AVX-512 VNNI (+ VL for n = 8) only)."""
     return _vnni_call(b, "vpdpbusd", acc, u8, s8)
+
+
+def sdot(b: ir.IRBuilder, acc, a, c):
+    """<4 x i32> acc + (lane j: sum of a[4j+k] * c[4j+k], k < 4) for signed <16 x i8> a, c
+    (exact; arm64 sdot, DotProd only)."""
+    return _x86_call(b, "llvm.aarch64.neon.sdot.v4i32.v16i8", [acc, a, c])
 
 
 def dot_i16(b: ir.IRBuilder, acc, a, x):

@@ -48,6 +48,8 @@ def test_json_keys_and_counts(bench_json, gemma_path):
     assert list(r["tensor_types"].values()) == sorted(counted.values(), reverse=True)
     assert (r["n_ctx"], r["n_batch"], r["reps"], r["cache_type_k"], r["cache_type_v"]) == (4096, 512, 1, "f16", "f16")
     assert r["batch_invariant"] is False                      # pp / tg with llama.cpp's kernel choice
+    from kernels_cpu import simd
+    assert r["kernels"] == {"path": simd.kernel_path(), "cpu": simd.cpu_target()}   # e.g. avx512-vnni, znver4
     assert [t["test"] for t in r["tests"]] == [f"pp{P}", f"tg{N}"] + [f"tg{N} x{b}" for b in BATCHED]
     asked = [P, N] + [b * N for b in BATCHED]
     for row, n_asked in zip(r["tests"], asked):
@@ -71,7 +73,7 @@ def test_ceilings_and_fractions(bench_json, gemma_path):
     tg and batched the larger of weight bytes per step over the read bandwidth and multiply-adds
     over the int8 rate."""
     c = bench_json["ceilings"]
-    assert c["kernel_path"] in ("avx512-vnni", "avx2", "generic")
+    assert c["kernel_path"] in ("avx512-vnni", "avx512", "avx2", "generic")
     assert 1 < c["read_gb_s"] < 10_000 and 1 < c["int8_gmacs"] < 1e6
     gf = GGUFFile(gemma_path)
     # gemma ties output to token_embd: every matrix of the file is read once per token
@@ -98,7 +100,8 @@ def test_ceiling_kernels():
     out = np.zeros(3, np.uint64)
     ceilings._read_all(buf, out)
     assert out.tolist() == [0, 0, 0x40 << (8 * (12345 % 8))]
-    assert ceilings.MACS_PER_STEP == {"avx512-vnni": 512, "avx2": 256, "generic": 128}[ceilings.kernel_path()]
+    assert ceilings.MACS_PER_STEP == {"avx512-vnni": 512, "avx512": 256, "avx2": 256, "generic": 128, "neon": 128,
+                                      "neon-dotprod": 128}[ceilings.kernel_path()]
     assert ceilings.int8_throughput(1, seconds=0.01, repeats=5) > 1e9   # best of 5: a preempted run is slow
 
 
@@ -225,6 +228,8 @@ def test_rich_tables(bench_json):
     assert f"{bench_json['peak_rss_mb']['edge']:.0f}" in text
     assert f"memory read {bench_json['ceilings']['read_gb_s']:.1f} GB/s" in text
     assert f"{bench_json['tests'][0]['edge']['ceiling_fraction']:.0%}" in text
+    k = bench_json["kernels"]
+    assert f"kernel path {k['path']} on {k['cpu']}" in " ".join(text.split())   # the title names the kernel path
     first, n = next(iter(bench_json["tensor_types"].items()))
     assert f"({first}×{n}, " in text.replace("\n", "")   # the model's tensor types in the title
     if not HAS_LLAMA_CPP:

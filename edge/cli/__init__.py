@@ -50,11 +50,30 @@ from edge.cli.quantize import QUANTIZE_TYPES  # noqa: E402
 __all__ = ["QUANTIZE_TYPES", "build_parser", "main", "physical_cores"]
 
 
+def version() -> str:
+    """"edge 0.1.0 (kernels: avx512-vnni, numba target znver4)": the kernel path edge takes and
+    the CPU numba compiles for (kernels_cpu.simd.kernel_path, cpu_target)."""
+    from kernels_cpu import simd
+
+    return f"edge {__version__} (kernels: {simd.kernel_path()}, numba target {simd.cpu_target()})"
+
+
+class _Version(argparse.Action):
+    """--version: prints version() and exits 0 (computed when asked, not at every parse)."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edge", description="Local LLM inference on CPUs (GGUF models).",
                                      epilog='Start with: edge run "Why is the sky blue?" (pulls the default model on '
                                             'first use). edge COMMAND -h tells more.')
-    parser.add_argument("--version", action="version", version=f"edge {__version__}")
+    parser.add_argument("--version", action=_Version, help="show the version, kernel path and numba's target CPU")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     generate.add_parsers(sub)      # run, chat
     models.add_parsers(sub)        # pull, list, show, rm

@@ -90,6 +90,11 @@ def _num(x: float | None, fmt: str = "{:.1f}") -> str:
     return "n/a" if x is None else fmt.format(x)
 
 
+def _kernels(k: dict | None) -> str:
+    """", kernel path avx2 on haswell" (the title's words for edge.bench.kernels())."""
+    return f", kernel path {k['path']} on {k['cpu']}" if k else ""
+
+
 def _spread(r: dict | None) -> str:
     """Half the min..max range relative to the median, e.g. "±3%"."""
     return "n/a" if r is None else f"±{50 * (r['tps_max'] - r['tps_min']) / r['tps']:.0f}%"
@@ -104,7 +109,8 @@ def print_result(result: dict, console=None) -> None:
     types = f" ({format_type_counts(result['tensor_types'])})" if result.get("tensor_types") else ""
     t = Table(title=f"edge bench: {escape(result['model'])}, {_size(result['model_bytes'])}{types}, {result['threads']} thread{'s' if result['threads'] != 1 else ''}, "
                     f"n_ctx {result['n_ctx']}, n_batch {result['n_batch']}, KV {result['cache_type_k']}/{result['cache_type_v']}; "
-                    f"{'batch-invariant' if result.get('batch_invariant') else 'llama.cpp kernels'}; "
+                    f"{'batch-invariant' if result.get('batch_invariant') else 'llama.cpp kernels'}"
+                    f"{_kernels(result.get('kernels'))}; "
                     f"tokens/s, median of {result['reps']}")
     engines = ("edge", "llama_cpp") if vs else ("edge",)
     t.add_column("test")

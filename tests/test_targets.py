@@ -1,0 +1,156 @@
+"""Every CPU (issue 23): edge's answers do not depend on the machine.
+
+- kernel path names (kernels_cpu.simd.kernel_path) from feature sets; `edge --version` names the
+  path and numba's target CPU, also for a target set by NUMBA_CPU_NAME / NUMBA_CPU_FEATURES;
+- a CPU without F16C (generic x86-64): kernels_cpu imports (it built ops.GELU_TABLE through a
+  missing runtime function and segfaulted) and its half conversions give F16C's bits;
+- tools/check_targets.py on a small set (CI_CASES): for haswell, skylake-avx512 and generic
+  x86-64 (numba compiling for that CPU in a subprocess with a numba cache of its own) the
+  logits are this process's (the host's, AVX-512 VNNI) to the bit and hold to llama.cpp's
+  outputs. About 2 minutes with cold caches on the 2-core machine (haswell 47 s, x86-64 39 s,
+  skylake-avx512 22 s). EDGE_TARGETS picks the targets ("all" adds alderlake and znver4;
+  "none" skips the comparison, for a quick local run only).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kernels_cpu import simd
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import check_targets as ct  # noqa: E402
+
+# target -> (tiny cases, golden prompts): the smallest set that takes each path, since a cold
+# compile costs a minute or more per target on 2 cores (the README's "Every CPU"): haswell's
+# AVX2 int8 tiles, generic K-quant tiles and exp without AVX-512 on the real gemma-3-270m
+# (Q5_0, Q8_0, Q4_K, Q6_K; GELU; 48 decode steps); skylake-avx512's AVX2 tiles with AVX-512's
+# exp, and generic x86-64's plain vectors without F16C or FMA (the half conversions and fmas
+# through edge's runtime functions and the C library), on the tiny Q8_0 llama3.
+CI_CASES = {"haswell": ([], ["gemma3-270m:0"]), "skylake-avx512": (["llama3-q8_0"], []),
+            "x86-64": (["llama3-q8_0"], [])}
+# EDGE_TARGETS: the targets to compare (comma-separated, each on CI_CASES' set or, if it has
+# none, llama3-q8_0; "all": every target of tools/check_targets.py; "none": skip, for a quick
+# local run only; tools/check_targets.py runs every case on every target)
+_asked = os.environ.get("EDGE_TARGETS", ",".join(CI_CASES))
+TARGETS = [t for t in (ct.DEFAULT_TARGETS if _asked == "all" else _asked.split(",")) if t and t != "none"]
+CASES = {t: CI_CASES.get(t, (["llama3-q8_0"], [])) for t in TARGETS}
+
+
+@pytest.mark.parametrize("features, path", [
+    ({"+avx2", "+fma", "+f16c", "+avx512f", "+avx512bw", "+avx512vl", "+avx512vnni"}, "avx512-vnni"),
+    ({"+avx2", "+avx512f", "+avx512bw", "+avx512vl"}, "avx512"),
+    ({"+avx2", "+avx512f", "+avx512vnni"}, "avx512"),        # VNNI without VL / BW: not the VNNI tiles
+    ({"+avx2", "+avxvnni", "+fma"}, "avx2"),                 # AVX-VNNI has no path of its own yet
+    ({"+avx2"}, "avx2"),
+    ({"+sse2", "+sse4.2"}, "generic"),
+    (set(), "generic"),
+    ({"+neon", "+dotprod", "+i8mm"}, "neon-dotprod"),     # arm64: sdot tiles (smmla has no path yet)
+    ({"+neon", "+dotprod"}, "neon-dotprod"),
+    ({"+neon", "+fp-armv8"}, "neon"),
+])
+def test_kernel_path_names(features, path):
+    assert simd.kernel_path(frozenset(features)) == path
+
+
+def _edge(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edge.cli", *argv], capture_output=True, text=True, timeout=120,
+                          env=env)
+
+
+def test_version_names_kernel_path_and_target(tmp_path):
+    proc = _edge(["--version"])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"edge 0.1.0 (kernels: {simd.kernel_path()}, numba target {simd.cpu_target()})\n"
+    for target, path in (("haswell", "avx2"), ("skylake-avx512", "avx512"), ("x86-64", "generic")):
+        env, _ = ct.target_env(target, tmp_path)
+        proc = _edge(["--version"], env)
+        assert proc.stdout == f"edge 0.1.0 (kernels: {path}, numba target {target})\n", proc.stderr
+
+
+_NO_F16C = """
+import json, numpy as np
+from numba import njit
+from kernels_cpu import simd
+from kernels_cpu.f16 import f16_to_f32, f32_to_f16
+from kernels_cpu.ops import GELU_TABLE
+
+@njit
+def up(h, out):
+    for i in range(h.size):
+        out[i] = f16_to_f32(h[i])
+
+@njit
+def down(x, out):
+    for i in range(x.size):
+        out[i] = f32_to_f16(x[i])
+
+h = np.arange(1 << 16, dtype=np.uint16)
+f = np.empty(h.size, np.float32)
+up(h, f)
+x = np.random.default_rng(0).integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32)
+x = np.concatenate([x, np.arange(0x38000000, 0x38800000, 97, dtype=np.uint32), np.array([0x477FEFFF, 0x477FF000, 0x7F800001, 0xFFC00001], np.uint32)])
+d = np.empty(x.size, np.uint16)
+down(x.view(np.float32), d)
+np.savez(OUT, gelu=GELU_TABLE, up=f, down=d)
+print(json.dumps({"path": simd.kernel_path(), "f16c": "+f16c" in simd.target_features()}))
+"""
+
+
+def test_no_f16c_imports_and_converts_as_f16c(tmp_path):
+    """Generic x86-64 (no F16C, no FMA): importing kernels_cpu.ops works, the GELU table and
+    every f16 -> f32, and 1M f32 -> f16 conversions are this CPU's (F16C) bits, NaNs included."""
+    outs = {}
+    for target in ("host", "x86-64"):
+        env, _ = ct.target_env(target, tmp_path / "numba")
+        out = tmp_path / f"{target}.npz"
+        proc = subprocess.run([sys.executable, "-c", _NO_F16C.replace("OUT", repr(str(out)))], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"{target}: exit {proc.returncode}\n{proc.stderr[-2000:]}"
+        outs[target] = dict(np.load(out))
+    assert json.loads(proc.stdout) == {"path": "generic", "f16c": False}
+    for k in ("gelu", "up", "down"):
+        np.testing.assert_array_equal(outs["x86-64"][k].view(np.uint8), outs["host"][k].view(np.uint8), err_msg=k)
+    up = outs["host"]["up"]
+    finite = ~np.isnan(up)
+    np.testing.assert_array_equal(up[finite], np.arange(1 << 16, dtype=np.uint16).view(np.float16)[finite])
+
+
+@pytest.fixture(scope="module")
+def host_run(tmp_path_factory) -> dict:
+    """The logits of every target's cases in this process (the host's kernels)."""
+    tmp = tmp_path_factory.mktemp("tiny")
+    arrays = {}
+    for name in sorted({c for tiny, _ in CASES.values() for c in tiny}):
+        arrays.update(ct.run_tiny(name, tmp))
+    for case in sorted({c for _, goldens in CASES.values() for c in goldens}):
+        arrays.update(ct.run_golden(case))
+    return arrays
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", TARGETS)
+def test_target_gives_the_hosts_logits(target, host_run, tmp_path):
+    """The target's logits equal the host's to the bit (and hold to llama.cpp's outputs)."""
+    if ct.expected_path(target, ct.host_features()) != ct.expected_path(target):
+        pytest.skip(f"this machine lacks {target}'s {ct.expected_path(target)} instructions")
+    tiny, goldens = CASES[target]
+    cache = Path(os.environ.get("EDGE_TARGETS_CACHE") or tmp_path / "numba")
+    r = ct.run_target(target, tiny, goldens, cache, tmp_path, timeout=1200)
+    assert r["arrays"] is not None, f"{target}: exit {r['returncode']}\n{r['stderr']}"
+    ref = {k: v for k, v in host_run.items() if k.split("/")[0] in tiny or k.split("/")[1] in goldens}
+    same, n, worst, differ = ct.compare(ref, r["arrays"])
+    print(f"{target}: kernels {r['meta']['kernel_path']}, {same}/{n} bit-equal, {r['seconds']:.0f} s"
+          + (f", off: {', '.join(r['dropped'])}" if r["dropped"] else ""))
+    assert n == 6 * len(tiny) + 2 * len(goldens)     # 3 prompts x (prompt, decode); (tokens, logits)
+    assert r["meta"]["kernel_path"] == ct.expected_path(target)
+    assert r["meta"]["cpu"] == ct.TARGETS[target][0]
+    assert not differ, f"{target}: {differ} differ from the host's (max |diff| {worst:.3g})"
+    assert not ct.check_llama_cpp(r["arrays"], tiny, goldens)
