@@ -184,6 +184,9 @@ def _gelu_table():
         if x != x:
             table[i] = np.uint16(0x7E00 | (i & 0x8000))
             continue
+        if x == -np.inf:          # -inf * 0 is the CPU's default NaN: negative on x86 (ggml's table), positive
+            table[i] = np.uint16(0xFE00)      # on arm64; the x86 bits on every CPU
+            continue
         inner = fma(_GELU_COEF_A * x, x, np.float32(1.0))
         table[i] = f32_to_f16(np.float32(0.5) * x * (np.float32(1.0) + math.tanh(_SQRT_2_OVER_PI * x * inner)))
     return table
