@@ -54,7 +54,7 @@ from llvmlite import ir
 from kernels_cpu.ggml_types import TYPES
 from kernels_cpu.iq4_avx2 import _lane_map, _totals
 from kernels_cpu.matmul_avx2 import _quants
-from kernels_cpu.matmul_rows import ROWS, _Act, _byte, _c, _halves_to_f32, _i16_pair, _load_rows, _q6_k_codes
+from kernels_cpu.matmul_rows import ROWS, _Act, _byte, _c, _halves_to_f32, _i16_pair, _load_rows
 from kernels_cpu.matmul_tiles import GEMM, GEMV, TILED, VEC_DOT
 from kernels_cpu.matmul_vnni import _reload
 from kernels_cpu.simd import (F32, HAS_DOTPROD, I8, I16, I32, I64, _x86_call, concat, fmuladd, hsum_float_8, lanes_i8,
@@ -71,11 +71,26 @@ _WITH_MINS = (T.Q2_K, T.Q4_K, T.Q5_K)
 KQUANT_PATHS = frozenset({(t, p) for t in KQUANT_TYPES for p in (VEC_DOT, TILED)}
                          | {(t, p) for t in (T.Q2_K, T.Q4_K) for p in (GEMV, GEMM)})
 # (type, path) pairs of the one-row-per-lane tiles (8 weight rows)
-KQUANT_ROWS_PATHS = frozenset({(T.Q4_K, GEMV), (T.Q4_K, GEMM), (T.Q6_K, TILED)})
+KQUANT_ROWS_PATHS = frozenset({(T.Q4_K, GEMV), (T.Q4_K, GEMM)})
 
 
 # ---------------------------------------------------------------------------------------------
 # integer steps (x86 AVX2 or arm64 DotProd)
+
+def _opaque(b, v):
+    """v through an empty asm statement (no side effects): LLVM cannot look through it, so the
+    shuffles written on v are not merged with the ones that made it (x86 only)."""
+    return b.asm(ir.FunctionType(v.type, [v.type]), "", "=x,0", [v], side_effect=False)
+
+
+def _pin(b, v):
+    """v, computed here: an empty asm statement with side effects and a memory clobber that takes v
+    in a vector register and gives it back. LLVM keeps such statements in order and loads after
+    them, so a tile's work stays in the order written (its scheduler otherwise hoists every load
+    of a block to the top, and AVX2's 16 vector registers then spill them all)."""
+    constraint = "=w,0,~{memory}" if HAS_DOTPROD else "=x,0,~{memory}"
+    return b.asm(ir.FunctionType(v.type, [v.type]), "", constraint, [v], side_effect=True)
+
 
 def _pmaddwd(b, a, c):
     """<16 x i16> a, c -> <8 x i32>: lane j = a[2j] * c[2j] + a[2j+1] * c[2j+1] (exact; x86
@@ -93,13 +108,20 @@ def _sdot8(b, acc, u, s):
     return concat(b, *parts)
 
 
-def _seg_scale(b, scales, lo: int, hi: int):
-    """The scale operand of _seg_dot for a segment whose values 0..15 have scale scales[lo] and
-    16..31 scales[hi] (<16 x i8> signed scales): x86 <16 x i16> (i16 lanes 0-7 lo, 8-15 hi, for
-    vpmaddwd: vpshufb xmm + vpmovsxbw, as ggml), arm64 <8 x i32> (lanes 0-3 lo, 4-7 hi)."""
+def _seg_scale(b, h: dict, lo: int, hi: int):
+    """The scale operand of _seg_dot for a segment whose values 0..15 have scale s[lo] and 16..31
+    s[hi] (s = h["scales"], <16 x i8> signed): x86 <16 x i16> (i16 lanes 0-7 s[lo], 8-15 s[hi],
+    for vpmaddwd), arm64 <8 x i32> (lanes 0-3 s[lo], 4-7 s[hi]). On x86 the scales are widened
+    once per block to two vectors holding s[0..7] (then s[8..15]) in both 128-bit halves, and each
+    segment's operand is one in-lane vpshufb of one of them (ggml: vpshufb + vpmovsxbw each)."""
     if HAS_DOTPROD:
-        return b.sext(shuffle(b, scales, [lo] * 4 + [hi] * 4), V8I32)
-    return b.sext(shuffle(b, scales, [lo] * 8 + [hi] * 8), V16I16)
+        return b.sext(shuffle(b, h["scales"], [lo] * 4 + [hi] * 4), V8I32)
+    if "halves" not in h:
+        wide = b.sext(h["scales"], V16I16)
+        h["halves"] = [_opaque(b, shuffle(b, wide, [8 * k + i for i in range(8)] * 2)) for k in range(2)]
+    k = lo // 8
+    assert hi // 8 == k
+    return shuffle(b, h["halves"][k], [lo % 8] * 8 + [8 + hi % 8] * 8)
 
 
 def _seg_dot(b, codes, x, scale, absx=None):
@@ -327,63 +349,68 @@ def _vec_block(b, t, path, rows, blk, accs, x16):
                         new["accm"][i] = fmuladd(b, b.sitofp(m, F32), neg_dmin, new["accm"][i])
             new["acc"][i] = fmuladd(b, b.sitofp(lanes, V8F32), splat(b, b.fmul(dxs[tt], h["d"]), 8), new["acc"][i])
 
-    def totals_updates(g, ints):
-        """Paths TILED / GEMV / GEMM: group g's integer totals (8 outputs per vector), then the float updates."""
-        vecs, mins = [], []
-        for r in range(nr):
-            h = heads[r]
-            for tt in range(nt):
-                v = ints[r][tt]
-                if t == T.Q6_K:
-                    v = b.sub(v, b.shl(_pmaddwd(b, h["scales16"], bsums[tt]), ir.Constant(V8I32, [5] * 8)))
-                vecs.append(v)
-                if t in _WITH_MINS:
-                    m = _mins8(b, t, h, bsums[tt], subs[tt])
-                    if groups > 1:  # the group's lanes only (GEMM)
-                        width = 8 // groups
-                        m = shuffle(b, m, [lane if lane // width == g else 8 for lane in range(8)], _ZERO8)
-                    mins.append(m)
-        tot_i = _totals(b, vecs)
-        tot_m = _totals(b, mins) if mins else [None] * len(tot_i)
-        where = _lane_map(n)
-        for k, (vi, vm) in enumerate(zip(tot_i, tot_m)):
+    where = _lane_map(n)
+
+    def row_totals(g, r, ints, pending):
+        """Paths TILED / GEMV / GEMM: row r's integer vectors of group g join ``pending``; each 8
+        outputs (in order: _lane_map's layout) are added up (iq4_avx2._totals) and their float
+        updates done as soon as they are complete, so few vectors stay live."""
+        h = heads[r]
+        for tt in range(nt):
+            v = ints[tt]
+            if t == T.Q6_K:
+                v = b.sub(v, b.shl(_pmaddwd(b, h["scales16"], bsums[tt]), ir.Constant(V8I32, [5] * 8)))
+            m = None
+            if t in _WITH_MINS:
+                m = _mins8(b, t, h, bsums[tt], subs[tt])
+                if groups > 1:  # the group's lanes only (GEMM)
+                    width = 8 // groups
+                    m = shuffle(b, m, [lane if lane // width == g else 8 for lane in range(8)], _ZERO8)
+            pending.append((r * nt + tt, v, m))
+        while len(pending) >= 8 or (pending and r == nr - 1):
+            chunk, pending[:] = pending[:8], pending[8:]
+            k = chunk[0][0] // 8
+            vi = _totals(b, [v for _, v, _ in chunk])[0]
+            vm = _totals(b, [m for _, _, m in chunk])[0] if t in _WITH_MINS else None
+            rows_in = sorted({i // nt for i, _, _ in chunk})
             r_idx, t_idx = [0] * 8, [0] * 8
-            for i, (gi, lane) in enumerate(where):
-                if gi == k:
-                    r_idx[lane], t_idx[lane] = i // nt, i % nt
-            dw = _by_lane(b, [h["d"] for h in heads], r_idx)
+            for i, _, _ in chunk:
+                lane = where[i][1]
+                r_idx[lane], t_idx[lane] = rows_in.index(i // nt), i % nt
+            dw = _by_lane(b, [heads[q]["d"] for q in rows_in], r_idx)
             dx = _by_lane(b, dxs, t_idx)
             if path == TILED:  # r = S1 * d_w; r = fma(-dmin, S2, r); acc = fma(r, d_x, acc)
                 res = b.fmul(b.sitofp(vi, V8F32), dw)
                 if vm is not None:
-                    dmin = _by_lane(b, [h["dmin"] for h in heads], r_idx)
+                    dmin = _by_lane(b, [heads[q]["dmin"] for q in rows_in], r_idx)
                     res = fmuladd(b, b.fneg(dmin), b.sitofp(vm, V8F32), res)
                 new["acc"][k] = fmuladd(b, res, dx, new["acc"][k])
             else:  # GEMV / GEMM: acc = fma(I, d_w * d_x, acc), accm = fma(M, dmin * d_x, accm)
                 new["acc"][k] = fmuladd(b, b.sitofp(vi, V8F32), b.fmul(dw, dx), new["acc"][k])
                 if vm is not None:
-                    dmin = _by_lane(b, [h["dmin"] for h in heads], r_idx)
+                    dmin = _by_lane(b, [heads[q]["dmin"] for q in rows_in], r_idx)
                     new["accm"][k] = fmuladd(b, b.sitofp(vm, V8F32), b.fmul(dmin, dx), new["accm"][k])
 
     for g in range(groups):
-        ints = [[None] * nt for _ in range(nr)]
+        pending = []
         for r in range(nr):
             if gens[r] is None:
                 heads[r] = kq.header(b, ptrs[r])
                 gens[r] = kq.segments(b, ptrs[r], heads[r])
+            ints = [None] * nt
             for _ in range(per_group):
                 _reload(b)  # a scheduling barrier: each segment's loads stay there (not hoisted, then spilled)
                 offset, codes, lo, hi = next(gens[r])
-                scale = _seg_scale(b, heads[r]["scales"], lo, hi)
+                scale = _seg_scale(b, heads[r], lo, hi)
                 for tt in range(nt):
                     x = _quants(b, rows["xq"][tt], b.add(x_at, ir.Constant(I64, offset)), x16)
                     absx = sign_i8_256(b, x, x) if kq.signed and not HAS_DOTPROD else None
                     v = _seg_dot(b, codes, x, scale, absx)
-                    ints[r][tt] = v if ints[r][tt] is None else b.add(ints[r][tt], v)
+                    ints[tt] = v if ints[tt] is None else b.add(ints[tt], v)
             if path == VEC_DOT:
-                vec_dot_updates(r, ints[r])
-        if path != VEC_DOT:
-            totals_updates(g, ints)
+                vec_dot_updates(r, ints)
+            else:
+                row_totals(g, r, ints, pending)
     return new
 
 
@@ -468,8 +495,8 @@ def _rows_q4_k(b, w_rows, acts, kind, accs):
                 else:
                     codes = [b.and_(b.lshr(v, _c(4)), _c(0x0F0F0F0F)) for v in raw]
                 sc = scale(2 * p + j)
-                for t, a in enumerate(acts):
-                    tot[t] = _chunks_dot(b, tot[t], codes, [a.quad(at + 4 * c) for c in range(4)], sc, 4)
+                for t, a in enumerate(acts):  # each activation row's quads loaded where used, not all hoisted
+                    tot[t] = _pin(b, _chunks_dot(b, tot[t], codes, [a.quad(at + 4 * c) for c in range(4)], sc, 4))
         if kind == "gemm" or p == 3:
             for q in ([p] if kind == "gemm" else range(4)):
                 terms = min_terms(q)
@@ -482,32 +509,6 @@ def _rows_q4_k(b, w_rows, acts, kind, accs):
     return {"acc": acc, "accm": accm}
 
 
-def _rows_q6_k(b, w_rows, acts, kind, accs):
-    """One Q6_K block of 8 rows, path TILED (exact block total S1 with codes 0..63 minus 32 *
-    sum of scale * bsums; r = float(S1) * d_w; acc = fma(r, d_x, acc)), as kernels_cpu.matmul_rows._q6_k_block."""
-    d = _halves_to_f32(b, _load_rows(b, w_rows, 194, 4)[3], 16)  # f16 d at byte 208: high half of word 206
-    sw = _load_rows(b, w_rows, 192, 4)  # scales 4k..4k+3 in vector k
-    scales = [_byte(b, sw[k // 4], k % 4, signed=True) for k in range(16)]
-    s1 = [_ZERO8] * len(acts)
-    for offset, codes in _q6_k_codes(b, w_rows):
-        g = offset // 16
-        for t, a in enumerate(acts):
-            for half in range(2):
-                s1[t] = _chunks_dot(b, s1[t], codes[4 * half:4 * half + 4],
-                                    [a.quad(offset + 16 * half + 4 * c) for c in range(4)],
-                                    _rows_scale(b, scales[g + half]), 2)
-    acc = list(accs["acc"])
-    pairs = [b.bitcast(_i16_pair(b, scales[2 * m], scales[2 * m + 1]), V16I16) for m in range(8)]
-    for t, a in enumerate(acts):
-        corr = None
-        for m in range(8):
-            term = _pmaddwd(b, pairs[m], b.bitcast(a.bsum_pair(2 * m), V16I16))
-            corr = term if corr is None else b.add(corr, term)
-        total = b.sub(s1[t], b.shl(corr, _c(5)))
-        acc[t] = fmuladd(b, b.fmul(b.sitofp(total, V8F32), d), a.d, acc[t])
-    return {"acc": acc}
-
-
 def build_kquant_rows_tile(module: ir.Module, t: T, path: int, nt: int, name: str, x16: bool) -> ir.Function:
     """Define ``void name(w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride,
     out_r_stride, nb)`` as kernels_cpu.matmul_tiles.build_tile does, for 8 weight rows (one per
@@ -515,21 +516,20 @@ def build_kquant_rows_tile(module: ir.Module, t: T, path: int, nt: int, name: st
     GEMM (float structure of ggml_gemv / ggml_gemm_q4_K_8x8_q8_K), Q6_K TILED (ggml-cpu/tiled);
     activation quants int8 (or int16 when ``x16``), xa the Q8_K bsums int16[T, K/16]."""
     assert (t, path) in KQUANT_ROWS_PATHS, (t, path)
-    names = ["acc", "accm"] if t == T.Q4_K else ["acc"]
-    emit = _rows_q4_k if t == T.Q4_K else _rows_q6_k
-    kind = {GEMV: "gemv", GEMM: "gemm", TILED: "tiled"}[path]
+    names = ["acc", "accm"]
+    kind = "gemv" if path == GEMV else "gemm"
     block_bytes = TYPES[t].type_size
 
     def body(b, rows, blk, accs):
         at = b.mul(blk, ir.Constant(I64, block_bytes))
         w_rows = [b.gep(p, [at]) for p in rows["w"]]
         acts = [_Act(b, *xr, x16, blk) for xr in zip(rows["xq"], rows["xd"], rows["xa"])]
-        return emit(b, w_rows, acts, kind, accs)
+        return _rows_q4_k(b, w_rows, acts, kind, accs)
 
     def finish(b, new):
         values = {}
         for tt in range(nt):
-            value = b.fsub(new["acc"][tt], new["accm"][tt]) if t == T.Q4_K else new["acc"][tt]
+            value = b.fsub(new["acc"][tt], new["accm"][tt])
             values.update({(r, tt): b.extract_element(value, ir.Constant(I32, r)) for r in range(ROWS)})
         return values
 

@@ -145,7 +145,7 @@ def _plain_q6_k(w, xqs, xd, xbsums, out):
     """_plain_k for Q6_K: the tiled kernel through matmul_tiling.many_rows for T >= 8, else
     VEC_DOT in tiles of ND_Q6_K rows."""
     if xqs.shape[0] >= 8:
-        kq_rows(_Q6_K, TILED, w, xqs, xd, xbsums, out)
+        many_rows(_Q6_K, TILED, w, xqs, xd, xbsums, out)
     else:
         _tiled(_Q6_K, VEC_DOT, ND_Q6_K, w, xqs, xd, xbsums, out)
 
@@ -266,7 +266,7 @@ def matmul_q5_k_q8_k_bi(w, xqs, xd, xbsums, out):
 @njit(parallel=True, cache=True, nogil=True)
 def matmul_q6_k_q8_k_bi(w, xqs, xd, xbsums, out):
     """Q6_K, batch-invariant: the tiled kernel's arithmetic (llama.cpp's for T >= 8) for every T."""
-    kq_rows(_Q6_K, TILED, w, xqs, xd, xbsums, out)
+    many_rows(_Q6_K, TILED, w, xqs, xd, xbsums, out)
 
 
 _Q5_0_NEG_OFFSET, _Q8_0_NEG_OFFSET = -Q0_ROWS["Q5_0"][1], -Q0_ROWS["Q8_0"][1]  # matmul_rows' unsigned codes

@@ -47,7 +47,7 @@ TC = 64  # activation rows per prefill chunk
 ND = 4  # decode tile rows, R // ND apart (adjacent rows in one tile stream from DRAM at half speed)
 # Q4_K (repacked) and Q6_K with AVX-512 VNNI: tiles of 8 rows, one per lane (kernels_cpu.matmul_rows)
 NR_ROWS = ROWS if HAS_VNNI else NR
-# Q4_K (repacked) and Q6_K (tiled) with AVX2 int8 or DotProd: 8-row tiles too (kernels_cpu.kquant_int8)
+# Q4_K (repacked) with AVX2 int8 or DotProd: 8-row tiles too (kernels_cpu.kquant_int8)
 NR_KQ = ROWS if HAS_VNNI or HAS_INT8_VEC_DOT else NR
 NT_WIDE = 8 if HAS_VNNI else 0  # Q5_0 / Q8_0 GEMV rows tiles: 8 activation rows per weight decoding
 NR_Q0 = 8 if HAS_VNNI else NR  # Q5_0 / Q8_0 with AVX-512 VNNI: 8 rows in pairs (kernels_cpu.matmul_vnni)
@@ -280,6 +280,6 @@ def _kq_tiles(fmt, path, w, xq, xd, xa, out):
     _tiled(fmt, path, NR_KQ, w, xq, xd, xa, out, NT_WIDE)
 
 
-# Q4_K GEMV / GEMM and Q6_K TILED: many_rows with AVX-512 VNNI, else 8-row tiles where the CPU has
+# Q4_K GEMV / GEMM (repacked): many_rows with AVX-512 VNNI, else 8-row tiles where the CPU has
 # AVX2 or DotProd (kernels_cpu.kquant_int8)
 kq_rows = _panels_first if HAS_VNNI else _kq_tiles
