@@ -1,50 +1,61 @@
 """Q2_K / Q3_K / Q4_K / Q5_K / Q6_K matmul tiles with 8-bit products, for CPUs with AVX2 and without
-AVX-512 VNNI (``vpmaddubsw`` + ``vpmaddwd``) and for arm64 with DotProd (``sdot``;
-simd.HAS_INT8_VEC_DOT): the weight codes stay bytes instead of being unpacked to int16.
+AVX-512 VNNI (``vpmaddubsw`` + ``vpmaddwd``) and for arm64 with DotProd (``sdot``):
+simd.HAS_INT8_VEC_DOT. The weight codes stay bytes instead of being unpacked to int16 as in the
+generic tile (kernels_cpu.matmul_tiles), whose results they reproduce bit for bit: every integer
+sum is exact in both, and per output the same integer sums become floats, meet the same float
+scales and are added in the same order (each path's float structure: kernels_cpu.matmul).
 
-They reproduce the generic tiles (kernels_cpu.matmul_tiles) bit for bit: every integer sum is
-exact in both, and per output the same integer sums become floats, meet the same float scales
-and are added in the same order (the float structure of each path: kernels_cpu.matmul).
+Two kinds of tile. Shapes: w uint8 rows of 256-value blocks, activation quants int8[T, K] (or
+int16, ``x16``), d_x float32[T, K/256], bsums int16[T, K/16], out float32.
 
-Two kinds of tile:
+* One weight row per vector (``build_kquant_tile``; every type on VEC_DOT and TILED, Q2_K and
+  Q4_K also on GEMV / GEMM; any nr x nt): per 32-value segment of a block, the 32 codes of one
+  row and 32 activation quants give an <8 x i32> vector whose lane j is the segment's scale
+  times the sum of the products of values 4j..4j+3 (ggml's 8 lanes; the scale of values 0..15
+  in lanes 0-3, of 16..31 in lanes 4-7): x86 ``vpmaddubsw`` (u8 codes x s8 quants, pair sums
+  in int16) then ``vpmaddwd`` with the scales, arm64 two ``sdot`` (16 bytes each) times the
+  scales. The integer step of llama.cpp's AVX2 ggml_vec_dot_q{2,3,4,5,6}_K_q8_K
+  (arch/x86/quants.c). VEC_DOT keeps those lanes with the float structure of
+  ggml_vec_dot_<type>_q8_K: acc = fma(float(lane), d_w * d_x, acc) per block and
+  hsum_float_8 at the end; Q6_K's lanes minus 32 * scale * bsums of segment j in lane j,
+  Q4_K's mins in 4 more lanes (scale -d_x * dmin, summed (m0 + m2) + (m1 + m3) and added),
+  Q5_K's in a scalar fma chain, Q2_K's into the same 8 lanes first. TILED (ggml-cpu/tiled),
+  GEMV / GEMM (ggml_gemv / ggml_gemm_q2_K_8x8_q8_K) add one output's lanes across vectors with
+  shuffles (kernels_cpu.iq4_avx2._totals: 8 outputs per vector, exact) and run the float
+  updates lane-wise on those vectors: TILED r = float(S1) * d_w, r = fma(-dmin, float(S2), r),
+  acc = fma(r, d_x, acc); GEMV / GEMM acc = fma(float(I), d_w * d_x, acc), accm =
+  fma(float(M), dmin * d_x, accm) per group of values, out = acc - accm.
+* One weight row per lane (``build_kquant_rows_tile``: Q4_K GEMV / GEMM, the float structure
+  of ggml_gemv / ggml_gemm_q4_K_8x8_q8_K; 8 weight rows x nt): kernels_cpu.matmul_rows'
+  layout (16 bytes of each row's codes transposed in registers: vector c holds bytes 4c..4c+3
+  of every row, 4 activation quants broadcast to all lanes) with ``vpmaddubsw`` + ``vpmaddwd``
+  (the scale pairs) or ``sdot`` in place of ``vpdpbusd``, and every float operation lane-wise,
+  one output per lane. No sums across lanes: GEMM's four float updates per block would need
+  four reductions in the other layout. Measured on Zen 4 running Haswell's code, one thread,
+  weights in L2: GEMM 8 x 4 about 66 G multiply-adds/s against 44 for the one-row-per-vector
+  4 x 4 tile (generic tile: 29), GEMV 8 x 1 41 against 30 (generic: 16). Q6_K TILED measured
+  a little faster one row per vector (its codes take more registers to transpose than AVX2 has).
 
-* One weight row per vector (``build_kquant_tile``, every type and path, any nr x nt): per
-  32-value segment of a block, the 32 codes of one row times 32 activation quants give an
-  <8 x i32> vector whose lane j is the segment's scale(s) times the sum of values 4j..4j+3
-  (ggml's 8 lanes): x86 ``vpmaddubsw`` (u8 codes x s8 quants, pair sums to int16) then
-  ``vpmaddwd`` with the scales of the segment's two 16-value groups; arm64 two ``sdot`` (lanes
-  0-3, 4-7) times the scales. That is llama.cpp's own AVX2 integer step
-  (ggml_vec_dot_q{2,3,4,5,6}_K_q8_K in arch/x86/quants.c). Path VEC_DOT keeps those lanes
-  (ggml_vec_dot_<type>_q8_K: acc = fma(float(lane), d_w * d_x, acc) per block, hsum_float_8;
-  Q6_K minus 32 * scale * bsums per 32-value segment, Q4_K's mins in 4 lanes, Q5_K's in a
-  scalar chain, Q2_K's first into the same 8 lanes); paths TILED / GEMV / GEMM add one
-  output's lanes across vectors with shuffles (kernels_cpu.iq4_avx2._totals: 8 outputs per
-  vector, exact) and run the float updates on those 8-output vectors (TILED: r = float(S1) *
-  d_w, r = fma(-dmin, float(S2), r), acc = fma(r, d_x, acc); GEMV / GEMM: acc = fma(float(I),
-  d_w * d_x, acc), accm = fma(float(M), dmin * d_x, accm) per group, out = acc - accm).
-* One weight row per lane (``build_kquant_rows_tile``: Q4_K GEMV / GEMM as
-  ggml_gemv / ggml_gemm_q4_K_8x8_q8_K, Q6_K TILED as ggml-cpu/tiled; 8 weight rows x nt): the
-  layout of kernels_cpu.matmul_rows (codes transposed in registers, 4 activation quants
-  broadcast to every lane) with ``vpmaddubsw`` + ``vpmaddwd`` (the scale pairs) or ``sdot`` in
-  place of ``vpdpbusd``; every float operation runs lane-wise, one output per lane. No
-  horizontal sums: the faster layout for prefill, where GEMM's four float updates per block
-  would each need a reduction across lanes.
+Exactness of ``vpmaddubsw``, which saturates its pair sums to int16: the codes are unsigned and
+small, Q6_K 0..63 (its -32 through the bsums, as in ggml), Q5_K 0..31, Q4_K 0..15, Q2_K 0..3,
+and |activation quant| <= 128 (quantize_row_q8_K gives -127..127): pair sums at most 2 * 63 *
+128 = 16128. Q3_K's codes are signed (-4..3): |x| (u8) times the codes times sign(x)
+(``vpsignb``), at most 2 * 128 * 4. The row tiles add the pair sums of 4 chunks (16 values) in
+int16 before ``vpmaddwd``: at most 4 * 2 * 15 * 128 = 15360. ``sdot`` multiplies signed by
+signed: every code is at most 127. The int32 lanes stay far from overflow (a block's lane at
+most 8 segments * 128 * 4 * 63 * 128).
 
-Exactness of ``vpmaddubsw`` (it saturates pair sums to int16): codes are unsigned and small,
-Q6_K 0..63 (its -32 through the bsums, as ggml), Q5_K 0..31, Q4_K 0..15, Q2_K 0..3, and
-activation quants lie in [-127, 127] (quantize_row_q8_K): pair sums at most 2 * 63 * 127 =
-16002. Q3_K's codes are signed (-4..3): |x| (u8) times the codes times sign(x) (``vpsignb``),
-at most 2 * 4 * 127. The row tiles add pair sums of several 4-value chunks in int16 before
-``vpmaddwd`` where that cannot overflow (Q4_K 8 chunks: 8 * 2 * 15 * 127 = 30480; Q6_K 2:
-32004). ``sdot`` multiplies signed by signed: every code is at most 127. ``vpmaddwd`` with the
-scales (6-bit, or Q6_K's int8) and the int32 sums cannot overflow (|sums| < 2**31 for K-quant
-blocks by far).
+Register pressure: the loop body of a tile is one basic block, and LLVM's scheduler hoists its
+loads to the top, which on AVX2's 16 vector registers turns into spills; the tiles put
+``_reload`` barriers (loads stay after them) and ``_pin`` statements (a value is computed
+before them) where the work should happen in order.
 
-Tile selection: kernels_cpu.matmul_tiling.qdot_tile (KQUANT_PATHS, KQUANT_ROWS_PATHS);
-the K-quant kernels then take int8 activation quants (kernels_cpu.matmul_kernels.ROWS_TYPES).
-numba's on-disk cache keys matmul's kernels on matmul_kernels.py only: after editing this
-module, clear kernels_cpu/__pycache__/matmul_kernels.*.nbi / .nbc (and the same files under
-NUMBA_CACHE_DIR where one is set).
+Chosen by kernels_cpu.matmul_tiling.qdot_tile (KQUANT_PATHS, KQUANT_ROWS_PATHS; Q4_K repacked
+reaches the 8-row tiles through matmul_tiling.kq_rows); the K-quant kernels then take int8
+activation quants (kernels_cpu.matmul_kernels.ROWS_TYPES). numba's on-disk cache keys matmul's
+kernels on matmul_kernels.py only: after editing this module, clear
+kernels_cpu/__pycache__/matmul_kernels.*.nbi / .nbc (and the same files under NUMBA_CACHE_DIR
+where one is set).
 """
 from __future__ import annotations
 
@@ -88,8 +99,11 @@ def _pin(b, v):
     in a vector register and gives it back. LLVM keeps such statements in order and loads after
     them, so a tile's work stays in the order written (its scheduler otherwise hoists every load
     of a block to the top, and AVX2's 16 vector registers then spill them all)."""
-    constraint = "=w,0,~{memory}" if HAS_DOTPROD else "=x,0,~{memory}"
-    return b.asm(ir.FunctionType(v.type, [v.type]), "", constraint, [v], side_effect=True)
+    if HAS_DOTPROD:  # 128-bit NEON registers: each half of an <8 x i32>
+        halves = [shuffle(b, v, range(4 * h, 4 * h + 4)) for h in range(2)]
+        return concat(b, *(b.asm(ir.FunctionType(V4I32, [V4I32]), "", "=w,0,~{memory}", [x], side_effect=True)
+                           for x in halves))
+    return b.asm(ir.FunctionType(v.type, [v.type]), "", "=x,0,~{memory}", [v], side_effect=True)
 
 
 def _pmaddwd(b, a, c):
@@ -462,7 +476,7 @@ def build_kquant_tile(module: ir.Module, t: T, path: int, nr: int, nt: int, name
 
 
 # ---------------------------------------------------------------------------------------------
-# one weight row per lane (8 rows): Q4_K GEMV / GEMM, Q6_K TILED
+# one weight row per lane (8 rows): Q4_K GEMV / GEMM
 
 def _rows_q4_k(b, w_rows, acts, kind, accs):
     """One Q4_K block of 8 rows: GEMV (one float update) or GEMM (one per 64 values), the integers
@@ -513,8 +527,8 @@ def build_kquant_rows_tile(module: ir.Module, t: T, path: int, nt: int, name: st
     """Define ``void name(w, w_stride, xq, xq_stride, xd, xd_stride, xa, xa_stride, out, out_stride,
     out_r_stride, nb)`` as kernels_cpu.matmul_tiles.build_tile does, for 8 weight rows (one per
     vector lane) x ``nt`` activation rows of (``t``, ``path``) in KQUANT_ROWS_PATHS: Q4_K GEMV /
-    GEMM (float structure of ggml_gemv / ggml_gemm_q4_K_8x8_q8_K), Q6_K TILED (ggml-cpu/tiled);
-    activation quants int8 (or int16 when ``x16``), xa the Q8_K bsums int16[T, K/16]."""
+    GEMM (float structure of ggml_gemv / ggml_gemm_q4_K_8x8_q8_K); activation quants int8 (or
+    int16 when ``x16``), xa the Q8_K bsums int16[T, K/16]."""
     assert (t, path) in KQUANT_ROWS_PATHS, (t, path)
     names = ["acc", "accm"]
     kind = "gemv" if path == GEMV else "gemm"

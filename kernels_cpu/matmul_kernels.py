@@ -10,7 +10,8 @@ with one load per segment), xd float32[T, K/block], xs float32[T, K/32], xbsums 
 out float32[T, R]; all C-contiguous.
 
 numba's on-disk cache keys these kernels on this file only: after editing the modules they
-build on (matmul_decoders, matmul_tiles, matmul_tiling, matmul_rows, matmul_vnni), clear
+build on (matmul_decoders, matmul_tiles, matmul_tiling, matmul_rows, matmul_vnni, matmul_avx2,
+kquant_int8), clear
 kernels_cpu/__pycache__/matmul_kernels.*.nbi / .nbc.
 """
 from __future__ import annotations
@@ -130,8 +131,9 @@ _plain_k_fast = _plain_k_panels if HAS_VNNI else _plain_k_tiles  # Q4_K (R % 8 !
 
 @njit(cache=True, inline="always")
 def _repacked_q4_k(w, xqs, xd, xbsums, out):
-    """_repacked_k for Q4_K, every part through matmul_tiling.many_rows (16-row panels for
-    T >= 2 with AVX-512 VNNI; same arithmetic)."""
+    """_repacked_k for Q4_K, every part through matmul_tiling.kq_rows (many_rows with AVX-512
+    VNNI: 16-row panels for T >= 2; 8-row tiles of kernels_cpu.kquant_int8 with AVX2 or DotProd;
+    same arithmetic)."""
     T = xqs.shape[0]
     n4 = T - T % 4 if T > 3 else 0
     if n4 > 0:

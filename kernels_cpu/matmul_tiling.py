@@ -9,7 +9,9 @@ paths with one weight row per lane when T >= 2 (``many_rows``). Results do not d
 tiling, so edge tiles overlap their neighbours instead of being smaller. The tile's IR comes
 from kernels_cpu.matmul_tiles, or on CPUs with AVX-512 VNNI for some types and paths from
 kernels_cpu.matmul_rows / kernels_cpu.matmul_vnni (same float operations), on AVX2 CPUs
-without it for Q4_0 / Q5_0 / Q8_0 on path VEC_DOT from kernels_cpu.matmul_avx2, and on every CPU
+without it (and arm64 with DotProd) for Q4_0 / Q5_0 / Q8_0 on path VEC_DOT from
+kernels_cpu.matmul_avx2 and for Q2_K .. Q6_K on every path from kernels_cpu.kquant_int8 (Q4_K
+GEMV / GEMM in 8-row tiles, ``kq_rows``), and on every CPU
 with AVX2 for Q4_1 / Q5_1 (VEC_DOT) from kernels_cpu.matmul_avx2, for IQ4_NL / IQ4_XS / MXFP4
 from kernels_cpu.iq4_avx2 and for IQ2_XXS / IQ2_XS / IQ2_S / IQ3_XXS / IQ3_S (their only
 tiles) from kernels_cpu.iq23_avx2; for IQ1_S / IQ1_M / TQ1_0 /
