@@ -46,7 +46,11 @@ the GEMV path of Q8_0 / Q5_0 / Q4_0 / IQ4_NL / MXFP4) run in 16-row panels inste
 (kernels_cpu.matmul_panel: each weight block decoded once for all the rows; same bits).
 On AVX2 CPUs without VNNI and arm64 CPUs with DotProd (simd.HAS_INT8_VEC_DOT), Q4_0 / Q5_0 / Q8_0
 on the VEC_DOT path come from kernels_cpu.matmul_avx2 (vpmaddubsw + vpmaddwd, or sdot, into the
-same 8 lanes); Q5_0 / Q8_0 take int8 quants. On every CPU with AVX2 or DotProd, Q4_1 / Q5_1 come
+same 8 lanes); Q5_0 / Q8_0 take int8 quants. There the K-quants Q2_K .. Q6_K come from
+kernels_cpu.kquant_int8 on every path (same float operations; int8 quants): one weight row per
+vector (vpmaddubsw + vpmaddwd with the group scales, or sdot, into ggml's 8 lanes, added across
+lanes for TILED / GEMV / GEMM), Q4_K GEMV / GEMM (repacked) in 8-row tiles with one row per
+lane (kernels_cpu.matmul_rows' layout, matmul_tiling.kq_rows). On every CPU with AVX2 or DotProd, Q4_1 / Q5_1 come
 from kernels_cpu.matmul_avx2 too; on every CPU with AVX2 (simd.HAS_AVX2), IQ4_NL /
 IQ4_XS / MXFP4 from kernels_cpu.iq4_avx2, the IQ2 / IQ3 types from kernels_cpu.iq23_avx2 and IQ1_S /
 IQ1_M / TQ1_0 / TQ2_0 from kernels_cpu.iq1tq_avx2 (with VNNI instructions where the CPU has them,

@@ -10,7 +10,8 @@ with one load per segment), xd float32[T, K/block], xs float32[T, K/32], xbsums 
 out float32[T, R]; all C-contiguous.
 
 numba's on-disk cache keys these kernels on this file only: after editing the modules they
-build on (matmul_decoders, matmul_tiles, matmul_tiling, matmul_rows, matmul_vnni), clear
+build on (matmul_decoders, matmul_tiles, matmul_tiling, matmul_rows, matmul_vnni, matmul_avx2,
+kquant_int8), clear
 kernels_cpu/__pycache__/matmul_kernels.*.nbi / .nbc.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ from kernels_cpu.matmul_float import matmul_bf16_bf16, matmul_f16_f16, matmul_f3
 from kernels_cpu.matmul_rows import Q0_ROWS
 from kernels_cpu.matmul_tiles import GEMM, GEMV, TILED, VEC_DOT
 from kernels_cpu.matmul_tiling import (ND_Q6_K, NR, NR_Q0, NR_ROWS, NT_WIDE, PANEL_ROWS, _block_sums_32, _blocks,
-                                      _panels, _rows, _tiled, many_rows)
+                                      _panels, _rows, _tiled, kq_rows, many_rows)
 from kernels_cpu.simd import HAS_AVX2, HAS_DOTPROD, HAS_INT8_VEC_DOT, HAS_VNNI
 
 T_ = GGMLQuantizationType
@@ -130,14 +131,15 @@ _plain_k_fast = _plain_k_panels if HAS_VNNI else _plain_k_tiles  # Q4_K (R % 8 !
 
 @njit(cache=True, inline="always")
 def _repacked_q4_k(w, xqs, xd, xbsums, out):
-    """_repacked_k for Q4_K, every part through matmul_tiling.many_rows (16-row panels for
-    T >= 2 with AVX-512 VNNI; same arithmetic)."""
+    """_repacked_k for Q4_K, every part through matmul_tiling.kq_rows (many_rows with AVX-512
+    VNNI: 16-row panels for T >= 2; 8-row tiles of kernels_cpu.kquant_int8 with AVX2 or DotProd;
+    same arithmetic)."""
     T = xqs.shape[0]
     n4 = T - T % 4 if T > 3 else 0
     if n4 > 0:
-        many_rows(_Q4_K, GEMM, w, xqs[:n4], xd[:n4], xbsums[:n4], out[:n4])
+        kq_rows(_Q4_K, GEMM, w, xqs[:n4], xd[:n4], xbsums[:n4], out[:n4])
     if n4 < T:
-        many_rows(_Q4_K, GEMV, w, xqs[n4:], xd[n4:], xbsums[n4:], out[n4:])
+        kq_rows(_Q4_K, GEMV, w, xqs[n4:], xd[n4:], xbsums[n4:], out[n4:])
 
 
 @njit(cache=True, inline="always")
@@ -254,7 +256,7 @@ def matmul_q4_k_q8_k_bi(w, xqs, xd, xbsums, out):
 @njit(parallel=True, cache=True, nogil=True)
 def matmul_q4_k_q8_k_repacked_bi(w, xqs, xd, xbsums, out):
     """Q4_K repacked, batch-invariant (GEMV for every T)."""
-    many_rows(_Q4_K, GEMV, w, xqs, xd, xbsums, out)
+    kq_rows(_Q4_K, GEMV, w, xqs, xd, xbsums, out)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -295,6 +297,7 @@ from kernels_cpu.iq4_kernels import (matmul_iq4_nl_q8_0, matmul_iq4_nl_q8_0_bi, 
 ROWS_TYPES = ((T_.Q4_0, T_.Q5_0, T_.Q8_0, T_.Q4_K, T_.Q5_K, T_.Q6_K) if HAS_VNNI else (T_.Q5_0, T_.Q8_0) if HAS_INT8_VEC_DOT
               else ())
 ROWS_TYPES += (T_.Q4_1, T_.Q5_1) if HAS_AVX2 or HAS_DOTPROD else ()  # matmul_avx2 tiles
+ROWS_TYPES += (T_.Q2_K, T_.Q3_K, T_.Q4_K, T_.Q5_K, T_.Q6_K) if HAS_INT8_VEC_DOT else ()  # kquant_int8 tiles
 ROWS_TYPES += (T_.IQ4_NL, T_.IQ4_XS, T_.MXFP4) if HAS_AVX2 else ()  # iq4_avx2 tiles
 ROWS_TYPES += tuple(T_[name.upper()] for name in sorted(IQ23_AVX2_TYPES | IQ1TQ_AVX2_TYPES))  # iq23_avx2, iq1tq_avx2
 

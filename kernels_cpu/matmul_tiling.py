@@ -9,7 +9,9 @@ paths with one weight row per lane when T >= 2 (``many_rows``). Results do not d
 tiling, so edge tiles overlap their neighbours instead of being smaller. The tile's IR comes
 from kernels_cpu.matmul_tiles, or on CPUs with AVX-512 VNNI for some types and paths from
 kernels_cpu.matmul_rows / kernels_cpu.matmul_vnni (same float operations), on AVX2 CPUs
-without it for Q4_0 / Q5_0 / Q8_0 on path VEC_DOT from kernels_cpu.matmul_avx2, and on every CPU
+without it (and arm64 with DotProd) for Q4_0 / Q5_0 / Q8_0 on path VEC_DOT from
+kernels_cpu.matmul_avx2 and for Q2_K .. Q6_K on every path from kernels_cpu.kquant_int8 (Q4_K
+GEMV / GEMM in 8-row tiles, ``kq_rows``), and on every CPU
 with AVX2 for Q4_1 / Q5_1 (VEC_DOT) from kernels_cpu.matmul_avx2, for IQ4_NL / IQ4_XS / MXFP4
 from kernels_cpu.iq4_avx2 and for IQ2_XXS / IQ2_XS / IQ2_S / IQ3_XXS / IQ3_S (their only
 tiles) from kernels_cpu.iq23_avx2; for IQ1_S / IQ1_M / TQ1_0 /
@@ -30,6 +32,7 @@ from kernels_cpu.iq4_avx2 import AVX2_IQ4_PATHS, build_avx2_iq4_tile
 from kernels_cpu.iq4_decoders import FORMATS as IQ4_FORMATS
 from kernels_cpu.iq23_avx2 import AVX2_IQ23_PATHS, build_avx2_iq23_tile
 from kernels_cpu.iq23_avx2 import FORMATS as IQ23_FORMATS
+from kernels_cpu.kquant_int8 import KQUANT_PATHS, KQUANT_ROWS_PATHS, build_kquant_rows_tile, build_kquant_tile
 from kernels_cpu.matmul_avx2 import build_avx2_tile
 from kernels_cpu.matmul_decoders import FORMATS
 from kernels_cpu.matmul_panel import PANEL_ROWS, PANEL_T, build_panel
@@ -46,6 +49,8 @@ TC = 64  # activation rows per prefill chunk
 ND = 4  # decode tile rows, R // ND apart (adjacent rows in one tile stream from DRAM at half speed)
 # Q4_K (repacked) and Q6_K with AVX-512 VNNI: tiles of 8 rows, one per lane (kernels_cpu.matmul_rows)
 NR_ROWS = ROWS if HAS_VNNI else NR
+# Q4_K (repacked) with AVX2 int8 or DotProd: 8-row tiles too (kernels_cpu.kquant_int8)
+NR_KQ = ROWS if HAS_VNNI or HAS_INT8_VEC_DOT else NR
 NT_WIDE = 8 if HAS_VNNI else 0  # Q5_0 / Q8_0 GEMV rows tiles: 8 activation rows per weight decoding
 NR_Q0 = 8 if HAS_VNNI else NR  # Q5_0 / Q8_0 with AVX-512 VNNI: 8 rows in pairs (kernels_cpu.matmul_vnni)
 ND_Q6_K = 2 if HAS_VNNI else NR  # Q6_K vec_dot (T < 8) with VNNI: one row pair per tile (kernels_cpu.matmul_vnni)
@@ -78,6 +83,10 @@ def qdot_tile(typingctx, fmt, path, nr, nt, w, r0, r_step, xq, xd, xa, t0, out):
         elif p == VEC_DOT and (HAS_INT8_VEC_DOT and f.ggml_type in (T_.Q4_0, T_.Q5_0, T_.Q8_0)
                                or (HAS_AVX2 or HAS_DOTPROD) and f.ggml_type in (T_.Q4_1, T_.Q5_1)):
             fn = build_avx2_tile(builder.module, f.ggml_type.name, n_r, n_t, name, x16)
+        elif HAS_INT8_VEC_DOT and n_r == ROWS and (f.ggml_type, p) in KQUANT_ROWS_PATHS:
+            fn = build_kquant_rows_tile(builder.module, f.ggml_type, p, n_t, name, x16)
+        elif HAS_INT8_VEC_DOT and (f.ggml_type, p) in KQUANT_PATHS:
+            fn = build_kquant_tile(builder.module, f.ggml_type, p, n_r, n_t, name, x16)
         elif n_r == ROWS and HAS_VNNI and (p == GEMV and f.ggml_type in (T_.IQ4_NL, T_.MXFP4, T_.Q4_0)
                                            or p == TILED and f.ggml_type == T_.IQ4_XS):
             fn = build_rows_tile(builder.module, f.ggml_type.name, PATH_NAMES[p], n_t, name, x16)
@@ -264,3 +273,15 @@ def _tiles_only(fmt, path, w, xq, xd, xa, out):
 # every T through the tiles with one weight row per lane (xa: as qdot_tile's, or for 32-value
 # blocks -offset * each block's activation sum)
 many_rows = _panels_first if HAS_VNNI else _tiles_only
+
+
+@njit(cache=True, inline="always")
+def _kq_tiles(fmt, path, w, xq, xd, xa, out):
+    """NR_KQ x NT tiles (CPUs without AVX-512 VNNI: with AVX2 or DotProd kernels_cpu.kquant_int8's
+    8-row tiles, else the generic NR-row tiles)."""
+    _tiled(fmt, path, NR_KQ, w, xq, xd, xa, out, NT_WIDE)
+
+
+# Q4_K GEMV / GEMM (repacked): many_rows with AVX-512 VNNI, else 8-row tiles where the CPU has
+# AVX2 or DotProd (kernels_cpu.kquant_int8)
+kq_rows = _panels_first if HAS_VNNI else _kq_tiles

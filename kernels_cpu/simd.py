@@ -231,7 +231,7 @@ HAS_AVX2_INT8 = HAS_AVX2 and not HAS_VNNI
 # later, Graviton 2+): sdot, four int8 products into each int32 lane (kernels_cpu.matmul_avx2's tiles)
 HAS_DOTPROD = "+dotprod" in target_features()
 # Q4_0 / Q5_0 / Q8_0 / Q4_1 / Q5_1 vec_dot tiles from kernels_cpu.matmul_avx2 (their int8 step:
-# vpmaddubsw + vpmaddwd, vpdpbusd or sdot)
+# vpmaddubsw + vpmaddwd, vpdpbusd or sdot) and the Q2_K .. Q6_K tiles of kernels_cpu.kquant_int8
 HAS_INT8_VEC_DOT = HAS_AVX2_INT8 or HAS_DOTPROD
 
 
@@ -240,7 +240,7 @@ def kernel_path(features: frozenset | None = None) -> str:
     "avx512-vnni" (AVX-512 VNNI int8 tiles), "avx512" (AVX-512 F without VNNI: the AVX2 int8
     tiles, AVX-512's exp in attention), "avx2" (vpmaddubsw / vpshufb ymm tiles) or "generic"
     (plain LLVM vectors); on arm64 "neon-dotprod" (sdot in the Q4_0 / Q5_0 / Q8_0 / Q4_1 / Q5_1
-    tiles) or "neon" (plain LLVM vectors, which LLVM turns into NEON code). AVX-VNNI (VEX) has no
+    and Q2_K .. Q6_K tiles) or "neon" (plain LLVM vectors, which LLVM turns into NEON code). AVX-VNNI (VEX) has no
     path of its own yet: such CPUs take "avx2"."""
     f = target_features() if features is None else features
     if "+dotprod" in f:
