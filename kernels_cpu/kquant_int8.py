@@ -65,7 +65,7 @@ from llvmlite import ir
 from kernels_cpu.ggml_types import TYPES
 from kernels_cpu.iq4_avx2 import _lane_map, _totals
 from kernels_cpu.matmul_avx2 import _quants
-from kernels_cpu.matmul_rows import ROWS, _Act, _byte, _c, _halves_to_f32, _i16_pair, _load_rows
+from kernels_cpu.matmul_rows import _byte, _c, _halves_to_f32, _i16_pair, _load_rows, k_rows_tile
 from kernels_cpu.matmul_tiles import GEMM, GEMV, TILED, VEC_DOT
 from kernels_cpu.matmul_vnni import _reload
 from kernels_cpu.simd import (F32, HAS_DOTPROD, I8, I16, I32, I64, _x86_call, concat, fmuladd, hsum_float_8, lanes_i8,
@@ -530,22 +530,5 @@ def build_kquant_rows_tile(module: ir.Module, t: T, path: int, nt: int, name: st
     GEMM (float structure of ggml_gemv / ggml_gemm_q4_K_8x8_q8_K); activation quants int8 (or
     int16 when ``x16``), xa the Q8_K bsums int16[T, K/16]."""
     assert (t, path) in KQUANT_ROWS_PATHS, (t, path)
-    names = ["acc", "accm"]
-    kind = "gemv" if path == GEMV else "gemm"
-    block_bytes = TYPES[t].type_size
-
-    def body(b, rows, blk, accs):
-        at = b.mul(blk, ir.Constant(I64, block_bytes))
-        w_rows = [b.gep(p, [at]) for p in rows["w"]]
-        acts = [_Act(b, *xr, x16, blk) for xr in zip(rows["xq"], rows["xd"], rows["xa"])]
-        return _rows_q4_k(b, w_rows, acts, kind, accs)
-
-    def finish(b, new):
-        values = {}
-        for tt in range(nt):
-            value = b.fsub(new["acc"][tt], new["accm"][tt])
-            values.update({(r, tt): b.extract_element(value, ir.Constant(I32, r)) for r in range(ROWS)})
-        return values
-
-    return tile_function(module, name, ROWS, nt, {k: [ir.Constant(V8F32, [0.0] * ROWS)] * nt for k in names},
-                         body, finish, block_bytes)
+    return k_rows_tile(module, name, nt, TYPES[t].type_size, _rows_q4_k, "gemv" if path == GEMV else "gemm", x16,
+                       with_min=True)

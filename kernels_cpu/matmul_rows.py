@@ -324,7 +324,6 @@ def build_rows_tile(module: ir.Module, ggml_type_name: str, kind: str, nt: int, 
     out_r_stride, nb)`` as kernels_cpu.matmul.build_tile does, for 8 weight rows x ``nt``
     activation rows of Q4_K (kind "gemv" / "gemm"), Q6_K or IQ4_XS ("tiled"), or Q8_0 / Q5_0 / Q4_0 / IQ4_NL / MXFP4 ("gemv";
     xa: int32 -offset * the sum of each block's activation quants, see Q0_ROWS)."""
-    names = ["acc", "accm"] if ggml_type_name == "Q4_K" else ["acc"]
     if ggml_type_name in Q0_ROWS:
         assert kind == "gemv", "Q8_0 / Q5_0 rows tiles compute the GEMV structure"
 
@@ -339,6 +338,15 @@ def build_rows_tile(module: ir.Module, ggml_type_name: str, kind: str, nt: int, 
                              q0_body, q0_finish, Q0_ROWS[ggml_type_name][0])
     block_bytes, emit = {"Q4_K": (Q4_K_BYTES, _q4_k_block), "Q6_K": (Q6_K_BYTES, _q6_k_block),
                          "IQ4_XS": (IQ4_XS_BYTES, _iq4_xs_block)}[ggml_type_name]
+    return k_rows_tile(module, name, nt, block_bytes, emit, kind, x16, with_min=ggml_type_name == "Q4_K")
+
+
+def k_rows_tile(module: ir.Module, name: str, nt: int, block_bytes: int, emit, kind: str, x16: bool,
+                with_min: bool) -> ir.Function:
+    """The 8-row tile of a 256-value block type: ``emit(b, w_rows, acts, kind, accs)`` adds one block
+    of the 8 weight rows (i8* each) with the ``nt`` activation rows (_Act) to accs {"acc"[, "accm"]}
+    (<8 x float> per activation row, lane r: weight row r); the output is acc (- accm ``with_min``)."""
+    names = ["acc", "accm"] if with_min else ["acc"]
 
     def body(b, rows, blk, accs):
         at = b.mul(blk, ir.Constant(I64, block_bytes))
@@ -349,7 +357,7 @@ def build_rows_tile(module: ir.Module, ggml_type_name: str, kind: str, nt: int, 
     def finish(b, new):
         values = {}
         for t in range(nt):
-            value = b.fsub(new["acc"][t], new["accm"][t]) if ggml_type_name == "Q4_K" else new["acc"][t]
+            value = b.fsub(new["acc"][t], new["accm"][t]) if with_min else new["acc"][t]
             values.update({(r, t): b.extract_element(value, ir.Constant(I32, r)) for r in range(ROWS)})
         return values
 

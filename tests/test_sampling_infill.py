@@ -57,6 +57,13 @@ def test_eog_majority_keeps_only_the_eog_tokens():
     np.testing.assert_allclose(got_p, [0.75, 0.25], rtol=1e-6)
 
 
+def assert_draws(probs, ids, p):
+    """The sampler's draw distribution of ``probs``' logits: ``ids`` with probabilities ``p``."""
+    got_ids, got_p = sampler().distribution(logits_of(probs))
+    assert got_ids.tolist() == ids
+    np.testing.assert_allclose(got_p, p, rtol=1e-6)
+
+
 def test_eog_at_the_ratio_limit_is_not_a_majority():
     # p_eog 0.05, n 3: 3 * 0.05 * 3 = 0.45 <= p_txt 0.95: the text tokens stay
     ids, p, _ = infill({3: 0.6, 4: 0.35, 9: 0.05})
@@ -73,9 +80,7 @@ def test_prefix_merge_follows_llama_cpps_loop_order():
     assert ids.tolist() == [1, 9]
     np.testing.assert_allclose(p, [0.8 / 0.82, 0.02 / 0.82], rtol=1e-6)
     np.testing.assert_allclose(x, np.log([0.35, 0.02]), rtol=1e-6)
-    got_ids, got_p = sampler().distribution(logits_of(probs))
-    assert got_ids.tolist() == [1, 9]
-    np.testing.assert_allclose(got_p, [0.35 / 0.37, 0.02 / 0.37], rtol=1e-6)
+    assert_draws(probs, [1, 9], [0.35 / 0.37, 0.02 / 0.37])
 
 
 def test_prefix_merge_into_the_larger_and_a_tie_keeps_i0():
@@ -97,9 +102,7 @@ def test_a_merged_away_eog_token_stays_with_p_0_and_is_never_drawn():
     assert ids.tolist() == [7, 4, 8]
     np.testing.assert_allclose(p, [0.65, 0.35, 0.0], rtol=1e-6)
     assert x[2] == -np.inf and np.isfinite(x[:2]).all()
-    got_ids, got_p = sampler().distribution(logits_of(probs))
-    assert got_ids.tolist() == [7, 4]
-    np.testing.assert_allclose(got_p, [0.6 / 0.95, 0.35 / 0.95], rtol=1e-6)
+    assert_draws(probs, [7, 4], [0.6 / 0.95, 0.35 / 0.95])
 
 
 def test_second_cut_below_one_over_n_plus_one():
