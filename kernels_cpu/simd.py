@@ -201,7 +201,8 @@ def target_features() -> frozenset:
     listed = features.split(",")
     cpu = config.CPU_NAME or binding.get_host_cpu_name()
     arm64 = binding.get_process_triple().startswith(("aarch64", "arm64"))
-    implied = [f for f in _ARM64_IMPLIED.get(cpu, ()) if arm64 and f"-{f[1:]}" not in listed]
+    # NEON (Advanced SIMD) is part of every arm64 CPU (Armv8-A), listed or not
+    implied = [f for f in ("+neon", *_ARM64_IMPLIED.get(cpu, ())) if arm64 and f"-{f[1:]}" not in listed]
     return frozenset(f for f in listed + implied if f.startswith("+"))
 
 

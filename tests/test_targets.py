@@ -61,6 +61,26 @@ def test_kernel_path_names(features, path):
     assert simd.kernel_path(frozenset(features)) == path
 
 
+@pytest.mark.parametrize("cpu, listed, has, lacks", [
+    ("generic", "", {"+neon"}, {"+dotprod"}),                      # qemu-user: LLVM lists nothing
+    ("apple-m1", "", {"+neon", "+dotprod"}, {"+i8mm"}),
+    ("apple-m2", "-i8mm", {"+neon", "+dotprod"}, {"+i8mm"}),        # a "-" feature is kept off
+    ("cortex-a53", "+crc", {"+neon", "+crc"}, {"+dotprod"}),
+])
+def test_arm64_features_from_cpu_name(monkeypatch, cpu, listed, has, lacks):
+    """On an arm64 process triple, target_features adds NEON (every Armv8-A CPU) and the features
+    the CPU's LLVM name implies, which LLVM's host query misses under qemu-user and on macOS."""
+    from llvmlite import binding
+    from numba.core import config
+
+    monkeypatch.setattr(binding, "get_process_triple", lambda: "aarch64-unknown-linux-gnu")
+    monkeypatch.setattr(config, "CPU_NAME", cpu)
+    monkeypatch.setattr(config, "CPU_FEATURES", listed)
+    features = simd.target_features()
+    assert has <= features and not lacks & features
+    assert simd.kernel_path(features) == ("neon-dotprod" if "+dotprod" in has else "neon")
+
+
 def _edge(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "edge.cli", *argv], capture_output=True, text=True, timeout=120,
                           env=env)

@@ -228,6 +228,8 @@ smoke() {
 
 run_tests() {
     local spec name cpu feats f t0 log counts
+    local -a extra=()
+    eval "extra=(${EDGE_ARM64_PYTEST:-})"   # shell words: -k 'a or b' stays one expression
     for spec in $TARGETS; do
         name=${spec%%=*}; cpu=${spec#*=}; feats=""
         case $cpu in *:*) feats=${cpu#*:}; cpu=${cpu%%:*} ;; esac
@@ -238,7 +240,7 @@ run_tests() {
             set +e
             NUMBA_CPU_NAME=$cpu NUMBA_CPU_FEATURES=$feats NUMBA_CACHE_DIR=/var/cache/numba-$name \
                 EDGE_TARGETS=none in_root python -m pytest -q -p no:cacheprovider \
-                ${EDGE_ARM64_PYTEST:-} "$f" >"$log" 2>&1
+                "${extra[@]}" "$f" >"$log" 2>&1
             local rc=$?
             set -e
             counts=$(grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error|deselected)' "$log" | tail -n 1 | tr -d '=' | xargs)
