@@ -512,9 +512,10 @@ def _rows_q4_k(b, w_rows, acts, kind, accs):
                 for t, a in enumerate(acts):  # each activation row's quads loaded where used, not all hoisted
                     tot[t] = _pin(b, _chunks_dot(b, tot[t], codes, [a.quad(at + 4 * c) for c in range(4)], sc, 4))
         if kind == "gemm" or p == 3:
+            ms = None
             for q in ([p] if kind == "gemm" else range(4)):
                 terms = min_terms(q)
-                ms = terms if q in (p, 0) and (kind == "gemm" or q == 0) else [b.add(m, x) for m, x in zip(ms, terms)]
+                ms = terms if ms is None else [b.add(m, x) for m, x in zip(ms, terms)]
             d, dmin = _halves_to_f32(b, h0, 0), _halves_to_f32(b, h0, 16)
             for t, a in enumerate(acts):
                 acc[t] = fmuladd(b, b.sitofp(tot[t], V8F32), b.fmul(d, a.d), acc[t])
