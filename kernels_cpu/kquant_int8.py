@@ -49,16 +49,17 @@ most 8 segments * 128 * 4 * 63 * 128).
 AVX-VNNI (simd.HAS_AVX_VNNI: Intel's Alder Lake and later, without AVX-512): the one-row-per-lane
 tiles take the arm64 structure, a chain of ``vpdpbusd`` ymm over a scale's 4 chunks (u8 codes x s8
 quants into int32, exact) and one ``vpmulld`` by the int32 scales (ggml's K-quant code has no such
-step: its __AVXVNNI__ branches are the 4-way steps of Q4_0 / Q8_0 / IQ4_NL). The one-row-per-vector
-tiles keep ``vpmaddubsw`` + ``vpmaddwd`` by the int16 scales (LLVM fuses that vpmaddwd and its add
-into ``{vex} vpdpwssd`` for such a CPU): their scales change with every 32 values, one vpdpbusd,
-which a vpmulld would then follow every time. Measured as a proxy (no AVX-VNNI CPU here: Zen 4
-running both forms compiled for itself, vpdpbusd EVEX-encoded; one thread, weights in L2; G
-multiply-adds/s, vpmaddubsw form -> vpdpbusd form): Q4_K rows GEMV 8 x 1 47.4 -> 51.1, GEMM 8 x 4
-78.6 -> 91.5; one row per vector with vpdpbusd + vpmulld, Q4_K VEC_DOT 4 x 1 40.7 -> 35.6, Q6_K
-TILED 4 x 4 68.1 -> 60.4 (slower for every tile measured: Q2_K .. Q6_K VEC_DOT 4 x 1, Q4_K GEMM,
-Q3_K and Q6_K TILED 4 x 4). llvm-mca's alderlake model (LLVM 14) agrees, cycles per block: 8 x 1
-175 -> 165, 8 x 4 439 -> 395, Q4_K VEC_DOT 4 x 1 131 -> 164, Q6_K TILED 275 -> 330.
+step: its __AVXVNNI__ branches are the 4-way steps of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 and, in
+tinyBLAS, IQ4_NL). The one-row-per-vector tiles keep ``vpmaddubsw`` + ``vpmaddwd`` by the int16
+scales (LLVM fuses that vpmaddwd and its add into ``{vex} vpdpwssd`` for such a CPU): their scales
+change with every 32 values, one vpdpbusd, which a vpmulld would then follow every time. Measured
+as a proxy (no AVX-VNNI CPU here: Zen 4 running both forms compiled for itself, vpdpbusd
+EVEX-encoded; one thread, weights in L2; G multiply-adds/s, vpmaddubsw form -> vpdpbusd form): Q4_K
+rows GEMV 8 x 1 47.0 -> 50.1, GEMM 8 x 4 78.5 -> 92.4; one row per vector with vpdpbusd + vpmulld,
+Q4_K VEC_DOT 4 x 1 40.7 -> 35.6, Q6_K TILED 4 x 4 68.1 -> 60.4 (none faster: Q2_K .. Q6_K VEC_DOT 4
+x 1 0-13% slower, Q4_K GEMM and Q3_K / Q6_K TILED 4 x 4 11%). llvm-mca's alderlake model (LLVM 14)
+agrees, cycles per block: 8 x 1 175 -> 165, 8 x 4 439 -> 395, Q4_K VEC_DOT 4 x 1 131 -> 164, Q6_K
+TILED 275 -> 330.
 
 Register pressure: the loop body of a tile is one basic block, and LLVM's scheduler hoists its
 loads to the top, which on AVX2's 16 vector registers turns into spills; the tiles put
