@@ -7,7 +7,8 @@ throughput (what prefill, batched decode and verification are bound by).
   returns the best bytes per second of a few passes.
 * :func:`int8_throughput` runs, on every thread, a register-only loop of the instruction edge's
   int8 tiles use on this CPU (kernels_cpu.simd.kernel_path): ``vpdpbusd`` zmm with AVX-512 VNNI (64
-  multiply-adds each), else ``vpmaddubsw`` + ``vpmaddwd`` + ``vpaddd`` ymm with AVX2 (32), else
+  multiply-adds each), ``vpdpbusd`` ymm with AVX-VNNI (32), else ``vpmaddubsw`` + ``vpmaddwd`` +
+  ``vpaddd`` ymm with AVX2 (32), else
   16 int8 products widened to int32 (plain LLVM vectors), in 8 independent chains so that the
   latency is hidden; returns int8 multiply-adds per second.
 
@@ -23,8 +24,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from kernels_cpu.simd import (BYTE_PTR, HAS_AVX2, HAS_VNNI, I8, I16, I32, I64, _x86_call, kernel_path,  # noqa: F401
-                              target_features, vec)
+from kernels_cpu.simd import (BYTE_PTR, HAS_AVX2, HAS_AVX_VNNI, HAS_VNNI, I8, I16, I32, I64, _x86_call,  # noqa: F401
+                              kernel_path, target_features, vec)
 
 CHUNK = 1 << 20  # bytes per parallel work item of the bandwidth loop
 _STEP = 256  # bytes per loop step: 8 loads of 32 bytes
@@ -96,8 +97,9 @@ def _madd_fn(module: ir.Module) -> ir.Function:
     ops = [b.xor(s, ir.Constant(vi, [0x01020304 * (k + 1)] * width)) for k in range(9)]
 
     def step(b, i, accs):
-        if HAS_VNNI:
-            return [_x86_call(b, "llvm.x86.avx512.vpdpbusd.512", [acc, ops[8], ops[k]]) for k, acc in enumerate(accs)]
+        if HAS_VNNI or HAS_AVX_VNNI:
+            name = f"llvm.x86.avx512.vpdpbusd.{32 * width}"
+            return [_x86_call(b, name, [acc, ops[8], ops[k]]) for k, acc in enumerate(accs)]
         if not HAS_AVX2:  # no int8 instruction edge uses: 16 widened products per chain (what LLVM makes of them)
             a = b.sext(b.trunc(ops[8], vec(I8, width)), vi)
             return [b.add(acc, b.mul(a, b.sext(b.trunc(b.xor(ops[k], acc), vec(I8, width)), vi)))

@@ -22,6 +22,10 @@ costs one ``vpsignb`` (llama.cpp's |c|, x * sign(c) costs two). |c * sign(x)| <=
 127 (activation quants in [-127, 127], as quantize_row_q8_0 / _q8_K make them): pair sums at
 most 2 * 127 * 127 = 32258, no int16 saturation. The tables hold no -128, which ``vpsignb``
 could not negate.
+With AVX-512 VNNI or AVX-VNNI (``{vex} vpdpbusd`` / ``vpdpwssd`` ymm, the same LLVM intrinsics;
+ggml's tinyBLAS_Q0_AVX updot under __AVXVNNI__) IQ4_NL / MXFP4 lanes come from one ``vpdpbusd``
+of the unsigned c + 128 by x, started at -128 * (sum of x's 4 values), and IQ4_XS adds its scaled
+pair sums with ``vpdpwssd``: the same exact integers.
 One output's partial integer sums are added across lanes with shuffles, exactly, 8 outputs per
 vector, and the float updates of GEMV / TILED run on those 8-output vectors.
 
@@ -37,7 +41,7 @@ from kernels_cpu.ggml_types import TYPES
 from kernels_cpu.iq4_decoders import KVALUES_IQ4NL, KVALUES_MXFP4, e8m0_half, lookup16
 from kernels_cpu.matmul_avx2 import _quants
 from kernels_cpu.matmul_tiles import GEMV, TILED, VEC_DOT
-from kernels_cpu.simd import (F32, HAS_VNNI, I8, I16, I32, I64, _x86_call, dot_i16, dot_u8_s8, fmuladd,
+from kernels_cpu.simd import (F32, HAS_AVX_VNNI, HAS_VNNI, I8, I16, I32, I64, _x86_call, dot_i16, dot_u8_s8, fmuladd,
                               hsum_float_8, load, load_half, madd_u8_s8_256, shuffle, sign_i8_256, splat,
                               sum_pairs_i16_256, tile_function, vec)
 
@@ -187,7 +191,7 @@ def _block(b, t, path, rows, blk, accs, x16: bool):
     lanes = [None] * n
     for j in range(n_seg):
         xs = [_quants(b, xq, b.add(x_at, ir.Constant(I64, 32 * j)), x16) for xq in rows["xq"]]
-        if HAS_VNNI and scales is None:  # (c + 128) * x by vpdpbusd, from -128 * (sum of x's 4 values)
+        if (HAS_VNNI or HAS_AVX_VNNI) and scales is None:  # (c + 128) * x by vpdpbusd, from -128 * (sum of 4 x)
             starts = [b.sub(_ZERO8, dot_u8_s8(b, _ZERO8, ir.Constant(V32I8, [-128] * 32), x)) for x in xs]
             for r, p in enumerate(ptrs):
                 codes = _segment(b, t, p, j, 128)
@@ -200,7 +204,7 @@ def _block(b, t, path, rows, blk, accs, x16: bool):
             for tt in range(nt):
                 p16 = madd_u8_s8_256(b, abs_xs[tt], sign_i8_256(b, codes, xs[tt]))
                 i = r * nt + tt
-                if scales is not None and HAS_VNNI:  # vpdpwssd: the scaled pair sums added in one step
+                if scales is not None and (HAS_VNNI or HAS_AVX_VNNI):  # vpdpwssd: scaled pair sums added in one step
                     lanes[i] = dot_i16(b, _ZERO8 if lanes[i] is None else lanes[i], p16, scales[r][j])
                     continue
                 if scales is None:

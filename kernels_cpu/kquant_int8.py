@@ -1,9 +1,10 @@
-"""Q2_K / Q3_K / Q4_K / Q5_K / Q6_K matmul tiles with 8-bit products, for CPUs with AVX2 and without
-AVX-512 VNNI (``vpmaddubsw`` + ``vpmaddwd``) and for arm64 with DotProd (``sdot``):
-simd.HAS_INT8_VEC_DOT. The weight codes stay bytes instead of being unpacked to int16 as in the
-generic tile (kernels_cpu.matmul_tiles), whose results they reproduce bit for bit: every integer
-sum is exact in both, and per output the same integer sums become floats, meet the same float
-scales and are added in the same order (each path's float structure: kernels_cpu.matmul).
+"""Q2_K / Q3_K / Q4_K / Q5_K / Q6_K matmul tiles with 8-bit products, for CPUs with AVX2 and
+without AVX-512 VNNI (``vpmaddubsw`` + ``vpmaddwd``; ``vpdpbusd`` ymm in the 8-row tiles with
+AVX-VNNI) and for arm64 with DotProd (``sdot``): simd.HAS_INT8_VEC_DOT. The weight codes stay bytes
+instead of being unpacked to int16 as in the generic tile (kernels_cpu.matmul_tiles), whose results
+they reproduce bit for bit: every integer sum is exact in both, and per output the same integer
+sums become floats, meet the same float scales and are added in the same order (each path's float
+structure: kernels_cpu.matmul).
 
 Two kinds of tile. Shapes: w uint8 rows of 256-value blocks, activation quants int8[T, K] (or
 int16, ``x16``), d_x float32[T, K/256], bsums int16[T, K/16], out float32.
@@ -29,7 +30,7 @@ int16, ``x16``), d_x float32[T, K/256], bsums int16[T, K/16], out float32.
   of ggml_gemv / ggml_gemm_q4_K_8x8_q8_K; 8 weight rows x nt): kernels_cpu.matmul_rows'
   layout (16 bytes of each row's codes transposed in registers: vector c holds bytes 4c..4c+3
   of every row, 4 activation quants broadcast to all lanes) with ``vpmaddubsw`` + ``vpmaddwd``
-  (the scale pairs) or ``sdot`` in place of ``vpdpbusd``, and every float operation lane-wise,
+  (the scale pairs), ``sdot`` or (AVX-VNNI) ``vpdpbusd`` ymm, and every float operation lane-wise,
   one output per lane. No sums across lanes: GEMM's four float updates per block would need
   four reductions in the other layout. Measured on Zen 4 running Haswell's code, one thread,
   weights in L2: GEMM 8 x 4 about 66 G multiply-adds/s against 44 for the one-row-per-vector
@@ -42,8 +43,23 @@ and |activation quant| <= 128 (quantize_row_q8_K gives -127..127): pair sums at 
 128 = 16128. Q3_K's codes are signed (-4..3): |x| (u8) times the codes times sign(x)
 (``vpsignb``), at most 2 * 128 * 4. The row tiles add the pair sums of 4 chunks (16 values) in
 int16 before ``vpmaddwd``: at most 4 * 2 * 15 * 128 = 15360. ``sdot`` multiplies signed by
-signed: every code is at most 127. The int32 lanes stay far from overflow (a block's lane at
+signed: every code is at most 127. ``vpdpbusd`` (AVX-VNNI) adds its u8 x s8 products in int32. The int32 lanes stay far from overflow (a block's lane at
 most 8 segments * 128 * 4 * 63 * 128).
+
+AVX-VNNI (simd.HAS_AVX_VNNI: Intel's Alder Lake and later, without AVX-512): the one-row-per-lane
+tiles take the arm64 structure, a chain of ``vpdpbusd`` ymm over a scale's 4 chunks (u8 codes x s8
+quants into int32, exact) and one ``vpmulld`` by the int32 scales (ggml's K-quant code has no such
+step: its __AVXVNNI__ branches are the 4-way steps of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 and, in
+tinyBLAS, IQ4_NL). The one-row-per-vector tiles keep ``vpmaddubsw`` + ``vpmaddwd`` by the int16
+scales (LLVM fuses that vpmaddwd and its add into ``{vex} vpdpwssd`` for such a CPU): their scales
+change with every 32 values, one vpdpbusd, which a vpmulld would then follow every time. Measured
+as a proxy (no AVX-VNNI CPU here: Zen 4 running both forms compiled for itself, vpdpbusd
+EVEX-encoded; one thread, weights in L2; G multiply-adds/s, vpmaddubsw form -> vpdpbusd form): Q4_K
+rows GEMV 8 x 1 47.0 -> 50.1, GEMM 8 x 4 78.5 -> 92.4; one row per vector with vpdpbusd + vpmulld,
+Q4_K VEC_DOT 4 x 1 40.7 -> 35.6, Q6_K TILED 4 x 4 68.1 -> 60.4 (none faster: Q2_K .. Q6_K VEC_DOT 4
+x 1 0-13% slower, Q4_K GEMM and Q3_K / Q6_K TILED 4 x 4 11%). llvm-mca's alderlake model (LLVM 14)
+agrees, cycles per block: 8 x 1 175 -> 165, 8 x 4 439 -> 395, Q4_K VEC_DOT 4 x 1 131 -> 164, Q6_K
+TILED 275 -> 330.
 
 Register pressure: the loop body of a tile is one basic block, and LLVM's scheduler hoists its
 loads to the top, which on AVX2's 16 vector registers turns into spills; the tiles put
@@ -68,9 +84,9 @@ from kernels_cpu.matmul_avx2 import _quants
 from kernels_cpu.matmul_rows import _byte, _c, _halves_to_f32, _i16_pair, _load_rows, k_rows_tile
 from kernels_cpu.matmul_tiles import GEMM, GEMV, TILED, VEC_DOT
 from kernels_cpu.matmul_vnni import _reload
-from kernels_cpu.simd import (F32, HAS_DOTPROD, I8, I16, I32, I64, _x86_call, concat, fmuladd, hsum_float_8, lanes_i8,
-                              load, load_half, madd_pairs, madd_u8_s8_256, sdot, shuffle, sign_i8_256, splat,
-                              tile_function, vec)
+from kernels_cpu.simd import (F32, HAS_AVX_VNNI, HAS_DOTPROD, I8, I16, I32, I64, _x86_call, concat, dot_u8_s8, fmuladd,
+                              hsum_float_8, lanes_i8, load, load_half, madd_pairs, madd_u8_s8_256, sdot, shuffle,
+                              sign_i8_256, splat, tile_function, vec)
 
 V4I32, V8I32, V4F32, V8F32 = vec(I32, 4), vec(I32, 8), vec(F32, 4), vec(F32, 8)
 V8I16, V16I16, V16I8, V32I8 = vec(I16, 8), vec(I16, 16), vec(I8, 16), vec(I8, 32)
@@ -114,9 +130,12 @@ def _pmaddwd(b, a, c):
     return _x86_call(b, "llvm.x86.avx2.pmadd.wd", [a, c], V8I32)
 
 
-def _sdot8(b, acc, u, s):
-    """<8 x i32> acc + (lane j: sum of u[4j+k] * s[4j+k], k < 4) for signed <32 x i8> u, s: two sdot
-    (16 bytes each: lanes 0-3, 4-7)."""
+def _dot4(b, acc, u, s):
+    """<8 x i32> acc + (lane j: sum of u[4j+k] * s[4j+k], k < 4) for <32 x i8> u, s: arm64 two sdot
+    (signed by signed, 16 bytes each: lanes 0-3, 4-7), x86 one vpdpbusd ymm (u unsigned, s signed:
+    AVX-VNNI, or AVX-512 VNNI + VL)."""
+    if not HAS_DOTPROD:
+        return dot_u8_s8(b, acc, u, s)
     parts = [sdot(b, shuffle(b, acc, range(4 * h, 4 * h + 4)), shuffle(b, u, range(16 * h, 16 * h + 16)),
                   shuffle(b, s, range(16 * h, 16 * h + 16))) for h in range(2)]
     return concat(b, *parts)
@@ -142,7 +161,7 @@ def _seg_dot(b, codes, x, scale, absx=None):
     """<8 x i32>: lane j = scale_j * (sum of codes[4j+k] * x[4j+k], k < 4), codes and x <32 x i8>
     (codes unsigned, or signed with ``absx`` = |x| given on x86), scale from _seg_scale."""
     if HAS_DOTPROD:
-        return b.mul(_sdot8(b, _ZERO8, codes, x), scale)
+        return b.mul(_dot4(b, _ZERO8, codes, x), scale)
     if absx is not None:  # |x| * (codes * sign(x)): signed codes through vpmaddubsw
         p16 = madd_u8_s8_256(b, absx, sign_i8_256(b, codes, x))
     else:
@@ -151,9 +170,9 @@ def _seg_dot(b, codes, x, scale, absx=None):
 
 
 def _rows_scale(b, v):
-    """The scale operand of _chunks_dot from <8 x i32> v (lane r: the scale of row r): x86 the
-    i16 pair (v, v) per lane for vpmaddwd, arm64 v."""
-    if HAS_DOTPROD:
+    """The scale operand of _chunks_dot from <8 x i32> v (lane r: the scale of row r): AVX2 the
+    i16 pair (v, v) per lane for vpmaddwd, arm64 and AVX-VNNI v."""
+    if HAS_DOTPROD or HAS_AVX_VNNI:
         return v
     return b.bitcast(_i16_pair(b, v, v), V16I16)
 
@@ -162,11 +181,12 @@ def _chunks_dot(b, acc, codes: list, quads: list, scale, fold: int):
     """acc + scale * sum over c of (lane r: sum of the 4 products of codes[c] and quads[c]), <8 x i32>
     vectors as 4 bytes per lane (codes unsigned): on x86 ``fold`` chunks' vpmaddubsw pair sums are
     added in int16 (exact for the caller's codes, see the module docstring) before each vpmaddwd
-    with the scale pairs; on arm64 a chain of sdot, then one multiply."""
-    if HAS_DOTPROD:
+    with the scale pairs; on arm64 a chain of sdot, with AVX-VNNI of vpdpbusd, then one multiply
+    (vpmulld)."""
+    if HAS_DOTPROD or HAS_AVX_VNNI:
         total = _ZERO8
         for c, q in zip(codes, quads):
-            total = _sdot8(b, total, b.bitcast(c, V32I8), b.bitcast(q, V32I8))
+            total = _dot4(b, total, b.bitcast(c, V32I8), b.bitcast(q, V32I8))
         return b.add(acc, b.mul(total, scale))
     p16 = None
     for i, (c, q) in enumerate(zip(codes, quads)):
@@ -512,9 +532,10 @@ def _rows_q4_k(b, w_rows, acts, kind, accs):
                 for t, a in enumerate(acts):  # each activation row's quads loaded where used, not all hoisted
                     tot[t] = _pin(b, _chunks_dot(b, tot[t], codes, [a.quad(at + 4 * c) for c in range(4)], sc, 4))
         if kind == "gemm" or p == 3:
+            ms = None
             for q in ([p] if kind == "gemm" else range(4)):
                 terms = min_terms(q)
-                ms = terms if q in (p, 0) and (kind == "gemm" or q == 0) else [b.add(m, x) for m, x in zip(ms, terms)]
+                ms = terms if ms is None else [b.add(m, x) for m, x in zip(ms, terms)]
             d, dmin = _halves_to_f32(b, h0, 0), _halves_to_f32(b, h0, 16)
             for t, a in enumerate(acts):
                 acc[t] = fmuladd(b, b.sitofp(tot[t], V8F32), b.fmul(d, a.d), acc[t])

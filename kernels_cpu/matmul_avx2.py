@@ -1,6 +1,6 @@
 """Q4_0 / Q5_0 / Q8_0 (vec_dot) matmul tiles for CPUs with AVX2 and without AVX-512 VNNI and for
 arm64 with DotProd, and Q4_1 / Q5_1 tiles for every CPU with AVX2 or DotProd: 8-bit products through ``vpmaddubsw`` (``vpdpbusd``
-where AVX-512 VNNI is there), one weight row per 256-bit vector.
+ymm where AVX-512 VNNI or AVX-VNNI is there), one weight row per 256-bit vector.
 
 They reproduce the generic tiles of path VEC_DOT (kernels_cpu.matmul_tiles) for these types,
 whose float part is 8 lanes per output: lane j holds the integer sum of values 4j..4j+3 of the
@@ -25,7 +25,9 @@ tinyBLAS_Q0_AVX).
 Activation quants must lie in [-127, 127], as quantize_row_q8_0 makes them (d = amax / 127; a
 -128 would not be negated by ``vpsignb`` in the Q8_0 tile).
 
-With AVX-512 VNNI the lanes come from one ``vpdpbusd`` (same exact integers, no int16 step). On
+With AVX-512 VNNI, or AVX-VNNI (simd.HAS_AVX_VNNI: the VEX form ``{vex} vpdpbusd ymm``, from the
+same LLVM intrinsic), the lanes come from one ``vpdpbusd`` (same exact integers, no int16 step),
+as in ggml's mul_sum_us8_pairs_float under __AVX512VNNI__ / __AVXVNNI__. On
 arm64 with DotProd (simd.HAS_DOTPROD) from two ``sdot`` (16 bytes each: lanes 0-3, 4-7), signed by
 signed: Q8_0 needs no sign trick there, and every other code is at most 127. The tiles then are
 llama.cpp's arm kernels' integer step (ggml_vec_dot_q8_0_q8_0 in arch/arm/quants.c: vdotq_s32)
@@ -40,9 +42,9 @@ from gguf import GGMLQuantizationType as T
 from llvmlite import ir
 
 from kernels_cpu.ggml_types import TYPES
-from kernels_cpu.simd import (F32, HAS_DOTPROD, HAS_VNNI, I8, I16, I32, I64, bit_lanes, concat, dot_u8_s8, fmuladd, load,
-                              load_half, madd_u8_s8_256, sdot, shuffle, sign_i8_256, splat, sum_pairs_i16_256,
-                              tile_function, vec)
+from kernels_cpu.simd import (F32, HAS_AVX_VNNI, HAS_DOTPROD, HAS_VNNI, I8, I16, I32, I64, bit_lanes, concat, dot_u8_s8,
+                              fmuladd, load, load_half, madd_u8_s8_256, sdot, shuffle, sign_i8_256, splat,
+                              sum_pairs_i16_256, tile_function, vec)
 
 V32I8, V8I32, V8F32 = vec(I8, 32), vec(I32, 8), vec(F32, 8)
 AVX2_TYPES = ("Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1")
@@ -53,17 +55,20 @@ def _bytes(value: int):
     return ir.Constant(V32I8, [value] * 32)
 
 
-def _sum4(b, u8, s8):
-    """<8 x i32>: lane j = sum of u8[k] * s8[k] for k = 4j..4j+3 (vpdpbusd with AVX-512 VNNI, else
-    vpmaddubsw, then vpmaddwd with ones; the pair sums must not saturate, see the module docstring;
-    on arm64 two sdot, signed x signed: u8 must then be at most 127, as the codes are)."""
+def _sum4(b, u8, s8, acc=None):
+    """<8 x i32>: lane j = acc[j] (default 0) + sum of u8[k] * s8[k] for k = 4j..4j+3 (one vpdpbusd
+    into acc with AVX-512 VNNI or AVX-VNNI, else vpmaddubsw, then vpmaddwd with ones and an add; the
+    pair sums must not saturate, see the module docstring; on arm64 two sdot, signed x signed: u8
+    must then be at most 127, as the codes are)."""
+    if HAS_VNNI or HAS_AVX_VNNI:
+        return dot_u8_s8(b, ir.Constant(V8I32, [0] * 8) if acc is None else acc, u8, s8)
     if HAS_DOTPROD:
         zero, halves = ir.Constant(vec(I32, 4), [0] * 4), (range(16), range(16, 32))
         lo, hi = (sdot(b, zero, shuffle(b, u8, h), shuffle(b, s8, h)) for h in halves)
-        return concat(b, lo, hi)
-    if HAS_VNNI:
-        return dot_u8_s8(b, ir.Constant(V8I32, [0] * 8), u8, s8)
-    return sum_pairs_i16_256(b, madd_u8_s8_256(b, u8, s8))
+        lanes = concat(b, lo, hi)
+    else:
+        lanes = sum_pairs_i16_256(b, madd_u8_s8_256(b, u8, s8))
+    return lanes if acc is None else b.add(lanes, acc)
 
 
 def _codes(b, name: str, p):
@@ -115,7 +120,7 @@ def _block(b, name: str, rows, blk, accs, x16: bool):
             elif name == "Q8_0":
                 lanes = _sum4(b, magnitude, sign_i8_256(b, xs[t], codes))
             else:
-                lanes = b.add(_sum4(b, codes, xs[t]), starts[t]) if offset else _sum4(b, codes, xs[t])
+                lanes = _sum4(b, codes, xs[t], starts[t] if offset else None)
             scale = splat(b, b.fmul(dxs[t], dw), 8)
             acc[r * nt + t] = fmuladd(b, scale, b.sitofp(lanes, V8F32), acc[r * nt + t])
     return {"acc": acc, "sum": sums} if sums else {"acc": acc}

@@ -226,7 +226,12 @@ HAS_VNNI = {"+avx512vnni", "+avx512vl", "+avx512bw"} <= target_features()
 HAS_AVX512 = "+avx512f" in target_features()
 # AVX2 (also on AVX-512 CPUs): vpshufb / vpmaddubsw ymm tiles (kernels_cpu.iq4_avx2, iq23_avx2)
 HAS_AVX2 = "+avx2" in target_features()
-# AVX2 without VNNI: 8-bit products through vpmaddubsw ymm (kernels_cpu.matmul_avx2)
+# AVX-VNNI without AVX-512 VNNI (Intel Alder Lake and later client CPUs, Sierra Forest; ggml's
+# __AVXVNNI__): the VEX vpdpbusd / vpdpwssd ymm, which the AVX2 int8 tiles take for their u8 x s8
+# 4-way step in place of vpmaddubsw + vpmaddwd (kernels_cpu.matmul_avx2, kquant_int8, iq4_avx2)
+HAS_AVX_VNNI = HAS_AVX2 and "+avxvnni" in target_features() and not HAS_VNNI
+# AVX2 without AVX-512 VNNI: the ymm int8 tiles (kernels_cpu.matmul_avx2, kquant_int8), 8-bit
+# products through vpmaddubsw (vpdpbusd ymm with AVX-VNNI)
 HAS_AVX2_INT8 = HAS_AVX2 and not HAS_VNNI
 # arm64 NEON with the dot product extension (Armv8.2-A DotProd: Apple M1 and later, Cortex-A76 and
 # later, Graviton 2+): sdot, four int8 products into each int32 lane (kernels_cpu.matmul_avx2's tiles)
@@ -239,10 +244,11 @@ HAS_INT8_VEC_DOT = HAS_AVX2_INT8 or HAS_DOTPROD
 def kernel_path(features: frozenset | None = None) -> str:
     """The kernel path edge takes for CPU ``features`` (default: target_features()):
     "avx512-vnni" (AVX-512 VNNI int8 tiles), "avx512" (AVX-512 F without VNNI: the AVX2 int8
-    tiles, AVX-512's exp in attention), "avx2" (vpmaddubsw / vpshufb ymm tiles) or "generic"
-    (plain LLVM vectors); on arm64 "neon-dotprod" (sdot in the Q4_0 / Q5_0 / Q8_0 / Q4_1 / Q5_1
-    and Q2_K .. Q6_K tiles) or "neon" (plain LLVM vectors, which LLVM turns into NEON code). AVX-VNNI (VEX) has no
-    path of its own yet: such CPUs take "avx2"."""
+    tiles, AVX-512's exp in attention), "avx-vnni" (the AVX2 int8 tiles with VEX vpdpbusd ymm
+    for their 4-way u8 x s8 step: AVX-VNNI without AVX-512, HAS_AVX_VNNI), "avx2" (vpmaddubsw /
+    vpshufb ymm tiles) or "generic" (plain LLVM vectors); on arm64 "neon-dotprod" (sdot in the
+    Q4_0 / Q5_0 / Q8_0 / Q4_1 / Q5_1 and Q2_K .. Q6_K tiles) or "neon" (plain LLVM vectors,
+    which LLVM turns into NEON code)."""
     f = target_features() if features is None else features
     if "+dotprod" in f:
         return "neon-dotprod"
@@ -252,6 +258,8 @@ def kernel_path(features: frozenset | None = None) -> str:
         return "avx512-vnni"
     if "+avx512f" in f:
         return "avx512"
+    if {"+avx2", "+avxvnni"} <= f:
+        return "avx-vnni"
     return "avx2" if "+avx2" in f else "generic"
 
 
@@ -297,7 +305,9 @@ def _vnni_call(b: ir.IRBuilder, op: str, acc, u, v):
 
 def dot_u8_s8(b: ir.IRBuilder, acc, u8, s8):
     """<n x i32> acc + (lane j: sum of u8[4j+k] * s8[4j+k], k < 4), u8 unsigned and s8 signed
-    <4n x i8>, n = 8 or 16 (exact; x86 vpdpbusd, AVX-512 VNNI (+ VL for n = 8) only)."""
+    <4n x i8>, n = 8 or 16 (exact; x86 vpdpbusd, AVX-512 VNNI (+ VL for n = 8) only; for n = 8 also
+    AVX-VNNI, where LLVM emits the same intrinsic as the VEX ``{vex} vpdpbusd ymm``: ggml's
+    _mm256_dpbusd_avx_epi32)."""
     return _vnni_call(b, "vpdpbusd", acc, u8, s8)
 
 
@@ -309,7 +319,7 @@ def sdot(b: ir.IRBuilder, acc, a, c):
 
 def dot_i16(b: ir.IRBuilder, acc, a, x):
     """<n x i32> acc + (lane j: a[2j]*x[2j] + a[2j+1]*x[2j+1]) for <2n x i16> a, x, n = 8 or 16
-    (exact; x86 vpdpwssd, AVX-512 VNNI (+ VL for n = 8) only)."""
+    (exact; x86 vpdpwssd, AVX-512 VNNI (+ VL for n = 8) only; for n = 8 also AVX-VNNI: ``{vex} vpdpwssd ymm``)."""
     return _vnni_call(b, "vpdpwssd", acc, a, x)
 
 

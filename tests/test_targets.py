@@ -49,7 +49,8 @@ CASES = {t: CI_CASES.get(t, (["llama3-q8_0"], [])) for t in TARGETS}
     ({"+avx2", "+fma", "+f16c", "+avx512f", "+avx512bw", "+avx512vl", "+avx512vnni"}, "avx512-vnni"),
     ({"+avx2", "+avx512f", "+avx512bw", "+avx512vl"}, "avx512"),
     ({"+avx2", "+avx512f", "+avx512vnni"}, "avx512"),        # VNNI without VL / BW: not the VNNI tiles
-    ({"+avx2", "+avxvnni", "+fma"}, "avx2"),                 # AVX-VNNI has no path of its own yet
+    ({"+avx2", "+avxvnni", "+fma"}, "avx-vnni"),             # Alder Lake: vpdpbusd ymm (VEX) in the AVX2 int8 tiles
+    ({"+avx2", "+avxvnni", "+avx512f", "+avx512bw", "+avx512vl", "+avx512vnni"}, "avx512-vnni"),  # Sapphire Rapids, Zen 5
     ({"+avx2"}, "avx2"),
     ({"+sse2", "+sse4.2"}, "generic"),
     (set(), "generic"),

@@ -21,8 +21,10 @@ kernel; a cache folder per target keeps their index files apart and makes cold t
 Code compiled for a target runs on this machine, so a target can use only the instructions the
 host has: a feature of a target's CPU that the host lacks (alderlake's AVX-VNNI on an AMD Zen 4)
 is turned off for the run and named in the report (with AVX-VNNI, LLVM fuses vpmaddwd + add
-into {vex} vpdpwssd: SIGILL on Zen 4). edge chooses no kernel by such a feature today, so only
-LLVM's own choice of (exact integer) instructions goes untested.
+into {vex} vpdpwssd: SIGILL on Zen 4), and the target then takes the path of the features left
+(alderlake: "avx2", not its own "avx-vnni"). The avx-vnni tiles' integer step, vpdpbusd ymm, is
+the one AVX-512 VNNI hosts run EVEX-encoded: tests/test_kquant_int8.py checks those tiles bit for
+bit on such a host and their VEX encoding in alderlake's assembly.
 
     python tools/check_targets.py                         # every target, every case
     python tools/check_targets.py -t haswell -c llama3-q8_0 -g gemma3-270m:0
