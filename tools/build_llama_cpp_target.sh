@@ -8,7 +8,8 @@
 #       or alderlake, see tools/check_targets.py for the feature lists)
 #
 # avx2:     GGML_NATIVE=OFF GGML_AVX GGML_AVX2 GGML_FMA GGML_F16C GGML_BMI2 (Haswell's set, no AVX-512)
-# avx-vnni: the same plus GGML_AVX_VNNI (Alder Lake's 256-bit VEX vpdpbusd)
+# avx-vnni: the same plus GGML_AVX_VNNI (Alder Lake's 256-bit VEX vpdpbusd); it runs only on a CPU
+#           with AVX-VNNI (an illegal instruction elsewhere, AMD Zen 4 included)
 # Prints the interpreter's path on its last line; a finished build is reused. About 6 minutes on 2 cores.
 set -euo pipefail
 VERSION=0.3.36
