@@ -19,6 +19,25 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from kernels_cpu import TargetError
+
+
+def _check_feature_list() -> None:
+    """Raise TargetError for a NUMBA_CPU_FEATURES that is not a list of ``+name`` / ``-name``
+    (LLVM aborts the process on one, with an assertion, the first time it compiles)."""
+    from numba.core import config
+
+    listed = config.CPU_FEATURES
+    for item in (listed or "").split(","):
+        name = item.strip()
+        if name and (name[0] not in "+-" or not name[1:] or not name[1:].replace("-", "").replace(".", "")
+                     .replace("_", "").isalnum()):
+            raise TargetError(f"NUMBA_CPU_FEATURES={listed!r}: {item!r} is not a feature: give a comma-separated "
+                              f"list of +name / -name, e.g. +avx2,+fma,+f16c")
+
+
+_check_feature_list()
+
 _F32_2_POW_M24 = np.float32(2.0**-24)
 
 
@@ -197,13 +216,24 @@ def target_features() -> frozenset:
     from numba.core import config
     from llvmlite import binding
 
-    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else binding.get_host_cpu_features().flatten()
-    listed = features.split(",")
+    host = binding.get_host_cpu_features().flatten().split(",")
+    listed = config.CPU_FEATURES.split(",") if config.CPU_FEATURES is not None else host
+    if config.CPU_FEATURES is not None and config.CPU_NAME is None and all(f.startswith("-") for f in listed if f):
+        # features turned off on the host's CPU: LLVM keeps the others its name implies
+        listed = [f for f in host if f"-{f[1:]}" not in listed] + listed
     cpu = config.CPU_NAME or binding.get_host_cpu_name()
-    arm64 = binding.get_process_triple().startswith(("aarch64", "arm64"))
-    # NEON (Advanced SIMD) is part of every arm64 CPU (Armv8-A), listed or not
-    implied = [f for f in ("+neon", *_ARM64_IMPLIED.get(cpu, ())) if arm64 and f"-{f[1:]}" not in listed]
-    return frozenset(f for f in listed + implied if f.startswith("+"))
+    if binding.get_process_triple().startswith(("aarch64", "arm64")):
+        # NEON (Advanced SIMD) is part of every arm64 CPU (Armv8-A), listed or not
+        implied = ("+neon", *_ARM64_IMPLIED.get(cpu, ()))
+    else:
+        implied = _X86_IMPLIED.get(cpu, ())
+    return frozenset(f for f in listed + [f for f in implied if f"-{f[1:]}" not in listed] if f.startswith("+"))
+
+
+# x86-64 microarchitecture levels (psABI) by LLVM name: the features edge's kernels choose by that
+# the name alone enables (x86-64-v3 with an empty NUMBA_CPU_FEATURES compiles AVX2 code)
+_V3 = ("+avx", "+avx2", "+fma", "+f16c", "+bmi", "+bmi2")
+_X86_IMPLIED = {"x86-64-v3": _V3, "x86-64-v4": (*_V3, "+avx512f", "+avx512bw", "+avx512cd", "+avx512dq", "+avx512vl")}
 
 
 # arm64 CPUs by their LLVM name, and the features the name alone enables in LLVM that edge's
@@ -221,7 +251,7 @@ _ARM64_IMPLIED = {
 
 # AVX-512 VNNI on 256- and 512-bit vectors (EVEX vpdpbusd / vpdpwssd ymm need avx512vl too,
 # vpmaddubsw zmm avx512bw)
-HAS_VNNI = {"+avx512vnni", "+avx512vl", "+avx512bw"} <= target_features()
+HAS_VNNI = {"+avx512f", "+avx512vnni", "+avx512vl", "+avx512bw"} <= target_features()
 # AVX-512 F: 512-bit float vectors (vscalefps for ggml_v_expf: kernels_cpu.attention_tiles)
 HAS_AVX512 = "+avx512f" in target_features()
 # AVX2 (also on AVX-512 CPUs): vpshufb / vpmaddubsw ymm tiles (kernels_cpu.iq4_avx2, iq23_avx2)
@@ -254,13 +284,25 @@ def kernel_path(features: frozenset | None = None) -> str:
         return "neon-dotprod"
     if "+neon" in f:
         return "neon"
-    if {"+avx512vnni", "+avx512vl", "+avx512bw"} <= f:
+    if {"+avx512f", "+avx512vnni", "+avx512vl", "+avx512bw"} <= f:
         return "avx512-vnni"
     if "+avx512f" in f:
         return "avx512"
     if {"+avx2", "+avxvnni"} <= f:
         return "avx-vnni"
     return "avx2" if "+avx2" in f else "generic"
+
+
+def host_lacks() -> list[str]:
+    """Features numba's target has ("+name") that this x86 CPU says it lacks: kernels compiled for
+    them stop with an illegal instruction here. Empty on arm64, whose host query lists too little
+    to tell (LLVM reads nothing on macOS nor under qemu-user)."""
+    from llvmlite import binding
+
+    if not binding.get_process_triple().startswith(("x86_64", "i686", "i386")):
+        return []
+    host = set(binding.get_host_cpu_features().flatten().split(","))
+    return sorted(f[1:] for f in target_features() if f"-{f[1:]}" in host)
 
 
 def cpu_target() -> str:

@@ -569,3 +569,7 @@ def test_run_takes_ollamas_model_then_prompt(store):
                                                            "--temp", "0", "-c", "64", env=env, input="").stdout
     missing = _edge("run", "./nope.gguf", "hi", env=env, input="")   # a path first: the model, not found
     assert missing.returncode == 1 and missing.stderr.splitlines()[-1] == "edge run: error: file not found: ./nope.gguf"
+    typo = _edge("run", "gemma-3-27m", "Say", "ok", env=env, input="")  # a misspelt name is not the prompt
+    assert typo.returncode == 2 and typo.stderr.splitlines()[-1] == (
+        "edge run: error: no model named 'gemma-3-27m' (did you mean 'gemma-3-270m'?); to send it as part of the "
+        "prompt, quote the whole prompt")

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kernels_cpu import simd
+from kernels_cpu import TargetError, simd
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -49,6 +49,7 @@ CASES = {t: CI_CASES.get(t, (["llama3-q8_0"], [])) for t in TARGETS}
     ({"+avx2", "+fma", "+f16c", "+avx512f", "+avx512bw", "+avx512vl", "+avx512vnni"}, "avx512-vnni"),
     ({"+avx2", "+avx512f", "+avx512bw", "+avx512vl"}, "avx512"),
     ({"+avx2", "+avx512f", "+avx512vnni"}, "avx512"),        # VNNI without VL / BW: not the VNNI tiles
+    ({"+avx2", "+avx512bw", "+avx512vl", "+avx512vnni"}, "avx2"),  # AVX-512 F off: LLVM turns off the rest
     ({"+avx2", "+avxvnni", "+fma"}, "avx-vnni"),             # Alder Lake: vpdpbusd ymm (VEX) in the AVX2 int8 tiles
     ({"+avx2", "+avxvnni", "+avx512f", "+avx512bw", "+avx512vl", "+avx512vnni"}, "avx512-vnni"),  # Sapphire Rapids, Zen 5
     ({"+avx2"}, "avx2"),
@@ -80,6 +81,71 @@ def test_arm64_features_from_cpu_name(monkeypatch, cpu, listed, has, lacks):
     features = simd.target_features()
     assert has <= features and not lacks & features
     assert simd.kernel_path(features) == ("neon-dotprod" if "+dotprod" in has else "neon")
+
+
+class _Features:
+    def __init__(self, text):
+        self.text = text
+
+    def flatten(self):
+        return self.text
+
+
+_ZEN4 = "+avx2,+fma,+f16c,+avx512f,+avx512bw,+avx512vl,+avx512vnni,-avxvnni,-amx-int8"
+
+
+@pytest.mark.parametrize("cpu, listed, path", [
+    (None, None, "avx512-vnni"),                  # the host's features
+    (None, "-avx512vnni", "avx512"),              # only "-" features: the host's others stay on
+    (None, "-avx512f", "avx2"),
+    ("x86-64-v3", "", "avx2"),                    # a psABI level implies its features
+    ("x86-64-v4", "", "avx512"),
+    ("x86-64-v3", "-avx2", "generic"),
+    ("x86-64", "", "generic"),
+    ("haswell", "+avx2,+fma,+f16c", "avx2"),      # a name with a list: the list, as numba passes it
+])
+def test_x86_features_from_name_and_list(monkeypatch, cpu, listed, path):
+    from llvmlite import binding
+    from numba.core import config
+
+    monkeypatch.setattr(binding, "get_process_triple", lambda: "x86_64-unknown-linux-gnu")
+    monkeypatch.setattr(binding, "get_host_cpu_features", lambda: _Features(_ZEN4))
+    monkeypatch.setattr(binding, "get_host_cpu_name", lambda: "znver4")
+    monkeypatch.setattr(config, "CPU_NAME", cpu)
+    monkeypatch.setattr(config, "CPU_FEATURES", listed)
+    assert simd.kernel_path() == path
+
+
+def test_host_lacks_names_target_features_the_cpu_does_not_have(monkeypatch):
+    from llvmlite import binding
+    from numba.core import config
+
+    monkeypatch.setattr(binding, "get_process_triple", lambda: "x86_64-unknown-linux-gnu")
+    monkeypatch.setattr(binding, "get_host_cpu_features", lambda: _Features(_ZEN4))
+    monkeypatch.setattr(config, "CPU_NAME", "alderlake")
+    monkeypatch.setattr(config, "CPU_FEATURES", "+avx2,+avxvnni,+fma,+f16c,+64bit")   # 64bit: not in the query
+    assert simd.host_lacks() == ["avxvnni"]
+    monkeypatch.setattr(config, "CPU_FEATURES", "+avx2,+fma")
+    assert simd.host_lacks() == []
+
+
+@pytest.mark.parametrize("listed", ["garbage", "+avx2,fma", "+", "+avx2,+fma;"])
+def test_malformed_feature_list_is_refused(monkeypatch, listed):
+    from numba.core import config
+
+    monkeypatch.setattr(config, "CPU_FEATURES", listed)
+    with pytest.raises(TargetError, match="is not a feature"):
+        simd._check_feature_list()
+    monkeypatch.setattr(config, "CPU_FEATURES", "+avx2, +fma,-avx512f,+sse4.1,+avx512vnni,")
+    simd._check_feature_list()
+
+
+def test_cli_refuses_a_malformed_feature_list_in_one_line():
+    """LLVM aborted the process (an assertion, exit 134) on NUMBA_CPU_FEATURES=garbage."""
+    out = _edge(["--version"], env={**os.environ, "NUMBA_CPU_FEATURES": "garbage"})
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == ["edge: NUMBA_CPU_FEATURES='garbage': 'garbage' is not a feature: give a "
+                                               "comma-separated list of +name / -name, e.g. +avx2,+fma,+f16c"]
 
 
 def _edge(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:

@@ -25,7 +25,8 @@ if [ -x "$PY" ] && "$PY" -c "import llama_cpp" >/dev/null 2>&1; then
     echo "llama.cpp $TARGET: reusing $DIR" >&2; echo "$PY"; exit 0
 fi
 SDIST=${EDGE_LLAMA_SDIST:-$HOME/.cache/edge/test-data/llama_cpp_python-$VERSION.tar.gz}
-rm -rf "$DIR"; mkdir -p "$DIR"
+mkdir -p "$DIR"
+rm -rf "$DIR/venv"     # an unfinished earlier build (only what this script made: DIR may hold more)
 python3 -m venv "$DIR/venv"
 if [ ! -f "$SDIST" ]; then
     "$DIR/venv/bin/pip" download -q --no-deps --no-binary :all: -d "$DIR" "llama-cpp-python==$VERSION"

@@ -33,7 +33,8 @@ for cmd in cmake c++ python3; do
     command -v "$cmd" >/dev/null || { echo "build_oracle: $cmd is needed to build llama.cpp" >&2; exit 1; }
 done
 echo "llama.cpp oracle: building llama-cpp-python $VERSION and llama.cpp's tools in $DIR (once, a few minutes)" >&2
-rm -rf "$DIR"          # an unfinished earlier build (ready() said no)
+# an unfinished earlier build (ready() said no): only what this script makes, DIR may hold more
+rm -rf "$DIR/venv" "$DIR/src" "$DIR/build"
 mkdir -p "$DIR/src"
 cd "$DIR"
 python3 -m venv venv

@@ -42,6 +42,13 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import threading  # noqa: E402
 
+from kernels_cpu import TargetError  # noqa: E402
+
+try:  # numba's target is checked before anything compiles (LLVM aborts on a malformed feature list)
+    from kernels_cpu import simd as _simd  # noqa: E402
+except TargetError as _e:
+    raise SystemExit(f"edge: {_e}") from None
+
 from edge import __version__  # noqa: E402
 from edge.cli import bench, evaluate, generate, models, ps, quantize, serve  # noqa: E402
 from edge.cli.options import UsageError, compile_notes, physical_cores  # noqa: E402
@@ -203,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(128 + signum)
         return 128 + signum
 
+    lacking = _simd.host_lacks()
+    if lacking:
+        print(f"edge: warning: numba's target CPU has {', '.join(lacking)}, which this CPU lacks: kernels compiled "
+              f"for it stop with an illegal instruction here (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES)", file=sys.stderr)
     try:
         from edge.gguf_file import GGUFError
 

@@ -149,11 +149,26 @@ def _is_path(word: str) -> bool:
     return word.lower().endswith(".gguf") and not store_hf.is_hub_name(word)
 
 
+def _looks_like_model(word: str) -> bool:
+    """A word shaped like a model name: letters, digits and ``-._:/`` only, with a digit and a
+    ``-`` or ``:`` (gemma-3-270m, qwen2.5-coder:1.5b), unlike a prompt's first word."""
+    import re
+
+    return bool(re.fullmatch(r"[\w.:/-]+", word)) and any(c.isdigit() for c in word) and ("-" in word or ":" in word)
+
+
 def _model_then_prompt(args, words: list[str]) -> str | None:
     """PROMPT from the positional words: ``MODEL PROMPT`` (Ollama's order) sets -m; a lone word
     that names a model is refused with the right command. Raises UsageError."""
     if len(words) >= 2 and args.model is None and (_is_model_name(words[0]) or _is_path(words[0])):
         args.model, words = words[0], words[1:]       # a path too: -m's "file not found" if it is not there
+    elif len(words) >= 2 and args.model is None and args.prompt is None and _looks_like_model(words[0]):
+        from edge.store import _all_names, did_you_mean
+
+        hint = did_you_mean(words[0], _all_names())
+        if hint:   # a misspelt model name would otherwise go to the default model as the prompt's first word
+            raise UsageError(f"no model named {words[0]!r}{hint}; to send it as part of the prompt, quote the "
+                             "whole prompt")
     if len(words) > 1:
         words = [" ".join(words)]                     # unquoted words: one prompt, as Ollama takes them
     if len(words) == 1 and args.model is None and args.prompt is None and args.file is None \
