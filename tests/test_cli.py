@@ -549,6 +549,16 @@ def test_ps_against_a_real_edge_serve(tmp_path, gemma_path):
     assert (proc.returncode, proc.stderr) == (1, f"no edge server is running on unix:{sock}\n")
 
 
+def test_threads_beyond_numbas_pool_are_said(store):
+    """-t above numba's pool size runs the pool's threads and says so (it was silent)."""
+    out = _edge("run", "tiny", "<t1><t2>", "--raw", "-n", "2", "--temp", "0", "-c", "64", "-t", "999", env={},
+                input="", timeout=300)
+    assert out.returncode == 0, out.stderr
+    notes = [line for line in out.stderr.splitlines() if line.startswith("note: -t 999: numba's thread pool has ")]
+    assert len(notes) == 1 and notes[0].endswith(" (NUMBA_NUM_THREADS, default: this machine's CPUs); using "
+                                                 + notes[0].split("has ")[1].split(" ")[0])
+
+
 def test_run_takes_ollamas_model_then_prompt(store):
     """`edge run MODEL PROMPT` (Ollama's order) runs MODEL; a lone model name is a usage error
     naming the right command; loose words are one PROMPT."""
