@@ -156,13 +156,14 @@ def positive_int_list(text: str) -> tuple[int, ...]:
 def set_threads(n: int | None) -> None:
     from edge.threads import use_threads
 
+    asked = n is not None
     if n is None:
         n = physical_cores()
     if n < 1:
         raise ValueError(f"-t/--threads must be at least 1, got {n}")
     import numba
 
-    if n > numba.config.NUMBA_NUM_THREADS:   # llama.cpp runs what it is given; numba's pool is fixed at start
+    if asked and n > numba.config.NUMBA_NUM_THREADS:   # llama.cpp runs what it is given; numba's pool is fixed
         print(f"note: -t {n}: numba's thread pool has {numba.config.NUMBA_NUM_THREADS} threads (NUMBA_NUM_THREADS, "
               f"default: this machine's CPUs); using {numba.config.NUMBA_NUM_THREADS}", file=sys.stderr)
     use_threads(n)
