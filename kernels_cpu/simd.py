@@ -210,8 +210,10 @@ def hsum_float_8(b: ir.IRBuilder, v):
 
 
 def target_features() -> frozenset:
-    """Features (``"+avx512vnni"`` ...) of the CPU numba compiles for: NUMBA_CPU_FEATURES when set,
-    else the host's. They are part of the key of numba's on-disk cache entries (codegen
+    """Features (``"+avx512vnni"`` ...) of the CPU numba compiles for: NUMBA_CPU_FEATURES when set
+    (a list of ``-name`` alone, without NUMBA_CPU_NAME: the host's minus those), else the host's;
+    plus what the CPU's name implies where LLVM's host query misses it (arm64 names, NEON on
+    every arm64 CPU, x86-64-v3 / v4). They are part of the key of numba's on-disk cache entries (codegen
     ``magic_tuple``), so a kernel specialised on them is never served to another CPU."""
     from numba.core import config
     from llvmlite import binding
