@@ -158,22 +158,14 @@ def _check_parameters(params, param: str) -> None:
 @functools.lru_cache(maxsize=512)
 def _compile_error(params_json: str) -> str | None:
     """llguidance's message for a parameters schema (JSON text) it cannot compile as the call
-    grammars use it (:func:`closed`), or None."""
+    grammars use it (objects closed by edge.grammar.prepare), or None."""
     from edge.grammar import GrammarError, json_schema
 
     try:
-        json_schema(closed(json.loads(params_json)))
+        json_schema(json.loads(params_json))
     except GrammarError as e:
         return str(e)
     return None
-
-
-def closed(schema):
-    """``schema`` (a tool's parameters) closed as llama.cpp reads it (edge.grammar.closed):
-    forced arguments hold no invented keys. Returns a new schema."""
-    from edge.grammar import closed as close_objects
-
-    return close_objects(schema)
 
 
 def chosen_tools(tools: list[dict], tool_choice) -> tuple[str, list[dict]]:
@@ -209,7 +201,7 @@ def _body_rules(tools: list[dict], fmt: str) -> str:
     for i, tool in enumerate(tools):
         head = json.dumps(f'{{"name": "{tool["function"]["name"]}", "{key}": ')
         alts.append(f'{head} args{i} "}}"')
-        rules.append(f"args{i}: %json {json.dumps(prepare(closed(tool['function']['parameters'])))}\n")
+        rules.append(f"args{i}: %json {json.dumps(prepare(tool['function']['parameters']))}\n")
     return "body: " + " | ".join(alts) + "\n" + "".join(rules)
 
 

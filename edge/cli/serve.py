@@ -4,8 +4,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import time
 import sys
+import time
 from pathlib import Path
 
 from edge.cli.options import (add_model_args, add_spec_args, check_sizes, kernels_compiled, physical_cores,
@@ -199,22 +199,21 @@ def cmd_serve(args) -> int:
     if not kernels_compiled():
         print("edge serve: first run: compiling edge's kernels for this CPU before /health says ok (about a "
               "minute on 2 cores, once; later starts load them from numba's cache)", file=sys.stderr, flush=True)
-    bursts = _CompileBursts(event).__enter__()    # from the first load on: its first burst is compile_notes' note
-    app = create_app(config)
-    state = app.state.edge
-    server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, http=protocol,
-                                    timeout_graceful_shutdown=None))
-    try:
-        server.run(sockets=socks)
-    except KeyboardInterrupt:   # uvicorn re-raises the Ctrl+C it handled: the drain is done
-        pass
-    finally:
-        bursts.__exit__(None, None, None)
-        for sock in socks:
-            sock.close()
-        if args.unix_socket:
-            with contextlib.suppress(OSError):
-                os.unlink(args.unix_socket)
+    with _CompileBursts(event):     # from the first load on: its first burst is compile_notes' note
+        app = create_app(config)
+        state = app.state.edge
+        server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, http=protocol,
+                                        timeout_graceful_shutdown=None))
+        try:
+            server.run(sockets=socks)
+        except KeyboardInterrupt:   # uvicorn re-raises the Ctrl+C it handled: the drain is done
+            pass
+        finally:
+            for sock in socks:
+                sock.close()
+            if args.unix_socket:
+                with contextlib.suppress(OSError):
+                    os.unlink(args.unix_socket)
     if failed:
         return 1
     if stopped and stopped[0] == signal.SIGINT:

@@ -1125,9 +1125,8 @@ class _Handlers:
         if self.state.load_error:
             return JSONResponse({"status": "error", "error": self.state.load_error}, status_code=503)
         slot = self.state.pool.default
-        if not self.state.pool.router and (slot is None or not slot.ready.is_set()):   # router: up once started
-            return JSONResponse({"status": "loading model"}, status_code=503)
-        if self.state.pool.router and slot is not None and not slot.ready.is_set() and not self.state.started:
+        loading = slot is None or not slot.ready.is_set()
+        if loading and not (self.state.pool.router and (slot is None or self.state.started)):   # router: once started
             return JSONResponse({"status": "loading model"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
