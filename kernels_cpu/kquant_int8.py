@@ -85,7 +85,7 @@ from kernels_cpu.matmul_rows import _byte, _c, _halves_to_f32, _i16_pair, _load_
 from kernels_cpu.matmul_tiles import GEMM, GEMV, TILED, VEC_DOT
 from kernels_cpu.matmul_vnni import _reload
 from kernels_cpu.simd import (F32, HAS_AVX_VNNI, HAS_DOTPROD, I8, I16, I32, I64, _x86_call, concat, dot_u8_s8, fmuladd,
-                              hsum_float_8, lanes_i8, load, load_half, madd_pairs, madd_u8_s8_256, sdot, shuffle,
+                              hsum_float_8, lanes_i8, load, load_half, madd_pairs, madd_u8_s8_256, sdot_256, shuffle,
                               sign_i8_256, splat, tile_function, vec)
 
 V4I32, V8I32, V4F32, V8F32 = vec(I32, 4), vec(I32, 8), vec(F32, 4), vec(F32, 8)
@@ -134,11 +134,7 @@ def _dot4(b, acc, u, s):
     """<8 x i32> acc + (lane j: sum of u[4j+k] * s[4j+k], k < 4) for <32 x i8> u, s: arm64 two sdot
     (signed by signed, 16 bytes each: lanes 0-3, 4-7), x86 one vpdpbusd ymm (u unsigned, s signed:
     AVX-VNNI, or AVX-512 VNNI + VL)."""
-    if not HAS_DOTPROD:
-        return dot_u8_s8(b, acc, u, s)
-    parts = [sdot(b, shuffle(b, acc, range(4 * h, 4 * h + 4)), shuffle(b, u, range(16 * h, 16 * h + 16)),
-                  shuffle(b, s, range(16 * h, 16 * h + 16))) for h in range(2)]
-    return concat(b, *parts)
+    return sdot_256(b, acc, u, s) if HAS_DOTPROD else dot_u8_s8(b, acc, u, s)
 
 
 def _seg_scale(b, h: dict, lo: int, hi: int):

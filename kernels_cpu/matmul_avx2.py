@@ -43,7 +43,7 @@ from llvmlite import ir
 
 from kernels_cpu.ggml_types import TYPES
 from kernels_cpu.simd import (F32, HAS_AVX_VNNI, HAS_DOTPROD, HAS_VNNI, I8, I16, I32, I64, bit_lanes, concat, dot_u8_s8,
-                              fmuladd, load, load_half, madd_u8_s8_256, sdot, shuffle, sign_i8_256, splat,
+                              fmuladd, load, load_half, madd_u8_s8_256, sdot_256, shuffle, sign_i8_256, splat,
                               sum_pairs_i16_256, tile_function, vec)
 
 V32I8, V8I32, V8F32 = vec(I8, 32), vec(I32, 8), vec(F32, 8)
@@ -63,9 +63,7 @@ def _sum4(b, u8, s8, acc=None):
     if HAS_VNNI or HAS_AVX_VNNI:
         return dot_u8_s8(b, ir.Constant(V8I32, [0] * 8) if acc is None else acc, u8, s8)
     if HAS_DOTPROD:
-        zero, halves = ir.Constant(vec(I32, 4), [0] * 4), (range(16), range(16, 32))
-        lo, hi = (sdot(b, zero, shuffle(b, u8, h), shuffle(b, s8, h)) for h in halves)
-        lanes = concat(b, lo, hi)
+        lanes = sdot_256(b, None, u8, s8)
     else:
         lanes = sum_pairs_i16_256(b, madd_u8_s8_256(b, u8, s8))
     return lanes if acc is None else b.add(lanes, acc)

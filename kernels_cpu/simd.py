@@ -361,6 +361,15 @@ def sdot(b: ir.IRBuilder, acc, a, c):
     return _x86_call(b, "llvm.aarch64.neon.sdot.v4i32.v16i8", [acc, a, c])
 
 
+def sdot_256(b: ir.IRBuilder, acc, a, c):
+    """<8 x i32> acc (None: zeros) + (lane j: sum of a[4j+k] * c[4j+k], k < 4) for signed <32 x i8>
+    a, c: two sdot, 16 bytes each (lanes 0-3, 4-7) (exact; arm64 DotProd only)."""
+    zero = ir.Constant(vec(I32, 4), [0] * 4)
+    return concat(b, *(sdot(b, zero if acc is None else shuffle(b, acc, range(4 * h, 4 * h + 4)),
+                            shuffle(b, a, range(16 * h, 16 * h + 16)), shuffle(b, c, range(16 * h, 16 * h + 16)))
+                       for h in range(2)))
+
+
 def dot_i16(b: ir.IRBuilder, acc, a, x):
     """<n x i32> acc + (lane j: a[2j]*x[2j] + a[2j+1]*x[2j+1]) for <2n x i16> a, x, n = 8 or 16
     (exact; x86 vpdpwssd, AVX-512 VNNI (+ VL for n = 8) only; for n = 8 also AVX-VNNI: ``{vex} vpdpwssd ymm``)."""
