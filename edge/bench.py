@@ -396,26 +396,40 @@ class _Bench:
         if not self.result["llama_cpp"]["error"]:
             self.result["llama_cpp"]["error"] = f"{what}: {e}"
 
+    def _attempt(self, test: str, name: str, fn) -> bool:
+        """fn() for runner ``name``: False (and llama.cpp's failure noted) when llama.cpp's
+        runner raised RuntimeError; edge's errors propagate."""
+        try:
+            fn()
+            return True
+        except RuntimeError as e:
+            if name == "edge":
+                raise
+            self.llama_failed(test, e)
+            return False
+
     def measure(self, test: str, kind: str, n_seq: int, n_asked: int, warmup, call, only=None) -> dict:
-        """Run ``warmup(runner)`` once, then ``call(runner)`` reps times on every runner (or the
-        runners named in ``only``)."""
+        """Run ``warmup(runner)`` once on every runner (or the runners named in ``only``), then
+        ``call(runner)`` reps times on each, the runners taking turns (edge, llama.cpp, edge,
+        ...), so that a drift of the machine's speed during the test (other load, clocks, a
+        shared host's memory bandwidth) reaches both alike."""
         row = {"test": test, "kind": kind, "n_seq": n_seq, "n_tokens_asked": n_asked,
                "edge": None, "llama_cpp": None, "edge_over_llama_cpp": None, "tokens_equal": None}
         self.last[test] = {}
-        for name, runner in self.runners.items():
-            if runner is None or (only is not None and name not in only):
-                continue
+        runners = {name: runner for name, runner in self.runners.items()
+                   if runner is not None and (only is None or name in only)}
+        results: dict[str, list] = {}
+        for name, runner in list(runners.items()):
             self.log(f"{name}: {test}")
-            try:
-                warmup(runner)
-                results = [call(runner) for _ in range(self.cfg.reps)]
-            except RuntimeError as e:
-                if name == "edge":
-                    raise
-                self.llama_failed(test, e)
-                continue
-            self.last[test][name] = results[-1]
-            row[name] = _stats([_count(r) / r["s"] for r in results], _count(results[-1]))
+            if self._attempt(test, name, lambda: warmup(runner)):
+                results[name] = []
+        for _ in range(self.cfg.reps):
+            for name in list(results):
+                if not self._attempt(test, name, lambda: results[name].append(call(runners[name]))):
+                    del results[name]
+        for name, rs in results.items():
+            self.last[test][name] = rs[-1]
+            row[name] = _stats([_count(r) / r["s"] for r in rs], _count(rs[-1]))
             self.log(f"{name}: {test}: {row[name]['tps']:.1f} tokens/s")
         if row["edge"] and row["llama_cpp"]:
             row["edge_over_llama_cpp"] = row["edge"]["tps"] / row["llama_cpp"]["tps"]

@@ -74,31 +74,41 @@ def _q8_0_row(x, qs, d, s, with_sum):
 
 
 @njit(cache=True, inline="always")
+def _q8_k_block(x, qs, d, bsums, b):
+    """Super-block b of one row to Q8_K; see the module docstring. max |x| through the bit
+    patterns (a loop LLVM vectorizes; exact for finite floats), then the first value of that
+    magnitude: the value ggml's scan (``ax > amax``) keeps."""
+    o = QK_K * b
+    amax_bits = np.uint32(0)
+    for j in range(o, o + QK_K):
+        amax_bits = max(amax_bits, bits_from_f32(x[j]) & np.uint32(0x7FFFFFFF))
+    amax = f32_from_bits(amax_bits)
+    if amax == _ZERO:
+        d[b] = _ZERO
+        qs[o:o + QK_K] = 0
+        bsums[16 * b:16 * b + 16] = 0
+        return
+    vmax = amax                                   # (a NaN amax matches nothing: unspecified, memory-safe)
+    for j in range(o, o + QK_K):
+        if abs(x[j]) == amax:
+            vmax = x[j]
+            break
+    iscale = _FM127 / vmax
+    for j in range(o, o + QK_K):
+        qs[j] = min(nearest_int(iscale * x[j]), 127)
+    for g in range(16):
+        total = 0
+        for j in range(o + 16 * g, o + 16 * g + 16):
+            total += qs[j]
+        bsums[16 * b + g] = total
+    d[b] = _ONE / iscale
+
+
+@njit(cache=True, inline="always")
 def _q8_k_row(x, qs, d, bsums):
     """One row to Q8_K; see the module docstring."""
     for b in range(x.size // QK_K):
-        o = QK_K * b
-        amax = _ZERO
-        vmax = _ZERO
-        for j in range(o, o + QK_K):
-            ax = abs(x[j])
-            if ax > amax:
-                amax = ax
-                vmax = x[j]
-        if amax == _ZERO:
-            d[b] = _ZERO
-            qs[o:o + QK_K] = 0
-            bsums[16 * b:16 * b + 16] = 0
-            continue
-        iscale = _FM127 / vmax
-        for j in range(o, o + QK_K):
-            qs[j] = min(nearest_int(iscale * x[j]), 127)
-        for g in range(16):
-            total = 0
-            for j in range(o + 16 * g, o + 16 * g + 16):
-                total += qs[j]
-            bsums[16 * b + g] = total
-        d[b] = _ONE / iscale
+        _q8_k_block(x, qs, d, bsums, b)
 
 
 @njit(cache=True, nogil=True)
@@ -123,12 +133,15 @@ def _quantize_q8_k_rows(x, qs, d, bsums):
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def _quantize_q8_k_par(x, qs, d, bsums):
-    for t in prange(x.shape[0]):
-        _q8_k_row(x[t], qs[t], d[t], bsums[t])
+    nb = x.shape[1] // QK_K
+    for tb in prange(x.shape[0] * nb):      # super-blocks are independent: shared out one by one
+        t = tb // nb
+        _q8_k_block(x[t], qs[t], d[t], bsums[t], tb % nb)
 
 
 def quantize_q8_k_kernel(x, qs, d, bsums):
-    """Q8_K rows (several rows: in parallel). Shapes: x f32[T, K], qs i8[T, K],
+    """Q8_K rows (from 4 rows: super-blocks in parallel; one row of 8960 values takes 4 us on
+    the calling thread, less than waking the workers). Shapes: x f32[T, K], qs i8[T, K],
     d f32[T, K/256], bsums i16[T, K/16]."""
     if x.shape[0] >= 4:
         _quantize_q8_k_par(x, qs, d, bsums)

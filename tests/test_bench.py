@@ -247,3 +247,36 @@ def test_cli_errors_name_the_flag(argv, message, capsys):
     """Errors found before any model is loaded name the flag (or file) the user typed."""
     assert main(argv) == 1
     assert message in capsys.readouterr().err
+
+
+def test_reps_take_turns_and_a_llama_failure_leaves_edge_measured():
+    """The timed repetitions alternate between the runners (edge, llama.cpp, edge, ...), after
+    one warm-up each; a llama.cpp runner failing mid-test leaves edge's row and a null llama.cpp."""
+    from edge.bench import _Bench
+
+    calls = []
+
+    class Runner:
+        def __init__(self, name, fail_at=None):
+            self.name, self.fail_at, self.n = name, fail_at, 0
+
+        def run(self):
+            self.n += 1
+            calls.append(self.name)
+            if self.n == self.fail_at:
+                raise RuntimeError("gone")
+            return {"s": 0.5, "n_tokens": 10}
+
+    cfg = BenchConfig(model="m", reps=3)
+    result = {"tests": [], "llama_cpp": {"error": None}}
+    b = _Bench(cfg, {"edge": Runner("edge"), "llama_cpp": Runner("llama")}, result, lambda msg: None)
+    row = b.measure("tg4", "tg", 1, 4, lambda r: r.run(), lambda r: r.run())
+    assert calls == ["edge", "llama", "edge", "llama", "edge", "llama", "edge", "llama"]
+    assert row["edge"]["samples"] == [20.0] * 3 and row["llama_cpp"]["samples"] == [20.0] * 3
+    assert row["edge_over_llama_cpp"] == 1.0
+    calls.clear()
+    b = _Bench(cfg, {"edge": Runner("edge"), "llama_cpp": Runner("llama", fail_at=3)}, result, lambda msg: None)
+    row = b.measure("tg4", "tg", 1, 4, lambda r: r.run(), lambda r: r.run())
+    assert calls == ["edge", "llama", "edge", "llama", "edge", "llama", "edge"]
+    assert row["edge"]["samples"] == [20.0] * 3 and row["llama_cpp"] is None
+    assert result["llama_cpp"]["error"] == "tg4: gone"

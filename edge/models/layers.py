@@ -58,16 +58,24 @@ class Scratch:
     def __init__(self, max_k: int):
         self.max_k = max_k
         self._bufs: dict[str, np.ndarray] = {}
+        self._views: dict[tuple, np.ndarray] = {}     # (name, shape) -> view of _bufs[name]
         self._ws: MatmulWorkspace | None = None
 
     def get(self, name: str, shape: tuple) -> np.ndarray:
         """A C-contiguous float32 array of ``shape`` (contents undefined), valid until the next
         get() of the same name."""
+        view = self._views.get((name, shape))
+        if view is not None:
+            return view
         n = math.prod(shape)
         buf = self._bufs.get(name)
         if buf is None or buf.size < n:
             buf = self._bufs[name] = np.empty(max(n, 1), np.float32)
-        return buf[:n].reshape(shape)
+            self._views = {key: v for key, v in self._views.items() if key[0] != name}
+        if len(self._views) >= 4096:                  # many batch shapes seen: start afresh
+            self._views.clear()
+        view = self._views[(name, shape)] = buf[:n].reshape(shape)
+        return view
 
     def workspace(self, n_tokens: int) -> MatmulWorkspace:
         """A matmul workspace for up to n_tokens rows of up to max_k values."""
