@@ -136,6 +136,7 @@ def _check_matmul(w, t: GGMLQuantizationType, x, out):
     return out
 
 
+_FLOAT_TYPES = frozenset((T_.F32, T_.F16, T_.BF16))
 _TYPES: dict = {}  # the ggml_type argument as given (enum, int or name) -> GGMLQuantizationType
 
 
@@ -158,8 +159,14 @@ class QuantizedActivations:
         self.key, self.shape, self.arrays = key, shape, arrays
 
 
+_ACT_KEYS: dict = {}
+
+
 def _act_key(t: GGMLQuantizationType) -> tuple:
-    return TYPES[t].vec_dot_type, t in ROWS_TYPES
+    key = _ACT_KEYS.get(t)
+    if key is None:
+        key = _ACT_KEYS[t] = (TYPES[t].vec_dot_type, t in ROWS_TYPES)
+    return key
 
 
 def _quantize(t: GGMLQuantizationType, x: np.ndarray, buf) -> QuantizedActivations:
@@ -167,8 +174,9 @@ def _quantize(t: GGMLQuantizationType, x: np.ndarray, buf) -> QuantizedActivatio
     # The quants are int8 for the VNNI row kernels, else widened to int16: one load per segment
     # instead of load + extend (5-9% faster decode), one compiled specialization per type.
     T, K = x.shape
-    qs = buf("qs8", (T, K), np.int8) if t in ROWS_TYPES else buf("qs16", (T, K), np.int16)
-    act = TYPES[t].vec_dot_type
+    key = _act_key(t)
+    act, int8 = key
+    qs = buf("qs8", (T, K), np.int8) if int8 else buf("qs16", (T, K), np.int16)
     if act == T_.Q8_K:
         d, bsums = buf("d", (T, K // 256), np.float32), buf("bsums", (T, K // 16), np.int16)
         qa.quantize_q8_k_kernel(x, qs, d, bsums)
@@ -181,7 +189,7 @@ def _quantize(t: GGMLQuantizationType, x: np.ndarray, buf) -> QuantizedActivatio
         d = buf("d", (T, K // 32), np.float32)
         qa.quantize_q8_0_kernel(x, qs, d)
         arrays = (qs, d)
-    return QuantizedActivations(_act_key(t), (T, K), arrays)
+    return QuantizedActivations(key, (T, K), arrays)
 
 
 def quantize_activations(ggml_type, x: np.ndarray, workspace: MatmulWorkspace | None = None):
@@ -228,14 +236,14 @@ def matmul(w: np.ndarray, ggml_type, x: np.ndarray, out: np.ndarray | None = Non
     out = _check_matmul(w, t, x, out)
     T, K = x.shape
     buf = workspace.take if workspace is not None and xq is None else _allocate
-    if t == T_.F32:
-        matmul_f32_f32(w.view(np.float32), x, out)
-    elif t in (T_.F16, T_.BF16):
-        xr = buf("x", (T, K), np.float32)
-        (round_to_f16 if t == T_.F16 else round_to_bf16)(x, xr)
-        (matmul_f16_f16 if t == T_.F16 else matmul_bf16_bf16)(w.view(np.uint16), xr, out)
-    else:
+    if t not in _FLOAT_TYPES:
         if xq is None or xq.key != _act_key(t) or xq.shape != (T, K):
             xq = _quantize(t, x, buf)
         quant_kernel(t, w.shape[0], batch_invariant)(w, *xq.arrays, out)
+    elif t == T_.F32:
+        matmul_f32_f32(w.view(np.float32), x, out)
+    else:
+        xr = buf("x", (T, K), np.float32)
+        (round_to_f16 if t == T_.F16 else round_to_bf16)(x, xr)
+        (matmul_f16_f16 if t == T_.F16 else matmul_bf16_bf16)(w.view(np.uint16), xr, out)
     return out

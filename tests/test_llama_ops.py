@@ -9,6 +9,7 @@ to edge's kernel and requires identical float32 bits.
 import hashlib
 from pathlib import Path
 
+import numba
 import numpy as np
 import pytest
 
@@ -134,6 +135,27 @@ def test_glu_rows_with_scalar_tail(ggml_fx, act):
     out = np.empty_like(gate)
     (ops.silu_mul if act == "swiglu" else ops.gelu_mul)(gate, up, out)
     _bits_equal(out, ggml_fx[f"{act}_out"])
+
+
+@pytest.mark.parametrize("n", [2048, 4101, 8960, 8963])
+def test_silu_row_split_among_threads_is_bit_equal(ggml_fx, n):
+    """A row alone is split among the threads (a decode step; ops.SILU_MIN_COLS), rows of a
+    batch are not: both give the same bits, the last n % 16 values through the scalar expf
+    path, also with out aliasing gate (llama.cpp's values: test_glu_rows_with_scalar_tail)."""
+    if numba.get_num_threads() < 2:
+        pytest.skip("one thread: no row is split")
+    base = ggml_fx["glu_gate"].reshape(-1)
+    reps = -(-4 * n // base.size)
+    gate = np.tile(base, reps)[: 4 * n].reshape(4, n) * np.float32(3)
+    up = np.tile(ggml_fx["glu_up"].reshape(-1), reps)[: 4 * n].reshape(4, n)
+    batch = np.empty_like(gate)
+    ops.silu_mul(gate, up, batch)
+    for t in range(4):
+        row = gate[t : t + 1].copy()
+        ops.silu_mul(row, up[t : t + 1], row)
+        _bits_equal(row, batch[t : t + 1])
+    ref = gate[:, -(n % 16 or 1):] / (1 + np.exp(-gate[:, -(n % 16 or 1):].astype(np.float64)))
+    np.testing.assert_allclose(batch[:, -(n % 16 or 1):], ref * up[:, -(n % 16 or 1):], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("path", PATHS)
