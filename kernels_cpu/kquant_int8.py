@@ -502,15 +502,12 @@ def build_kquant_tile(module: ir.Module, t: T, path: int, nr: int, nt: int, name
 # ---------------------------------------------------------------------------------------------
 # one weight row per lane (8 rows): Q4_K GEMV / GEMM
 
-def _row_pairs(b, w_rows, offset: int) -> list:
-    """The 16 bytes at ``offset`` of each of the 8 rows' blocks as smmla's weight operands: for row
-    pair q (rows 2q, 2q + 1) two <16 x i8>, bytes 0-7 of both rows, then bytes 8-15 of both (row
-    2q's 8 bytes first; arm64 zip1 / zip2 on 64-bit lanes)."""
-    out = []
-    for q in range(4):
-        r0, r1 = (load(b, w_rows[2 * q + i], offset, V2I64) for i in range(2))
-        out.append([b.bitcast(shuffle(b, r0, [k, 2 + k], r1), V16I8) for k in range(2)])
-    return out
+def _row_pair(b, w_rows, q: int, offset: int) -> list:
+    """32 bytes at ``offset`` of the blocks of rows 2q and 2q + 1 as smmla's weight operands: 4
+    <16 x i8>, vector c bytes 8c..8c+7 of row 2q, then the same of row 2q + 1 (arm64 zip1 / zip2
+    on 64-bit lanes)."""
+    halves = [[load(b, w_rows[2 * q + i], offset + 16 * h, V2I64) for i in range(2)] for h in range(2)]
+    return [b.bitcast(shuffle(b, r0, [k, 2 + k], r1), V16I8) for r0, r1 in halves for k in range(2)]
 
 
 def _act_octets(b, a0, a1, offset: int):
@@ -536,10 +533,10 @@ def _rows_q4_k(b, w_rows, acts, kind, accs):
     vector registers, and the chunks of 32 bytes (8 vectors) kept live too many.
 
     With I8MM (simd.HAS_I8MM) activation rows 2i, 2i + 1 go through smmla instead (an odd last row
-    through sdot): per 8 values, row pair q's codes (_row_pairs) times the two rows' quants
-    (_act_octets) give <4 x i32> [(2q, 2i), (2q, 2i + 1), (2q + 1, 2i), (2q + 1, 2i + 1)]; each 16
-    values of a sub-block (2 smmla) are multiplied by the row pair's scales in that layout and
-    summed, and the sums are taken apart (uzp1 / uzp2) into the one-row-per-lane <8 x i32> of each
+    through sdot): per 8 values, row pair q's codes (_row_pair) times the two rows' quants
+    (_act_octets) give <4 x i32> [(2q, 2i), (2q, 2i + 1), (2q + 1, 2i), (2q + 1, 2i + 1)]; each
+    sub-block's chain of 4 smmla is multiplied by the row pair's scales in that layout and summed,
+    and the sums are taken apart (uzp1 / uzp2) into the one-row-per-lane <8 x i32> of each
     activation row before the float steps, which are the same. The same exact integer sums reach
     the same float operations: bit-equal to the sdot and generic tiles."""
     h0, u0, u1, u2 = _load_rows(b, w_rows, 0, 4)
@@ -562,29 +559,32 @@ def _rows_q4_k(b, w_rows, acts, kind, accs):
     tot = [_ZERO8] * len(acts)
     tot_mm = [[_ZERO4] * 4 for _ in pairs]  # per pair of activation rows and row pair q: smmla's layout
     for p in range(4):  # sub-blocks 2p (low nibbles) and 2p + 1 (high nibbles) of qs[32p:32p+32]
-        for half in range(2):
+        for half in range(2) if singles else ():
             _reload(b)  # these 16 bytes of the 8 rows are loaded (and transposed) here, not hoisted
-            raw = _load_rows(b, w_rows, 16 + 32 * p + 16 * half, 4) if singles else None
-            mm_raw = _row_pairs(b, w_rows, 16 + 32 * p + 16 * half) if pairs else None
+            raw = _load_rows(b, w_rows, 16 + 32 * p + 16 * half, 4)
             for j, at in ((0, 64 * p + 16 * half), (1, 64 * p + 32 + 16 * half)):
+                if j == 0:
+                    codes = [b.and_(v, _c(0x0F0F0F0F)) for v in raw]
+                else:
+                    codes = [b.and_(b.lshr(v, _c(4)), _c(0x0F0F0F0F)) for v in raw]
                 sc = scale(2 * p + j)
-                if singles:
-                    if j == 0:
-                        codes = [b.and_(v, _c(0x0F0F0F0F)) for v in raw]
-                    else:
-                        codes = [b.and_(b.lshr(v, _c(4)), _c(0x0F0F0F0F)) for v in raw]
-                    for t in singles:  # each activation row's quads loaded where used, not all hoisted
-                        a = acts[t]
-                        tot[t] = _pin(b, _chunks_dot(b, tot[t], codes, [a.quad(at + 4 * c) for c in range(4)], sc, 4))
-                if pairs:
-                    nib = [[b.and_(v, lanes_i8(b, 0x0F, 16)) if j == 0 else b.lshr(v, lanes_i8(b, 4, 16)) for v in vs]
-                           for vs in mm_raw]
-                    sc_q = [shuffle(b, sc, [2 * q, 2 * q, 2 * q + 1, 2 * q + 1]) for q in range(4)]
-                    for i, (t0, t1) in enumerate(pairs):
-                        xs = [_act_octets(b, acts[t0], acts[t1], at + 8 * k) for k in range(2)]
-                        for q in range(4):
-                            m = smmla(b, smmla(b, _ZERO4, nib[q][0], xs[0]), nib[q][1], xs[1])
-                            tot_mm[i][q] = _pin(b, b.add(tot_mm[i][q], b.mul(m, sc_q[q])))
+                for t in singles:  # each activation row's quads loaded where used, not all hoisted
+                    a = acts[t]
+                    tot[t] = _pin(b, _chunks_dot(b, tot[t], codes, [a.quad(at + 4 * c) for c in range(4)], sc, 4))
+        for j in range(2) if pairs else ():  # sub-block 2p + j: one chain of 4 smmla per row pair and pair of rows
+            _reload(b)
+            sc = scale(2 * p + j)
+            xs = [[_act_octets(b, acts[t0], acts[t1], 64 * p + 32 * j + 8 * c) for c in range(4)] for t0, t1 in pairs]
+            for q in range(4):
+                _reload(b)  # the row pair's bytes loaded here (again for each sub-block: 8 vectors fewer live)
+                codes = [b.and_(v, lanes_i8(b, 0x0F, 16)) if j == 0 else b.lshr(v, lanes_i8(b, 4, 16))
+                         for v in _row_pair(b, w_rows, q, 16 + 32 * p)]
+                sc_q = shuffle(b, sc, [2 * q, 2 * q, 2 * q + 1, 2 * q + 1])
+                for i in range(len(pairs)):
+                    m = _ZERO4
+                    for c in range(4):
+                        m = smmla(b, m, codes[c], xs[i][c])
+                    tot_mm[i][q] = _pin(b, b.add(tot_mm[i][q], b.mul(m, sc_q)))
         if kind == "gemm" or p == 3:
             for i, (t0, t1) in enumerate(pairs):  # lanes (2q, t0), (2q, t1), (2q + 1, t0), (2q + 1, t1) -> rows
                 v = tot_mm[i]
