@@ -53,7 +53,7 @@ JSON (``edge bench --json``), one object:
     peak_rss_mb, load_to_first_token_s, process_first_token_wall_s: {edge, llama_cpp}
     kernels: {path (kernels_cpu.simd.kernel_path: "avx512-vnni", "avx2", ...), cpu (numba's target CPU)}
     ceilings: this machine's, measured after the tests (kernels_cpu.ceilings) with the same threads:
-        {kernel_path ("avx512-vnni" | "avx512" | "avx-vnni" | "avx2" | "generic" | "neon-dotprod" | "neon"), features, read_gb_s (memory read
+        {kernel_path ("avx512-vnni" | "avx512" | "avx-vnni" | "avx2" | "generic" | "neon-i8mm" | "neon-dotprod" | "neon"), features, read_gb_s (memory read
         bandwidth), int8_gmacs (int8 multiply-adds per second, in G), weight_bytes_per_token
         (bytes of weight matrices one token reads: all but token_embd unless it is the output;
         experts counted as n_expert_used / n_expert of theirs), macs_per_token (their

@@ -1,7 +1,8 @@
 """Q2_K / Q3_K / Q4_K / Q5_K / Q6_K matmul tiles with 8-bit products, for CPUs with AVX2 and
 without AVX-512 VNNI (``vpmaddubsw`` + ``vpmaddwd``; ``vpdpbusd`` ymm in the 8-row tiles with
-AVX-VNNI) and for arm64 with DotProd (``sdot``): simd.HAS_INT8_VEC_DOT. The weight codes stay bytes
-instead of being unpacked to int16 as in the generic tile (kernels_cpu.matmul_tiles), whose results
+AVX-VNNI) and for arm64 with DotProd (``sdot``; with I8MM ``smmla`` in the 8-row Q4_K tiles):
+simd.HAS_INT8_VEC_DOT. The weight codes stay bytes instead of being unpacked to int16 as in the
+generic tile (kernels_cpu.matmul_tiles), whose results
 they reproduce bit for bit: every integer sum is exact in both, and per output the same integer
 sums become floats, meet the same float scales and are added in the same order (each path's float
 structure: kernels_cpu.matmul).
@@ -36,14 +37,19 @@ int16, ``x16``), d_x float32[T, K/256], bsums int16[T, K/16], out float32.
   weights in L2: GEMM 8 x 4 about 66 G multiply-adds/s against 44 for the one-row-per-vector
   4 x 4 tile (generic tile: 29), GEMV 8 x 1 41 against 30 (generic: 16). Q6_K TILED measured
   a little faster one row per vector (its codes take more registers to transpose than AVX2 has).
+  With arm64 I8MM (simd.HAS_I8MM, path "neon-i8mm") each pair of activation rows of these tiles
+  takes ``smmla`` instead (2 weight rows x 8 values x 2 activation rows per instruction, 32
+  multiply-adds against sdot's 16; the rows' bytes not transposed but paired 8 at a time), and the
+  pair's sums are taken apart into the one-row-per-lane vectors before the same float steps
+  (_rows_q4_k); an odd last activation row and the one-row tiles (decode) keep sdot.
 
 Exactness of ``vpmaddubsw``, which saturates its pair sums to int16: the codes are unsigned and
 small, Q6_K 0..63 (its -32 through the bsums, as in ggml), Q5_K 0..31, Q4_K 0..15, Q2_K 0..3,
 and |activation quant| <= 128 (quantize_row_q8_K gives -127..127): pair sums at most 2 * 63 *
 128 = 16128. Q3_K's codes are signed (-4..3): |x| (u8) times the codes times sign(x)
 (``vpsignb``), at most 2 * 128 * 4. The row tiles add the pair sums of 4 chunks (16 values) in
-int16 before ``vpmaddwd``: at most 4 * 2 * 15 * 128 = 15360. ``sdot`` multiplies signed by
-signed: every code is at most 127. ``vpdpbusd`` (AVX-VNNI) adds its u8 x s8 products in int32. The int32 lanes stay far from overflow (a block's lane at
+int16 before ``vpmaddwd``: at most 4 * 2 * 15 * 128 = 15360. ``sdot`` and
+``smmla`` multiply signed by signed: every code is at most 127. ``vpdpbusd`` (AVX-VNNI) adds its u8 x s8 products in int32. The int32 lanes stay far from overflow (a block's lane at
 most 8 segments * 128 * 4 * 63 * 128).
 
 AVX-VNNI (simd.HAS_AVX_VNNI: Intel's Alder Lake and later, without AVX-512): the one-row-per-lane
@@ -84,13 +90,13 @@ from kernels_cpu.matmul_avx2 import _quants
 from kernels_cpu.matmul_rows import _byte, _c, _halves_to_f32, _i16_pair, _load_rows, k_rows_tile
 from kernels_cpu.matmul_tiles import GEMM, GEMV, TILED, VEC_DOT
 from kernels_cpu.matmul_vnni import _reload
-from kernels_cpu.simd import (F32, HAS_AVX_VNNI, HAS_DOTPROD, I8, I16, I32, I64, _x86_call, concat, dot_u8_s8, fmuladd,
-                              hsum_float_8, lanes_i8, load, load_half, madd_pairs, madd_u8_s8_256, sdot_256, shuffle,
-                              sign_i8_256, splat, tile_function, vec)
+from kernels_cpu.simd import (F32, HAS_AVX_VNNI, HAS_DOTPROD, HAS_I8MM, I8, I16, I32, I64, _x86_call, concat, dot_u8_s8,
+                              fmuladd, hsum_float_8, lanes_i8, load, load_half, madd_pairs, madd_u8_s8_256, sdot_256, shuffle,
+                              sign_i8_256, smmla, splat, tile_function, vec)
 
-V4I32, V8I32, V4F32, V8F32 = vec(I32, 4), vec(I32, 8), vec(F32, 4), vec(F32, 8)
+V2I64, V4I32, V8I32, V4F32, V8F32 = vec(I64, 2), vec(I32, 4), vec(I32, 8), vec(F32, 4), vec(F32, 8)
 V8I16, V16I16, V16I8, V32I8 = vec(I16, 8), vec(I16, 16), vec(I8, 16), vec(I8, 32)
-_ZERO8 = ir.Constant(V8I32, [0] * 8)
+_ZERO4, _ZERO8 = ir.Constant(V4I32, [0] * 4), ir.Constant(V8I32, [0] * 8)
 
 KQUANT_TYPES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
 _WITH_MINS = (T.Q2_K, T.Q4_K, T.Q5_K)
@@ -115,6 +121,8 @@ def _pin(b, v):
     in a vector register and gives it back. LLVM keeps such statements in order and loads after
     them, so a tile's work stays in the order written (its scheduler otherwise hoists every load
     of a block to the top, and AVX2's 16 vector registers then spill them all)."""
+    if HAS_DOTPROD and v.type == V4I32:
+        return b.asm(ir.FunctionType(V4I32, [V4I32]), "", "=w,0,~{memory}", [v], side_effect=True)
     if HAS_DOTPROD:  # 128-bit NEON registers: each half of an <8 x i32>
         halves = [shuffle(b, v, range(4 * h, 4 * h + 4)) for h in range(2)]
         return concat(b, *(b.asm(ir.FunctionType(V4I32, [V4I32]), "", "=w,0,~{memory}", [x], side_effect=True)
@@ -494,13 +502,47 @@ def build_kquant_tile(module: ir.Module, t: T, path: int, nr: int, nt: int, name
 # ---------------------------------------------------------------------------------------------
 # one weight row per lane (8 rows): Q4_K GEMV / GEMM
 
+def _row_pair(b, w_rows, q: int, offset: int) -> list:
+    """32 bytes at ``offset`` of the blocks of rows 2q and 2q + 1 as smmla's weight operands: 4
+    <16 x i8>, vector c bytes 8c..8c+7 of row 2q, then the same of row 2q + 1 (arm64 zip1 / zip2
+    on 64-bit lanes)."""
+    halves = [[load(b, w_rows[2 * q + i], offset + 16 * h, V2I64) for i in range(2)] for h in range(2)]
+    return [b.bitcast(shuffle(b, r0, [k, 2 + k], r1), V16I8) for r0, r1 in halves for k in range(2)]
+
+
+def _act_octets(b, a0, a1, offset: int):
+    """<16 x i8>: activation quants offset..offset+7 of the block of row a0, then of row a1 (_Act;
+    int16 quants narrowed): smmla's operand of two activation columns."""
+    words = []
+    for a in (a0, a1):
+        at = b.add(a.x_at, ir.Constant(I64, offset))
+        if a.x16:
+            words.append(b.bitcast(b.trunc(load(b, a.xq, b.mul(at, ir.Constant(I64, 2)), vec(I16, 8)), vec(I8, 8)), I64))
+        else:
+            words.append(load(b, a.xq, at, I64))
+    v = ir.Constant(V2I64, ir.Undefined)
+    for k, w in enumerate(words):
+        v = b.insert_element(v, w, ir.Constant(I32, k))
+    return b.bitcast(v, V16I8)
+
+
 def _rows_q4_k(b, w_rows, acts, kind, accs):
     """One Q4_K block of 8 rows: GEMV (one float update) or GEMM (one per 64 values), the integers
     and float steps of kernels_cpu.matmul_rows._q4_k_block. The codes are transposed 16 bytes of
     each row at a time (4 chunk vectors) and every value is computed where it is used: AVX2 has 16
-    vector registers, and the chunks of 32 bytes (8 vectors) kept live too many."""
+    vector registers, and the chunks of 32 bytes (8 vectors) kept live too many.
+
+    With I8MM (simd.HAS_I8MM) activation rows 2i, 2i + 1 go through smmla instead (an odd last row
+    through sdot): per 8 values, row pair q's codes (_row_pair) times the two rows' quants
+    (_act_octets) give <4 x i32> [(2q, 2i), (2q, 2i + 1), (2q + 1, 2i), (2q + 1, 2i + 1)]; each
+    sub-block's chain of 4 smmla is multiplied by the row pair's scales in that layout and summed,
+    and the sums are taken apart (uzp1 / uzp2) into the one-row-per-lane <8 x i32> of each
+    activation row before the float steps, which are the same. The same exact integer sums reach
+    the same float operations: bit-equal to the sdot and generic tiles."""
     h0, u0, u1, u2 = _load_rows(b, w_rows, 0, 4)
     acc, accm = list(accs["acc"]), list(accs["accm"])
+    pairs = [(t, t + 1) for t in range(0, len(acts) - 1, 2)] if HAS_I8MM else []
+    singles = [t for t in range(len(acts)) if not any(t in pr for pr in pairs)]
 
     def scale(j):
         word = b.and_(u0, _c(0x3F3F3F3F)) if j < 4 else \
@@ -515,8 +557,9 @@ def _rows_q4_k(b, w_rows, acts, kind, accs):
         return [_pmaddwd(b, pair, b.bitcast(a.bsum_pair(4 * p, 2), V16I16)) for a in acts]
 
     tot = [_ZERO8] * len(acts)
+    tot_mm = [[_ZERO4] * 4 for _ in pairs]  # per pair of activation rows and row pair q: smmla's layout
     for p in range(4):  # sub-blocks 2p (low nibbles) and 2p + 1 (high nibbles) of qs[32p:32p+32]
-        for half in range(2):
+        for half in range(2) if singles else ():
             _reload(b)  # these 16 bytes of the 8 rows are loaded (and transposed) here, not hoisted
             raw = _load_rows(b, w_rows, 16 + 32 * p + 16 * half, 4)
             for j, at in ((0, 64 * p + 16 * half), (1, 64 * p + 32 + 16 * half)):
@@ -525,9 +568,29 @@ def _rows_q4_k(b, w_rows, acts, kind, accs):
                 else:
                     codes = [b.and_(b.lshr(v, _c(4)), _c(0x0F0F0F0F)) for v in raw]
                 sc = scale(2 * p + j)
-                for t, a in enumerate(acts):  # each activation row's quads loaded where used, not all hoisted
+                for t in singles:  # each activation row's quads loaded where used, not all hoisted
+                    a = acts[t]
                     tot[t] = _pin(b, _chunks_dot(b, tot[t], codes, [a.quad(at + 4 * c) for c in range(4)], sc, 4))
+        for j in range(2) if pairs else ():  # sub-block 2p + j: one chain of 4 smmla per row pair and pair of rows
+            _reload(b)
+            sc = scale(2 * p + j)
+            xs = [[_act_octets(b, acts[t0], acts[t1], 64 * p + 32 * j + 8 * c) for c in range(4)] for t0, t1 in pairs]
+            for q in range(4):
+                _reload(b)  # the row pair's bytes loaded here (again for each sub-block: 8 vectors fewer live)
+                codes = [b.and_(v, lanes_i8(b, 0x0F, 16)) if j == 0 else b.lshr(v, lanes_i8(b, 4, 16))
+                         for v in _row_pair(b, w_rows, q, 16 + 32 * p)]
+                sc_q = shuffle(b, sc, [2 * q, 2 * q, 2 * q + 1, 2 * q + 1])
+                for i in range(len(pairs)):
+                    m = _ZERO4
+                    for c in range(4):
+                        m = smmla(b, m, codes[c], xs[i][c])
+                    tot_mm[i][q] = _pin(b, b.add(tot_mm[i][q], b.mul(m, sc_q)))
         if kind == "gemm" or p == 3:
+            for i, (t0, t1) in enumerate(pairs):  # lanes (2q, t0), (2q, t1), (2q + 1, t0), (2q + 1, t1) -> rows
+                v = tot_mm[i]
+                tot[t0] = concat(b, shuffle(b, v[0], [0, 2, 4, 6], v[1]), shuffle(b, v[2], [0, 2, 4, 6], v[3]))
+                tot[t1] = concat(b, shuffle(b, v[0], [1, 3, 5, 7], v[1]), shuffle(b, v[2], [1, 3, 5, 7], v[3]))
+                tot_mm[i] = [_ZERO4] * 4
             ms = None
             for q in ([p] if kind == "gemm" else range(4)):
                 terms = min_terms(q)

@@ -268,6 +268,11 @@ HAS_AVX2_INT8 = HAS_AVX2 and not HAS_VNNI
 # arm64 NEON with the dot product extension (Armv8.2-A DotProd: Apple M1 and later, Cortex-A76 and
 # later, Graviton 2+): sdot, four int8 products into each int32 lane (kernels_cpu.matmul_avx2's tiles)
 HAS_DOTPROD = "+dotprod" in target_features()
+# arm64 with DotProd and the int8 matrix multiply extension (Armv8.6-A I8MM: Apple M2 and later,
+# Cortex-A710 / X2 and later, Neoverse V1 / N2, Graviton 3+): smmla, a 2 x 8 by 8 x 2 int8 product
+# into 4 int32 lanes, in the tiles where two activation rows share the weights (kernels_cpu.kquant_int8's
+# 8-row Q4_K tiles); the other tiles keep sdot
+HAS_I8MM = HAS_DOTPROD and "+i8mm" in target_features()
 # Q4_0 / Q5_0 / Q8_0 / Q4_1 / Q5_1 vec_dot tiles from kernels_cpu.matmul_avx2 (their int8 step:
 # vpmaddubsw + vpmaddwd, vpdpbusd or sdot) and the Q2_K .. Q6_K tiles of kernels_cpu.kquant_int8
 HAS_INT8_VEC_DOT = HAS_AVX2_INT8 or HAS_DOTPROD
@@ -278,10 +283,13 @@ def kernel_path(features: frozenset | None = None) -> str:
     "avx512-vnni" (AVX-512 VNNI int8 tiles), "avx512" (AVX-512 F without VNNI: the AVX2 int8
     tiles, AVX-512's exp in attention), "avx-vnni" (the AVX2 int8 tiles with VEX vpdpbusd ymm
     for their 4-way u8 x s8 step: AVX-VNNI without AVX-512, HAS_AVX_VNNI), "avx2" (vpmaddubsw /
-    vpshufb ymm tiles) or "generic" (plain LLVM vectors); on arm64 "neon-dotprod" (sdot in the
-    Q4_0 / Q5_0 / Q8_0 / Q4_1 / Q5_1 and Q2_K .. Q6_K tiles) or "neon" (plain LLVM vectors,
-    which LLVM turns into NEON code)."""
+    vpshufb ymm tiles) or "generic" (plain LLVM vectors); on arm64 "neon-i8mm" (the sdot tiles,
+    and smmla in the 8-row Q4_K tiles of two or more activation rows: DotProd and I8MM,
+    HAS_I8MM), "neon-dotprod" (sdot in the Q4_0 / Q5_0 / Q8_0 / Q4_1 / Q5_1 and Q2_K .. Q6_K
+    tiles) or "neon" (plain LLVM vectors, which LLVM turns into NEON code)."""
     f = target_features() if features is None else features
+    if {"+dotprod", "+i8mm"} <= f:
+        return "neon-i8mm"
     if "+dotprod" in f:
         return "neon-dotprod"
     if "+neon" in f:
@@ -359,6 +367,13 @@ def sdot(b: ir.IRBuilder, acc, a, c):
     """<4 x i32> acc + (lane j: sum of a[4j+k] * c[4j+k], k < 4) for signed <16 x i8> a, c
     (exact; arm64 sdot, DotProd only)."""
     return _x86_call(b, "llvm.aarch64.neon.sdot.v4i32.v16i8", [acc, a, c])
+
+
+def smmla(b: ir.IRBuilder, acc, a, c):
+    """<4 x i32> acc + the 2 x 2 int8 matrix product of signed <16 x i8> a (rows: bytes 0-7, 8-15)
+    and c (columns: bytes 0-7, 8-15): lane 2i + j = acc[2i + j] + sum over k < 8 of a[8i + k] *
+    c[8j + k] (exact; arm64 smmla, I8MM only)."""
+    return _x86_call(b, "llvm.aarch64.neon.smmla.v4i32.v16i8", [acc, a, c])
 
 
 def sdot_256(b: ir.IRBuilder, acc, a, c):

@@ -101,7 +101,8 @@ def test_ceiling_kernels():
     ceilings._read_all(buf, out)
     assert out.tolist() == [0, 0, 0x40 << (8 * (12345 % 8))]
     assert ceilings.MACS_PER_STEP == {"avx512-vnni": 512, "avx512": 256, "avx-vnni": 256, "avx2": 256, "generic": 128,
-                                      "neon": 128, "neon-dotprod": 128}[ceilings.kernel_path()]
+                                      "neon": 128, "neon-dotprod": 128,
+                                      "neon-i8mm": 128}[ceilings.kernel_path()]
     assert 1e6 < ceilings.int8_throughput(1, seconds=0.01, repeats=5) < 1e13   # a rate, not a speed test (a loaded machine)
 
 

@@ -262,17 +262,19 @@ def test_extreme_codes_and_quants(t, n_tokens):
     """Weight codes and scales at the ends of their ranges (Q8_0 -128 / 127, Q5_0 0 / 31, Q6_K
     codes 0 / 63 with scales -128 / 127) against activation quants of +-127: the largest integer
     sums the kernels form (VNNI paths: unsigned codes plus offsets, vpmaddubsw pair sums) stay
-    exact, bit for bit as the numpy model of llama.cpp."""
+    exact, bit for bit as the numpy model of llama.cpp. Q4_K also with R = 16, which takes the
+    repacked structure (8-row tiles: GEMM for T - T % 4 rows, GEMV for the rest)."""
     rng = np.random.default_rng(11)
-    R, K = 13, 512
-    w = random_weights(t, R, K, rng)
-    block, size = GGML_QUANT_SIZES[t]
-    raw = w.reshape(R, K // block, size)
-    ends = rng.integers(0, 2, raw.shape, dtype=np.uint8) * np.uint8(0xFF)  # all bits clear or set
-    fields = {T.Q5_0: slice(2, 22), T.Q8_0: slice(2, 34), T.Q6_K: slice(0, 208), T.Q4_K: slice(4, 144)}[t]
-    raw[..., fields] = ends[..., fields]
-    signed = {T.Q8_0: slice(2, 34), T.Q6_K: slice(192, 208)}.get(t)  # int8 quants / scales: -128 or 127
-    if signed is not None:
-        raw[..., signed] = np.where(ends[..., signed] != 0, 0x80, 0x7F).astype(np.uint8)
-    x = np.where(rng.integers(0, 2, (n_tokens, K)) == 1, 1.0, -1.0).astype(np.float32)  # quants +-127
-    assert_same_bits(matmul(w, t, x), reference_matmul(w, t, x), f"{t.name} T={n_tokens}")
+    K = 512
+    for R in (13, 16) if t == T.Q4_K else (13,):
+        w = random_weights(t, R, K, rng)
+        block, size = GGML_QUANT_SIZES[t]
+        raw = w.reshape(R, K // block, size)
+        ends = rng.integers(0, 2, raw.shape, dtype=np.uint8) * np.uint8(0xFF)  # all bits clear or set
+        fields = {T.Q5_0: slice(2, 22), T.Q8_0: slice(2, 34), T.Q6_K: slice(0, 208), T.Q4_K: slice(4, 144)}[t]
+        raw[..., fields] = ends[..., fields]
+        signed = {T.Q8_0: slice(2, 34), T.Q6_K: slice(192, 208)}.get(t)  # int8 quants / scales: -128 or 127
+        if signed is not None:
+            raw[..., signed] = np.where(ends[..., signed] != 0, 0x80, 0x7F).astype(np.uint8)
+        x = np.where(rng.integers(0, 2, (n_tokens, K)) == 1, 1.0, -1.0).astype(np.float32)  # quants +-127
+        assert_same_bits(matmul(w, t, x), reference_matmul(w, t, x), f"{t.name} R={R} T={n_tokens}")

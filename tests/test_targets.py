@@ -55,8 +55,9 @@ CASES = {t: CI_CASES.get(t, (["llama3-q8_0"], [])) for t in TARGETS}
     ({"+avx2"}, "avx2"),
     ({"+sse2", "+sse4.2"}, "generic"),
     (set(), "generic"),
-    ({"+neon", "+dotprod", "+i8mm"}, "neon-dotprod"),     # arm64: sdot tiles (smmla has no path yet)
+    ({"+neon", "+dotprod", "+i8mm"}, "neon-i8mm"),        # arm64: sdot tiles, smmla in the 8-row Q4_K tiles
     ({"+neon", "+dotprod"}, "neon-dotprod"),
+    ({"+neon", "+i8mm"}, "neon"),                          # smmla without sdot: not a path
     ({"+neon", "+fp-armv8"}, "neon"),
 ])
 def test_kernel_path_names(features, path):
@@ -66,6 +67,7 @@ def test_kernel_path_names(features, path):
 @pytest.mark.parametrize("cpu, listed, has, lacks", [
     ("generic", "", {"+neon"}, {"+dotprod"}),                      # qemu-user: LLVM lists nothing
     ("apple-m1", "", {"+neon", "+dotprod"}, {"+i8mm"}),
+    ("apple-m2", "", {"+neon", "+dotprod", "+i8mm"}, set()),
     ("apple-m2", "-i8mm", {"+neon", "+dotprod"}, {"+i8mm"}),        # a "-" feature is kept off
     ("cortex-a53", "+crc", {"+neon", "+crc"}, {"+dotprod"}),
 ])
@@ -80,7 +82,8 @@ def test_arm64_features_from_cpu_name(monkeypatch, cpu, listed, has, lacks):
     monkeypatch.setattr(config, "CPU_FEATURES", listed)
     features = simd.target_features()
     assert has <= features and not lacks & features
-    assert simd.kernel_path(features) == ("neon-dotprod" if "+dotprod" in has else "neon")
+    assert simd.kernel_path(features) == ("neon-i8mm" if "+i8mm" in has else "neon-dotprod" if "+dotprod" in has
+                                          else "neon")
 
 
 class _Features:
