@@ -24,19 +24,62 @@ from kernels_cpu import TargetError
 
 def _check_feature_list() -> None:
     """Raise TargetError for a NUMBA_CPU_FEATURES that is not a list of ``+name`` / ``-name``
-    (LLVM aborts the process on one, with an assertion, the first time it compiles)."""
+    (LLVM aborts the process on one, with an assertion, the first time it compiles; also on an
+    item with a space, which LLVM takes as part of the name)."""
     from numba.core import config
 
     listed = config.CPU_FEATURES
     for item in (listed or "").split(","):
         name = item.strip()
+        if name and name != item:
+            raise TargetError(f"NUMBA_CPU_FEATURES={listed!r}: {item!r} has a space: give the list without spaces, "
+                              f"e.g. +avx2,+fma,+f16c")
         if name and (name[0] not in "+-" or not name[1:] or not name[1:].replace("-", "").replace(".", "")
                      .replace("_", "").isalnum()):
             raise TargetError(f"NUMBA_CPU_FEATURES={listed!r}: {item!r} is not a feature: give a comma-separated "
                               f"list of +name / -name, e.g. +avx2,+fma,+f16c")
 
 
+def _check_target() -> None:
+    """Raise TargetError when LLVM does not know NUMBA_CPU_NAME or a feature of NUMBA_CPU_FEATURES
+    for this machine's architecture: LLVM only warns (several times) and ignores it, so an arm64
+    name or feature on x86 (or the reverse) gave a kernel path this machine cannot compile
+    (an LLVM ERROR, or a segfault on arm64), and a misspelt name compiled generic code."""
+    import os
+    import tempfile
+
+    from numba.core import config
+    from llvmlite import binding
+
+    if config.CPU_NAME is None and config.CPU_FEATURES is None:
+        return
+    binding.initialize_native_target()
+    saved = os.dup(2)
+    try:
+        with tempfile.TemporaryFile() as said:   # LLVM writes its warnings to the process's stderr
+            os.dup2(said.fileno(), 2)
+            try:
+                binding.Target.from_default_triple().create_target_machine(
+                    cpu=config.CPU_NAME or "", features=config.CPU_FEATURES or "")
+            finally:
+                os.dup2(saved, 2)
+            said.seek(0)
+            lines = said.read().decode(errors="replace").splitlines()
+    finally:
+        os.close(saved)
+    machine = binding.get_process_triple().split("-")[0]
+    if any("not a recognized processor" in line for line in lines):
+        raise TargetError(f"NUMBA_CPU_NAME={config.CPU_NAME!r} is not a CPU LLVM knows for this machine ({machine}): "
+                          f"numba compiles for the machine it runs on")
+    unknown = [line.split("'")[1] for line in lines if "not a recognized feature" in line and line.count("'") >= 2]
+    if unknown:
+        raise TargetError(f"NUMBA_CPU_FEATURES={config.CPU_FEATURES!r}: {', '.join(dict.fromkeys(unknown))} "
+                          f"{'is not a feature' if len(unknown) == 1 else 'are not features'} LLVM knows for this "
+                          f"machine ({machine})")
+
+
 _check_feature_list()
+_check_target()
 
 _F32_2_POW_M24 = np.float32(2.0**-24)
 
@@ -229,7 +272,26 @@ def target_features() -> frozenset:
         implied = ("+neon", *_ARM64_IMPLIED.get(cpu, ()))
     else:
         implied = _X86_IMPLIED.get(cpu, ())
-    return frozenset(f for f in listed + [f for f in implied if f"-{f[1:]}" not in listed] if f.startswith("+"))
+    on = {f[1:] for f in listed + [f for f in implied if f"-{f[1:]}" not in listed] if f.startswith("+")}
+    off = {f[1:] for f in listed if f.startswith("-")}
+    return frozenset(f"+{f}" for f in on if not _needs(f) & off)
+
+
+def _needs(feature: str) -> set:
+    """The features ``feature`` implies in LLVM, transitively (X86.td / AArch64Features.td, the ones
+    edge's kernels choose by): turning one of them off turns ``feature`` off too (``-avx2`` on a
+    CPU with AVX-512: no AVX-512 either)."""
+    direct = _REQUIRES.get(feature, ("avx512f",) if feature.startswith("avx512") and feature != "avx512f" else ())
+    out = set(direct)
+    for f in direct:
+        out |= _needs(f)
+    return out
+
+
+_REQUIRES = {"sse2": ("sse",), "sse3": ("sse2",), "ssse3": ("sse3",), "sse4.1": ("ssse3",), "sse4.2": ("sse4.1",),
+             "avx": ("sse4.2",), "avx2": ("avx",), "fma": ("avx",), "f16c": ("avx",), "avx512f": ("avx2", "fma", "f16c"),
+             "avxvnni": ("avx2",), "vaes": ("avx", "aes"), "vpclmulqdq": ("avx", "pclmul"), "aes": ("sse2",),
+             "pclmul": ("sse2",), "gfni": ("sse2",), "dotprod": ("neon",), "i8mm": ("neon",)}
 
 
 # x86-64 microarchitecture levels (psABI) by LLVM name: the features edge's kernels choose by that

@@ -132,6 +132,10 @@ def test_host_lacks_names_target_features_the_cpu_does_not_have(monkeypatch):
     assert simd.host_lacks() == []
 
 
+X86_HOST_CHECK = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
+                                    reason="names LLVM's x86 target and this machine as x86_64")
+
+
 @pytest.mark.parametrize("listed", ["garbage", "+avx2,fma", "+", "+avx2,+fma;"])
 def test_malformed_feature_list_is_refused(monkeypatch, listed):
     from numba.core import config
@@ -139,8 +143,50 @@ def test_malformed_feature_list_is_refused(monkeypatch, listed):
     monkeypatch.setattr(config, "CPU_FEATURES", listed)
     with pytest.raises(TargetError, match="is not a feature"):
         simd._check_feature_list()
-    monkeypatch.setattr(config, "CPU_FEATURES", "+avx2, +fma,-avx512f,+sse4.1,+avx512vnni,")
+    monkeypatch.setattr(config, "CPU_FEATURES", "+avx2,+fma,-avx512f,+sse4.1,+avx512vnni,")
     simd._check_feature_list()
+    for spaced in ("+avx2, +fma", " +avx2", "+avx2 "):   # LLVM took ' +fma' as a name and aborted
+        monkeypatch.setattr(config, "CPU_FEATURES", spaced)
+        with pytest.raises(TargetError, match="has a space"):
+            simd._check_feature_list()
+
+
+@X86_HOST_CHECK
+@pytest.mark.parametrize("name, features, message", [
+    ("apple-m2", None, "NUMBA_CPU_NAME='apple-m2' is not a CPU LLVM knows for this machine (x86_64)"),
+    ("notacpu", None, "NUMBA_CPU_NAME='notacpu' is not a CPU LLVM knows for this machine (x86_64)"),
+    ("haswell", "+neon,+dotprod", "NUMBA_CPU_FEATURES='+neon,+dotprod': +neon, +dotprod are not features LLVM knows"),
+    (None, "+avx2,+avx512vnn", "NUMBA_CPU_FEATURES='+avx2,+avx512vnn': +avx512vnn is not a feature LLVM knows"),
+])
+def test_a_target_llvm_does_not_know_here_is_refused(monkeypatch, name, features, message):
+    """LLVM only warned and ignored it: an arm64 name or feature on x86 then gave kernel path
+    neon-i8mm and an LLVM ERROR at the first compile, a misspelt name generic code."""
+    from numba.core import config
+
+    monkeypatch.setattr(config, "CPU_NAME", name)
+    monkeypatch.setattr(config, "CPU_FEATURES", features)
+    with pytest.raises(TargetError) as e:
+        simd._check_target()
+    assert str(e.value).startswith(message)
+    monkeypatch.setattr(config, "CPU_NAME", "haswell")
+    monkeypatch.setattr(config, "CPU_FEATURES", ct.TARGETS["haswell"][1])
+    simd._check_target()
+
+
+@pytest.mark.parametrize("listed, path", [("-avx2", "generic"), ("-fma", "avx2"), ("-f16c", "avx2"),
+                                          ("-avx512f", "avx2"), ("-avx512vnni", "avx512"), ("-avx", "generic")])
+def test_turning_off_a_feature_turns_off_what_needs_it(monkeypatch, listed, path):
+    """As LLVM does: -avx2 (or -fma, -f16c, -avx) on an AVX-512 VNNI CPU leaves no AVX-512, whose
+    tiles LLVM then could not compile (an LLVM ERROR after kernel_path said avx512-vnni)."""
+    from llvmlite import binding
+    from numba.core import config
+
+    monkeypatch.setattr(binding, "get_process_triple", lambda: "x86_64-unknown-linux-gnu")
+    monkeypatch.setattr(binding, "get_host_cpu_features", lambda: _Features(_ZEN4))
+    monkeypatch.setattr(binding, "get_host_cpu_name", lambda: "znver4")
+    monkeypatch.setattr(config, "CPU_NAME", None)
+    monkeypatch.setattr(config, "CPU_FEATURES", listed)
+    assert simd.kernel_path(simd.target_features()) == path
 
 
 def test_cli_refuses_a_malformed_feature_list_in_one_line():
