@@ -85,7 +85,8 @@ def qdot_tile(typingctx, fmt, path, nr, nt, w, r0, r_step, xq, xd, xa, t0, out):
             fn = build_avx2_tile(builder.module, f.ggml_type.name, n_r, n_t, name, x16)
         elif HAS_INT8_VEC_DOT and n_r == ROWS and (f.ggml_type, p) in KQUANT_ROWS_PATHS:
             fn = build_kquant_rows_tile(builder.module, f.ggml_type, p, n_t, name, x16)
-        elif HAS_INT8_VEC_DOT and (f.ggml_type, p) in KQUANT_PATHS:
+        elif (HAS_INT8_VEC_DOT or HAS_VNNI and n_r < ROWS and (f.ggml_type, p) == (T_.Q6_K, TILED)) \
+                and (f.ggml_type, p) in KQUANT_PATHS:
             fn = build_kquant_tile(builder.module, f.ggml_type, p, n_r, n_t, name, x16)
         elif n_r == ROWS and HAS_VNNI and (p == GEMV and f.ggml_type in (T_.IQ4_NL, T_.MXFP4, T_.Q4_0)
                                            or p == TILED and f.ggml_type == T_.IQ4_XS):

@@ -135,3 +135,26 @@ def test_q0_batch_invariant_kernels_are_the_gemv_structure(qtype):
             assert np.array_equal(got, want), (R, K, n)
             exact = x.astype(np.float64) @ dequantize(w, t).reshape(R, K).astype(np.float64).T
             assert np.abs(got - exact).max() <= 0.05 * np.abs(exact).max() + 1e-3
+
+
+def test_q6_k_batch_invariant_rows_do_not_depend_on_the_batch():
+    """Q6_K in batch-invariant mode: one row (with AVX-512 VNNI kernels_cpu.kquant_int8's tiles
+    of two rows, which read the weights faster than the 8-row tile at one row) gives the bits the
+    same row gets in batches of 2, 7 and 9 rows (the 8-row tiles, 16-row panels)."""
+    from gguf import GGMLQuantizationType as T
+
+    from kernels_cpu import matmul as M
+    from tests.test_matmul import random_weights
+
+    rng = np.random.default_rng(11)
+    for R, K in ((16, 256), (40, 512), (13, 768)):
+        w = random_weights(T.Q6_K, R, K, rng)
+        x = rng.standard_normal((9, K)).astype(np.float32)
+        batches = [M.matmul(w, T.Q6_K, x[:n], batch_invariant=True) for n in (2, 7, 9)]
+        for t in range(9):
+            alone = M.matmul(w, T.Q6_K, x[t : t + 1], batch_invariant=True)
+            for got in batches:
+                if t < got.shape[0]:
+                    assert np.array_equal(alone[0], got[t]), (R, K, t)
+        vec_dot = M.matmul(w, T.Q6_K, x[:1])   # llama.cpp's one-row arithmetic: other last bits
+        assert np.allclose(vec_dot, batches[0][:1], rtol=1e-4, atol=1e-3)
