@@ -281,3 +281,19 @@ def test_reps_take_turns_and_a_llama_failure_leaves_edge_measured():
     assert calls == ["edge", "llama", "edge", "llama", "edge", "llama", "edge"]
     assert row["edge"]["samples"] == [20.0] * 3 and row["llama_cpp"] is None
     assert result["llama_cpp"]["error"] == "tg4: gone"
+
+
+def test_llama_python_alone_asks_for_the_comparison(monkeypatch, gemma_path):
+    """--llama-python without --vs-llama-cpp ran edge alone, the interpreter silently ignored;
+    it now implies the comparison (and --vs-llama-cpp alone uses this interpreter)."""
+    import edge.bench
+    import edge.cli.bench as cli_bench
+
+    seen = []
+    monkeypatch.setattr(cli_bench, "_compile_first", lambda cfg: None)
+    monkeypatch.setattr(cli_bench, "print_result", lambda result: None)
+    monkeypatch.setattr(edge.bench, "run_bench", lambda cfg: seen.append(cfg.llama_python) or {})
+    for extra, want in ((["--llama-python", "/opt/py/bin/python"], "/opt/py/bin/python"),
+                        (["--vs-llama-cpp"], sys.executable), ([], None)):
+        assert main(["bench", "-m", str(gemma_path), "-t", "1", *extra]) == 0
+        assert seen[-1] == want

@@ -33,8 +33,8 @@ def add_parser(sub) -> None:
                             "enforced (mask time per token, schema compile time)")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     bench.add_argument("--vs-llama-cpp", action="store_true", help="run the same tests through llama-cpp-python")
-    bench.add_argument("--llama-python", default=sys.executable,
-                       help="interpreter that has llama-cpp-python (default: this one)")
+    bench.add_argument("--llama-python", default=None,
+                       help="interpreter that has llama-cpp-python (default: this one); implies --vs-llama-cpp")
     bench.set_defaults(func=cmd_bench)
 
 
@@ -51,7 +51,8 @@ def cmd_bench(args) -> int:
                       n_batch=args.batch_size, n_ctx=args.ctx_size, batch_sizes=args.batched,
                       reps=args.repetitions, threads=numba.get_num_threads(),
                       cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
-                      llama_python=args.llama_python if args.vs_llama_cpp else None,
+                      llama_python=(args.llama_python or sys.executable)
+                      if args.vs_llama_cpp or args.llama_python is not None else None,
                       batch_invariant=args.batch_invariant, spec=args.spec, grammar=args.grammar)
     _compile_first(cfg)
     result = run_bench(cfg)
