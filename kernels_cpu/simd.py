@@ -254,7 +254,7 @@ def hsum_float_8(b: ir.IRBuilder, v):
 
 def target_features() -> frozenset:
     """Features (``"+avx512vnni"`` ...) of the CPU numba compiles for: NUMBA_CPU_FEATURES when set
-    (a list of ``-name`` alone, without NUMBA_CPU_NAME: the host's minus those), else the host's;
+    (without NUMBA_CPU_NAME: the host's with those added or removed), else the host's;
     plus what the CPU's name implies where LLVM's host query misses it (arm64 names, NEON on
     every arm64 CPU, x86-64-v3 / v4). They are part of the key of numba's on-disk cache entries (codegen
     ``magic_tuple``), so a kernel specialised on them is never served to another CPU."""
@@ -263,8 +263,9 @@ def target_features() -> frozenset:
 
     host = binding.get_host_cpu_features().flatten().split(",")
     listed = config.CPU_FEATURES.split(",") if config.CPU_FEATURES is not None else host
-    if config.CPU_FEATURES is not None and config.CPU_NAME is None and all(f.startswith("-") for f in listed if f):
-        # features turned off on the host's CPU: LLVM keeps the others its name implies
+    if config.CPU_FEATURES is not None and config.CPU_NAME is None:
+        # numba names the host's CPU: LLVM starts from the features that name implies (the host's),
+        # then adds and removes the listed ones
         listed = [f for f in host if f"-{f[1:]}" not in listed] + listed
     cpu = config.CPU_NAME or binding.get_host_cpu_name()
     if binding.get_process_triple().startswith(("aarch64", "arm64")):

@@ -174,10 +174,13 @@ def test_a_target_llvm_does_not_know_here_is_refused(monkeypatch, name, features
 
 
 @pytest.mark.parametrize("listed, path", [("-avx2", "generic"), ("-fma", "avx2"), ("-f16c", "avx2"),
-                                          ("-avx512f", "avx2"), ("-avx512vnni", "avx512"), ("-avx", "generic")])
+                                          ("-avx512f", "avx2"), ("-avx512vnni", "avx512"), ("-avx", "generic"),
+                                          ("+avx2,+fma,+f16c", "avx512-vnni"), ("+avx512vnni", "avx512-vnni")])
 def test_turning_off_a_feature_turns_off_what_needs_it(monkeypatch, listed, path):
     """As LLVM does: -avx2 (or -fma, -f16c, -avx) on an AVX-512 VNNI CPU leaves no AVX-512, whose
-    tiles LLVM then could not compile (an LLVM ERROR after kernel_path said avx512-vnni)."""
+    tiles LLVM then could not compile (an LLVM ERROR after kernel_path said avx512-vnni); and a
+    list without NUMBA_CPU_NAME adds to the host CPU's features (+avx512vnni said generic while
+    LLVM compiled for the whole host CPU)."""
     from llvmlite import binding
     from numba.core import config
 
