@@ -67,6 +67,8 @@ float32[T, R]; per-type kernels take the quantized activations (see quantize_act
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from gguf import GGMLQuantizationType
 
@@ -159,14 +161,9 @@ class QuantizedActivations:
         self.key, self.shape, self.arrays = key, shape, arrays
 
 
-_ACT_KEYS: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _act_key(t: GGMLQuantizationType) -> tuple:
-    key = _ACT_KEYS.get(t)
-    if key is None:
-        key = _ACT_KEYS[t] = (TYPES[t].vec_dot_type, t in ROWS_TYPES)
-    return key
+    return TYPES[t].vec_dot_type, t in ROWS_TYPES
 
 
 def _quantize(t: GGMLQuantizationType, x: np.ndarray, buf) -> QuantizedActivations:
